@@ -1,0 +1,350 @@
+"""`Engine`: requests in, one scheduled and executed step at a time, `RequestOutput`s out.
+
+The engine owns the host state (scheduler, block manager, detokenizers) and the `ModelRunner` (device state).
+It is not thread-safe: the offline `LLM` calls it from one thread, the async engine from its one loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import numpy as np
+
+from jaxpaged.beam_search import BeamSearchParams, BeamState
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.engine_setup import EngineConfig, build_runner
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
+from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.scheduler import Scheduler
+from jaxpaged.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+    detokenizers: list[Detokenizer]
+    seed: int
+    arrival_time: float
+    beam: BeamState | None = None
+    beam_results: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # seq_id -> top
+
+    def seed_of(self, seq: Sequence) -> int:
+        """Sample i of a seeded request draws from its own stream, reproducibly."""
+        return (self.seed + seq.sample_index * 0x9E3779B97F4A7C15) % 2**63
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, model_config: ModelConfig, params: dict, tokenizer, config: EngineConfig | None = None):
+        config = config or EngineConfig()
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        t0 = time.perf_counter()
+        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(
+            model_config, params, config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
+                                          self.cache_config.enable_prefix_caching,
+                                          num_cpu_blocks=self._num_cpu_blocks(self.cache_config))
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
+        self.scheduler.make_children = self._make_children
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.requests: dict[str, _Request] = {}
+        self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
+        self._rng = np.random.default_rng(config.seed)
+        self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
+                         "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0}
+        self.startup_times = {"setup_s": time.perf_counter() - t0, "compile_s": 0.0}
+        if config.precompile:
+            self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
+            logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
+                        len(self.runner.all_shapes()), self.startup_times["compile_s"])
+
+    def _num_cpu_blocks(self, cache: CacheConfig) -> int:
+        if cache.swap_space <= 0:
+            return 0
+        return int(cache.swap_space * 2**30 // self.runner.block_bytes)
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queues a request. Raises ValueError naming the problem for bad input; the engine state is unchanged."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        if len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED and params.min_tokens:
+            raise ValueError(f"min_tokens with more than {MAX_BANNED} EOS + stop_token_ids is not supported")
+        arrival = arrival_time or time.monotonic()
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+        parent = Sequence(request_id, list(token_ids), params, arrival_time=arrival, fork_pending=params.n - 1)
+        self.requests[request_id] = _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival)
+        self.scheduler.add(parent)
+
+    def add_beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> None:
+        """Queues a beam search; its one RequestOutput (when finished) holds the beam_width best hypotheses."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        state = BeamState(params, frozenset(self.eos_token_ids))
+        if state.num_candidates > MAX_LOGPROBS:
+            raise ValueError(f"beam_width={params.beam_width} needs {state.num_candidates} candidates per beam; "
+                             f"at most {MAX_LOGPROBS} are computed")
+        if params.beam_width > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} exceeds "
+                             f"max_num_seqs={self.scheduler_config.max_num_seqs}")
+        text, token_ids = self._tokenize(prompt)
+        self._check_prompt(token_ids)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        # Greedy rows with the top-20 log-probs: the host picks the beams from those.
+        sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
+        parent = Sequence(request_id, list(token_ids), sp, extra_beams=params.beam_width - 1)
+        self.requests[request_id] = _Request(request_id, text, [parent], [], 0, parent.arrival_time, beam=state)
+        self.scheduler.add(parent)
+
+    def _advance_beams(self, req: _Request) -> RequestOutput | None:
+        """Every live beam has its next-token log-probs: pick the next beams, fork them, free the old ones."""
+        old = req.seqs
+        tops = [req.beam_results.pop(s.seq_id) for s in old]
+        new = req.beam.advance([(s.output_token_ids, s.cum_logprob) for s in old], tops)
+        req.seqs = []
+        if not req.beam.done:
+            for cand in new:
+                parent = old[cand.parent]
+                child = Sequence(req.request_id, list(parent.prompt_token_ids), parent.params,
+                                 arrival_time=parent.arrival_time,
+                                 output_token_ids=parent.output_token_ids + [cand.token], cum_logprob=cand.cum_logprob,
+                                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens)
+                self.block_manager.fork(parent.seq_id, child.seq_id)  # shared blocks; the last one is copied on write
+                child.num_computed_tokens = parent.num_computed_tokens
+                self.scheduler.add_running(child)
+                req.seqs.append(child)
+        for seq in old:
+            self.scheduler.finish(seq, "beam")
+        self.counters["generation_tokens"] += len(old)
+        if not req.beam.done:
+            return None
+        eos = self.eos_token_ids
+        outs = [CompletionOutput(i, self._decode(h.token_ids), h.token_ids, h.cum_logprob, None,
+                                 "stop" if h.token_ids[-1] in eos and not req.beam.params.ignore_eos else "length")
+                for i, h in enumerate(req.beam.results())]
+        self.requests.pop(req.request_id, None)
+        self.counters["finished_requests"] += 1
+        return RequestOutput(req.request_id, req.prompt, list(old[0].prompt_token_ids), outs, True,
+                             old[0].num_cached_prompt_tokens, {"arrival_time": req.arrival_time})
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _detokenizer(self, params: SamplingParams) -> Detokenizer:
+        return Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+
+    def _make_children(self, parent: Sequence) -> list[Sequence]:
+        """The n - 1 other samples of a request, forked from its parent once the prompt is in the cache."""
+        req = self.requests[parent.request_id]
+        children = [Sequence(parent.request_id, list(parent.prompt_token_ids), parent.params,
+                             arrival_time=parent.arrival_time, sample_index=i,
+                             num_cached_prompt_tokens=parent.num_cached_prompt_tokens)
+                    for i in range(1, parent.fork_pending + 1)]
+        req.seqs += children
+        req.detokenizers += [self._detokenizer(parent.params) for _ in children]
+        return children
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got one outside")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens, longer than the context: max_model_len="
+                             f"{self.max_model_len} leaves no room to generate")
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stops a request and frees its blocks at once. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self.counters["aborted_requests"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns an output for every request that progressed or finished."""
+        out = self.scheduler.schedule()
+        if out is None:
+            return []
+        self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+        self.runner.copy_blocks(out.blocks_to_copy)
+        if not out.scheduled:
+            return []
+        tables = [self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled]
+        seeds = [self.requests[s.seq.request_id].seed_of(s.seq) for s in out.scheduled]
+        banned = [self._banned(s.seq) for s in out.scheduled]
+        batch = self.runner.prepare(out, tables, seeds, banned)
+        result = self.runner.execute(batch)
+
+        self.counters["steps"] += 1
+        self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        finished_beams: list[RequestOutput] = []
+        for i, sched in enumerate(out.scheduled):
+            seq = sched.seq
+            samples = sched.samples
+            seq.num_computed_tokens += sched.num_new_tokens
+            if out.is_prefill:
+                self.counters["prompt_tokens"] += sched.num_new_tokens
+            if not samples:
+                continue
+            req = self.requests[seq.request_id]
+            if req.beam is not None:
+                req.beam_results[seq.seq_id] = list(zip(result["top_ids"][i].tolist(),
+                                                        result["top_logprobs"][i].tolist(), strict=True))
+                if len(req.beam_results) == len(req.seqs):
+                    done = self._advance_beams(req)
+                    finished_beams += [done] if done is not None else []
+                continue
+            self._append_token(req, seq, int(result["tokens"][i]), result, i)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            touched[req.request_id] = req
+        return [self._output(req) for req in touched.values()] + finished_beams
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """Below min_tokens, EOS and the stop token ids may not be sampled."""
+        p = seq.params
+        if len(seq.output_token_ids) >= p.min_tokens:
+            return []
+        eos = [] if p.ignore_eos else sorted(self.eos_token_ids)
+        return eos + p.stop_token_ids
+
+    def _append_token(self, req: _Request, seq: Sequence, token: int, result, row: int) -> None:
+        p = seq.params
+        seq.output_token_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        if p.logprobs is not None:
+            seq.output_logprobs.append(float(result["logprobs"][row]))
+            top = {int(t): float(lp) for t, lp in zip(result["top_ids"][row][:p.logprobs],
+                                                      result["top_logprobs"][row][:p.logprobs], strict=True)}
+            top[token] = float(result["logprobs"][row])
+            seq.output_top_logprobs.append(top)
+        detok = req.detokenizers[req.seqs.index(seq)]
+        before = len(detok.text)
+        detok.add(seq.output_token_ids)
+        num_out = len(seq.output_token_ids)
+        reason, stop_reason = None, None
+        if num_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+            elif token in p.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif detok.check_stop(len(detok.text) - before) is not None:
+                reason, stop_reason = "stop", detok.stopped_on
+        if reason is None and ((p.max_tokens is not None and num_out >= p.max_tokens)
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        finished = req.finished
+        outs = []
+        for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers, strict=True)):
+            logprobs = seq.output_top_logprobs if seq.params.logprobs is not None else None
+            cum = float(sum(seq.output_logprobs)) if seq.params.logprobs is not None else None
+            outs.append(CompletionOutput(i, detok.visible_text(seq.finished), list(seq.output_token_ids), cum,
+                                         logprobs, seq.finish_reason, seq.stop_reason))
+        seq0 = req.seqs[0]
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": seq0.first_token_time or 0.0}
+        if finished:
+            metrics["finished_time"] = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.counters["finished_requests"] += 1
+        return RequestOutput(req.request_id, req.prompt, list(seq0.prompt_token_ids), outs, finished,
+                             seq0.num_cached_prompt_tokens, metrics)
+
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if swap_out:
+            k, v = self.runner.read_blocks([d for d, _ in swap_out])
+            for j, (_, h) in enumerate(swap_out):
+                self._host_pool[h] = (k[:, j], v[:, j])
+        if swap_in:
+            k = np.stack([self._host_pool[h][0] for h, _ in swap_in], axis=1)
+            v = np.stack([self._host_pool[h][1] for h, _ in swap_in], axis=1)
+            self.runner.write_blocks([d for _, d in swap_in], k, v)
+            for h, _ in swap_in:
+                del self._host_pool[h]
+
+    # ---- observability ------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Pool, scheduler and throughput counters (a plain dict, for logs, tests and /metrics)."""
+        b = self.block_manager.stats()
+        bs = self.cache_config.block_size
+        live = [s for s in self.scheduler.running]
+        slots_allocated = sum(len(self.block_manager.block_table(s.seq_id)) for s in live) * bs
+        tokens_held = sum(min(s.num_computed_tokens, self.block_manager.num_tokens(s.seq_id)) for s in live)
+        return {
+            **dataclasses.asdict(b),
+            "block_size": bs,
+            "kv_utilization": tokens_held / slots_allocated if slots_allocated else 0.0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "preemptions": sum(self.scheduler.num_preemptions.values()),
+            "preemptions_recompute": self.scheduler.num_preemptions["recompute"],
+            "preemptions_swap": self.scheduler.num_preemptions["swap"],
+            **self.counters,
+            **self.startup_times,
+        }
+
+    @property
+    def platform(self) -> str:
+        return jax.default_backend()
+
+
+__all__ = ["Engine", "EngineConfig", "SchedulerConfig"]

@@ -1,0 +1,145 @@
+"""Start-up: the engine's options, the KV pool's size, the compilation cache and the attention backend."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, ModelConfig, SchedulerConfig, parse_bytes
+from jaxpaged.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+DEFAULT_CPU_KV_MEMORY = "1GiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, with vLLM's names where it has one."""
+
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # CPU default: 1GiB
+    gpu_memory_utilization: float = 0.9
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    preemption_mode: str = "recompute"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    attention_backend: str = "auto"
+    seed: int = 0
+    precompile: bool = True
+    show_progress: bool = True
+    compilation_cache_dir: str | None = None  # None: $JAXPAGED_COMPILATION_CACHE or ~/.cache/jaxpaged/xla
+
+    def __post_init__(self):
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}; use one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
+                           gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_blocks,
+                           enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space,
+                           preemption_mode=self.preemption_mode)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_model_len=max_model_len)
+
+
+def enable_compilation_cache(directory: str | None) -> str:
+    directory = directory or os.environ.get("JAXPAGED_COMPILATION_CACHE") or os.path.expanduser(
+        "~/.cache/jaxpaged/xla")
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return directory
+
+
+def attention_fn(backend: str):
+    """The paged-attention implementation: Pallas on GPU/TPU, the pure-JAX reference on CPU ('auto')."""
+    platform = jax.default_backend()
+    if backend == "auto":
+        backend = "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "reference"
+    if backend == "reference":
+        from pallas_kernels.reference import ragged_paged_attention_reference
+
+        return ragged_paged_attention_reference
+    from pallas_kernels.attention import paged_attention
+
+    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
+                                                                                          "pallas_interpret")
+    return functools.partial(paged_attention, implementation=implementation)
+
+
+def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return parse_bytes(DEFAULT_CPU_KV_MEMORY)
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    if not limit:
+        raise ValueError(f"cannot read {device.platform} memory size; pass kv_cache_memory explicitly")
+    in_use = stats.get("bytes_in_use", 0)  # the weights, already on the device
+    # Activation peak: the largest step's temporaries, measured below by the caller's warm-up margin.
+    activation_margin = int(0.05 * limit)
+    budget = int(limit * cache.gpu_memory_utilization) - in_use - activation_margin
+    if budget < block_bytes * 2:
+        raise ValueError(f"no memory left for the KV cache: device has {limit / 2**30:.1f} GiB, weights use "
+                         f"{in_use / 2**30:.1f} GiB, gpu_memory_utilization={cache.gpu_memory_utilization}; raise "
+                         "it or use a smaller model")
+    return budget
+
+
+def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
+    """Sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+    cache = config.cache_config()
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
+                         f"{model_config.max_position_embeddings} tokens")
+    sched = config.scheduler_config(max_model_len)
+    enable_compilation_cache(config.compilation_cache_dir)
+
+    dtype = jnp.dtype(config.dtype)
+    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    itemsize = dtype.itemsize
+    block_bytes = (2 * model_config.num_layers * cache.block_size * model_config.num_kv_heads
+                   * model_config.head_dim * itemsize)
+    if cache.num_blocks is not None:
+        num_blocks = cache.num_blocks
+    else:
+        num_blocks = _kv_budget_bytes(cache, params, block_bytes) // block_bytes
+    usable = num_blocks - 1  # block 0 is the null block that padding writes into
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    if usable < blocks_per_seq:
+        raise ValueError(
+            f"the KV pool holds {usable} blocks ({usable * cache.block_size} tokens) but one sequence of "
+            f"max_model_len={max_model_len} needs {blocks_per_seq} blocks of {cache.block_size}; give it more memory "
+            f"(kv_cache_memory, at least {(blocks_per_seq + 1) * block_bytes / 2**20:.1f} MiB) or lower max_model_len")
+    logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
+                usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
+                usable / blocks_per_seq, max_model_len)
+    runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=cache.block_size,
+                         max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+                         max_num_batched_tokens=sched.max_num_batched_tokens,
+                         attention_fn=attention_fn(config.attention_backend), cache_dtype=dtype)
+    runner.block_bytes = block_bytes
+    return runner, cache, sched, max_model_len
+
+
+__all__ = ["EngineConfig", "build_runner"]

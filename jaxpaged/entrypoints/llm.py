@@ -1,0 +1,133 @@
+"""`LLM`: the offline, batch API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.config import ModelConfig
+from jaxpaged.engine import Engine
+from jaxpaged.engine_setup import EngineConfig
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+def _engine_config(kwargs: dict) -> EngineConfig:
+    unknown = set(kwargs) - _ENGINE_FIELDS
+    if unknown:
+        raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
+                         f"known: {', '.join(sorted(_ENGINE_FIELDS))}")
+    return EngineConfig(**kwargs)
+
+
+class LLM:
+    """Generates text for many prompts at once through one continuously batched engine.
+
+    LLM()                                   the embedded default model (SmolLM2-135M-Instruct)
+    LLM(model="dir_or.gguf", block_size=16, max_num_seqs=64, kv_cache_memory="2GiB", dtype="float32")
+    LLM.from_params(model_config, params, tokenizer, ...)   an in-memory params pytree (e.g. after fine-tuning)
+    """
+
+    def __init__(self, model: str | None = None, **engine_options):
+        from jaxpaged.loader import load_model
+
+        config = _engine_config(engine_options)
+        t0 = time.perf_counter()
+        loaded = load_model(model, dtype=config.dtype)
+        load_s = time.perf_counter() - t0
+        self.engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
+        self.engine.startup_times["load_s"] = load_s
+        logger.info("model %s loaded in %.1f s", loaded.source, load_s)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_params(cls, model_config: ModelConfig, params: dict, tokenizer=None, **engine_options) -> LLM:
+        self = cls.__new__(cls)
+        self.engine = Engine(model_config, params, tokenizer, _engine_config(engine_options))
+        self._ids = itertools.count()
+        return self
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order.
+
+        prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} / {"prompt": "..."}.
+        A prompt that is bad input raises ValueError before anything runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
+                self.engine.add_request(rid, prompt, params)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        while len(done) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[rid] for rid in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beam search per prompt; each output's `outputs` are the beam_width hypotheses, best first."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt in zip(ids, prompts, strict=True):
+                self.engine.add_beam_request(rid, prompt, params)
+        except ValueError:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError("each chat message must be a dict with 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -1,0 +1,224 @@
+"""From a `SchedulerOutput` to one padded numpy batch, and from that batch to sampled tokens on device.
+
+Every array the jitted step sees is padded up to a bucket, so XLA compiles a few shapes once (at start-up) and a
+request's length never reaches a jitted shape:
+  decode steps   tokens = sequences = S in `decode_buckets`, block-table width W in `width_buckets`, tile 1
+  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / 16), W as above, tile 16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged import sampler
+from jaxpaged.config import ModelConfig
+from jaxpaged.models import llama
+from jaxpaged.scheduler import PREFILL_TILE, SchedulerOutput, round_up
+
+logger = logging.getLogger(__name__)
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo up to hi, with hi itself as the last bucket."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def pick_bucket(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's device inputs, numpy, padded. T tokens, S sequences, W block-table width."""
+
+    token_ids: np.ndarray  # [T] int32
+    positions: np.ndarray  # [T] int32, -1 = padding
+    slot_mapping: np.ndarray  # [T] int32, padding -> null block slots
+    block_tables: np.ndarray  # [S, W] int32
+    context_lens: np.ndarray  # [S] int32
+    query_start_loc: np.ndarray  # [S + 1] int32
+    logits_indices: np.ndarray  # [S] int32
+    temperature: np.ndarray  # [S] float32
+    top_p: np.ndarray  # [S] float32
+    top_k: np.ndarray  # [S] int32
+    min_p: np.ndarray  # [S] float32
+    seed_lo: np.ndarray  # [S] uint32
+    seed_hi: np.ndarray  # [S] uint32
+    step: np.ndarray  # [S] int32
+    want_logprobs: np.ndarray  # [] bool
+    banned: np.ndarray  # [S, MAX_BANNED] int32, -1 = none
+    tile_size: int
+
+    def device_dict(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tile_size"}
+
+    @property
+    def shape_key(self) -> tuple[int, int, int, int]:
+        return (len(self.token_ids), len(self.context_lens), self.block_tables.shape[1], self.tile_size)
+
+
+def _step(params, k_cache, v_cache, batch, *, config, attention_fn, tile_size):
+    logits, k_cache, v_cache = llama.forward(params, k_cache, v_cache, batch, config=config,
+                                             attention_fn=attention_fn, tile_size=tile_size)
+    return sampler.sample(logits, batch), k_cache, v_cache
+
+
+def _copy_blocks(k_cache, v_cache, src, dst):
+    """Copy-on-write: block dst <- block src in every layer. src, dst [N] int32 (padding: 0 -> 0)."""
+    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+
+
+def _write_blocks(k_cache, v_cache, dst, k_blocks, v_blocks):
+    """Swap-in: k/v_blocks [L, N, BS, Hkv, D] go to device blocks dst [N]."""
+    return k_cache.at[:, dst].set(k_blocks), v_cache.at[:, dst].set(v_blocks)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params: dict, *, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, attention_fn, cache_dtype):
+        self.config = config
+        self.params = params
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
+        self.k_cache = jnp.zeros(shape, cache_dtype)  # [L, NB, BS, Hkv, D]
+        self.v_cache = jnp.zeros(shape, cache_dtype)
+        max_width = -(-max_model_len // block_size)
+        self.width_buckets = pow2_buckets(min(4, max_width), max_width)
+        self.decode_buckets = pow2_buckets(min(4, max_num_seqs), max_num_seqs)
+        self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
+        self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
+        self.max_num_seqs = max_num_seqs
+        self._step_fn = jax.jit(
+            functools.partial(_step, config=config, attention_fn=attention_fn),
+            static_argnames=("tile_size",), donate_argnums=(1, 2))
+        self._copy_fn = jax.jit(_copy_blocks, donate_argnums=(0, 1))
+        self._write_fn = jax.jit(_write_blocks, donate_argnums=(0, 1))
+        self.compiled_shapes: set[tuple] = set()
+        self.warmed_up = False
+
+    # ---- shapes -------------------------------------------------------------------------------------------------
+
+    def all_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (tokens, seqs, width, tile) the engine can produce."""
+        shapes = [(s, s, w, 1) for s in self.decode_buckets for w in self.width_buckets]
+        shapes += [(t, self._prefill_seqs(t), w, PREFILL_TILE) for t in self.prefill_buckets
+                   for w in self.width_buckets]
+        return shapes
+
+    def _prefill_seqs(self, num_tokens: int) -> int:
+        return max(1, min(self.max_num_seqs, num_tokens // PREFILL_TILE))
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compiles (or loads from the persistent cache) every shape; returns seconds spent."""
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        for shape in tqdm(self.all_shapes(), desc="compiling step shapes", disable=not progress):
+            self._run(self._dummy_batch(*shape))
+        self.warmed_up = True
+        return time.perf_counter() - t0
+
+    def _dummy_batch(self, t: int, s: int, w: int, tile: int) -> Batch:
+        return Batch(
+            token_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32),
+            block_tables=np.zeros((s, w), np.int32), context_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
+            temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
+            min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
+            step=np.zeros(s, np.int32), want_logprobs=np.array(False),
+            banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    def prepare(self, out: SchedulerOutput, block_tables: list[list[int]], seeds: list[int],
+                banned: list[list[int]]) -> Batch:
+        """Lays the scheduled sequences out as one padded batch.
+
+        block_tables, seeds (63-bit), banned (token ids not to sample this step): one per scheduled sequence.
+        """
+        bs = self.block_size
+        n = len(out.scheduled)
+        tile = PREFILL_TILE if out.is_prefill else 1
+        lengths = [round_up(s.num_new_tokens, tile) for s in out.scheduled]
+        if out.is_prefill:
+            num_tokens = pick_bucket(self.prefill_buckets, sum(lengths))
+            num_seqs = self._prefill_seqs(num_tokens)
+        else:
+            num_tokens = num_seqs = pick_bucket(self.decode_buckets, n)
+        width_needed = max(-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in out.scheduled)
+        width = pick_bucket(self.width_buckets, width_needed)
+
+        b = self._dummy_batch(num_tokens, num_seqs, width, tile)
+        start = 0
+        for i, (sched, length) in enumerate(zip(out.scheduled, lengths, strict=True)):
+            seq, m = sched.seq, sched.num_new_tokens
+            first = seq.num_computed_tokens
+            table = np.asarray(block_tables[i], np.int32)
+            pos = np.arange(first, first + m, dtype=np.int32)
+            b.token_ids[start:start + m] = seq.token_ids[first:first + m]
+            b.positions[start:start + m] = pos
+            b.slot_mapping[start:start + m] = table[pos // bs] * bs + pos % bs
+            b.block_tables[i, :len(table)] = table
+            b.context_lens[i] = first + m
+            b.query_start_loc[i] = start
+            b.logits_indices[i] = start + m - 1
+            p = seq.params
+            b.temperature[i], b.top_p[i], b.top_k[i], b.min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
+            b.seed_lo[i], b.seed_hi[i] = seeds[i] & 0xFFFFFFFF, (seeds[i] >> 32) & 0xFFFFFFFF
+            b.step[i] = len(seq.output_token_ids)
+            b.banned[i, :len(banned[i])] = banned[i][:sampler.MAX_BANNED]
+            start += length
+        b.query_start_loc[n:] = start
+        b.want_logprobs = np.array(any(s.seq.params.logprobs for s in out.scheduled))
+        return b
+
+    def execute(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Runs the step; returns numpy tokens [S], logprobs [S], top_ids / top_logprobs [S, 20]."""
+        if self.warmed_up and batch.shape_key not in self.compiled_shapes:
+            logger.warning("compiling a new step shape after start-up: %s", batch.shape_key)
+        result = self._run(batch)
+        return jax.tree.map(np.asarray, result)
+
+    def _run(self, batch: Batch):
+        result, self.k_cache, self.v_cache = self._step_fn(
+            self.params, self.k_cache, self.v_cache, batch.device_dict(), tile_size=batch.tile_size)
+        self.compiled_shapes.add(batch.shape_key)
+        return result
+
+    # ---- block copies -------------------------------------------------------------------------------------------
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write, before the step that writes into the copies."""
+        if not pairs:
+            return
+        n = pick_bucket(pow2_buckets(8, max(8, self.num_blocks)), len(pairs))
+        src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs, strict=True)
+        self.k_cache, self.v_cache = self._copy_fn(self.k_cache, self.v_cache, src, dst)
+
+    def read_blocks(self, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Swap-out: the given device blocks as host arrays [L, N, BS, Hkv, D]."""
+        idx = np.asarray(blocks, np.int32)
+        return np.asarray(self.k_cache[:, idx]), np.asarray(self.v_cache[:, idx])
+
+    def write_blocks(self, blocks: list[int], k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
+        """Swap-in: host arrays [L, N, BS, Hkv, D] into the given device blocks."""
+        idx = np.asarray(blocks, np.int32)
+        self.k_cache, self.v_cache = self._write_fn(self.k_cache, self.v_cache, idx, k_blocks, v_blocks)

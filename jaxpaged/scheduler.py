@@ -1,0 +1,243 @@
+"""Continuous batching: which sequences run in the next step, and who is preempted when the pool runs dry.
+
+Policy (vLLM v0's default, first-come-first-served):
+- A step is either a prefill step or a decode step. Prefill steps run prompt chunks (and recomputed requests) of
+  sequences in arrival order under the token budget; decode steps run one token of every running sequence.
+  Waiting prefills go first, so new requests join the running batch at the next step. We keep the two kinds
+  apart because the pure-JAX attention (the CPU path) pads each prefill sequence to query tiles of
+  `PREFILL_TILE` tokens: a decode in a prefill step would cost a whole tile.
+- A prompt longer than the token budget is chunked over several prefill steps.
+- When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
+  is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
+  go back ahead of every request that arrived after them, so earlier requests are never starved by later ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+PREFILL_TILE = 16  # prefill segments start at multiples of this many tokens (see pallas_kernels/reference.py)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens] run this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step's logits give the sequence a new token (its last known token is computed)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    is_prefill: bool
+    scheduled: list[ScheduledSeq]
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) device blocks
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager):
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order
+        self.swapped: list[Sequence] = []  # arrival order
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+        # n > 1: makes a parent's child sequences (the engine registers them with their request)
+        self.make_children: Callable[[Sequence], list[Sequence]] = lambda parent: []
+
+    # ---- queue management -------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A beam forked from a running one: it shares its parent's blocks and runs from the next step."""
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Removes a sequence from whichever queue holds it and frees its blocks (cached blocks stay reusable)."""
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        for queue in (self.running, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput | None:
+        out = SchedulerOutput(is_prefill=True, scheduled=[])
+        self._swap_in(out)
+        self._schedule_prefills(out)
+        if not out.scheduled:
+            out.is_prefill = False
+            self._schedule_decodes(out)
+        out.blocks_to_copy = self.block_manager.pop_copies()
+        if not out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
+            return None
+        return out
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        # Swapped requests arrived before every waiting one: bring them back first.
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.block_manager.can_swap_in([seq.seq_id]):
+                break
+            out.blocks_to_swap_in += self.block_manager.swap_in([seq.seq_id])
+            self.swapped.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self._insert_running(seq)
+
+    def _schedule_prefills(self, out: SchedulerOutput) -> None:
+        budget = self.config.max_num_batched_tokens
+        for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
+            self._fork(seq)
+        # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
+        # new ones start; they may preempt newer requests for room, as decodes do.
+        for seq in [s for s in self.running if s.is_prefill]:
+            if seq in self.running:
+                budget = self._try_prefill(seq, budget, out, preempt=True)
+            if budget < PREFILL_TILE:
+                return
+        while self.waiting and not self.swapped and budget >= PREFILL_TILE:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + seq.fork_pending + seq.extra_beams > self.config.max_num_seqs:
+                return
+            if seq.num_computed_tokens == 0 and self.cache_config.enable_prefix_caching:
+                hit = self.block_manager.take_cached_prefix(seq.seq_id, seq.token_ids)
+                seq.num_computed_tokens = hit
+                if seq.num_preemptions == 0:
+                    seq.num_cached_prompt_tokens = hit
+            if seq.fork_pending and seq.num_uncomputed_tokens == 1:
+                # Nothing to prefill before the fork (a 1-token prompt, or a prefix-cache hit): fork now.
+                if not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens):
+                    self._unadmit(seq)
+                    return
+                self._admit(seq)
+                for s in [seq, *self._fork(seq)]:
+                    budget = self._try_prefill(s, budget, out, preempt=False)
+                continue
+            new_budget = self._try_prefill(seq, budget, out, preempt=False)
+            if new_budget == budget:  # no room in the pool: FCFS, so nobody behind it goes first
+                self._unadmit(seq)
+                return
+            budget = new_budget
+            self._admit(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self._insert_running(seq)
+
+    def _unadmit(self, seq: Sequence) -> None:
+        """Gives back the prefix-cache blocks a waiting request took before it turned out not to fit."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the parent's prompt is in the cache but for its last token; children share all its blocks."""
+        children = self.make_children(parent)
+        parent.fork_pending = 0
+        for child in children:
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.add_running(child)
+        return children
+
+    def _try_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput, preempt: bool) -> int:
+        """Schedules as much of the sequence's missing tokens as the budget allows; returns the budget left."""
+        num_new = min(seq.num_uncomputed_tokens - (1 if seq.fork_pending else 0), budget)
+        # Budgets count tile-padded tokens, so the padded batch never exceeds the largest compiled shape.
+        if round_up(num_new, PREFILL_TILE) > budget:
+            num_new = (budget // PREFILL_TILE) * PREFILL_TILE
+        if num_new <= 0:
+            return budget
+        num_tokens = seq.num_computed_tokens + num_new
+        if preempt:
+            if not self._allocate_or_preempt(seq, num_tokens, out):
+                return budget
+        elif not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
+            return budget
+        out.scheduled.append(ScheduledSeq(seq, num_new))
+        return budget - round_up(num_new, PREFILL_TILE)
+
+    def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        for seq in list(self.running):  # oldest first
+            if seq.num_uncomputed_tokens == 0:
+                continue  # a beam whose step result waits for the rest of its group
+            if seq in self.running and self._allocate_or_preempt(seq, seq.num_tokens, out):
+                out.scheduled.append(ScheduledSeq(seq, 1))
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests until it fits.
+
+        Returns False when `seq` itself was the newest and got preempted.
+        """
+        while not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            if victim is seq:
+                return False
+        return True
+
+    # ---- preemption ---------------------------------------------------------------------------------------------
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        blocks = len(self.block_manager.block_table(seq.seq_id))
+        use_swap = self.cache_config.preemption_mode == "swap" and self.block_manager.can_swap_out([seq.seq_id])
+        if use_swap:
+            out.blocks_to_swap_out += self.block_manager.swap_out([seq.seq_id])
+            seq.status = SequenceStatus.SWAPPED
+            self._insert_by_arrival(self.swapped, seq)
+            self.num_preemptions["swap"] += 1
+        else:
+            self.block_manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)  # older than everything still waiting
+            self.num_preemptions["recompute"] += 1
+        out.preempted.append(seq)
+        logger.info("preempted request %s (%s, %d blocks, %d tokens)", seq.request_id,
+                    "swap" if use_swap else "recompute", blocks, seq.num_tokens)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        self._insert_by_arrival(self.running, seq)
+
+    @staticmethod
+    def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
+        keys = [(s.arrival_time, s.seq_id) for s in queue]
+        queue.insert(bisect.bisect(keys, (seq.arrival_time, seq.seq_id)), seq)

@@ -1,0 +1,150 @@
+"""Sampling on device and stop conditions, on a tiny in-memory model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.detokenizer import Detokenizer
+from tests.tiny import random_params, random_prompts, tiny_config
+
+CONFIG = tiny_config()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM.from_params(CONFIG, random_params(CONFIG), None, max_num_seqs=8, max_num_batched_tokens=128,
+                           max_model_len=128, block_size=8, num_blocks=200, precompile=False, show_progress=False)
+
+
+def ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_request_is_the_same_alone_and_in_any_batch(llm):
+    prompts = ids(random_prompts(6, 4, 30, seed=1))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = tokens(llm.generate(prompts[:1], seeded, use_tqdm=False))[0]
+    others = [SamplingParams(temperature=0.7, max_tokens=n, seed=None, ignore_eos=True) for n in (3, 9, 16, 5, 12)]
+    batched = tokens(llm.generate(prompts, [seeded] + others, use_tqdm=False))
+    assert batched[0] == alone
+    shuffled = tokens(llm.generate(prompts[3:] + prompts[:1], others[2:] + [seeded], use_tqdm=False))
+    assert shuffled[-1] == alone
+
+
+def test_different_seeds_give_different_samples(llm):
+    prompt = ids(random_prompts(1, 10, 10, seed=2))
+    outs = [tokens(llm.generate(prompt, SamplingParams(temperature=1.5, max_tokens=16, seed=s, ignore_eos=True),
+                                use_tqdm=False))[0] for s in range(4)]
+    assert len({tuple(o) for o in outs}) > 1
+
+
+def test_top_k_1_is_greedy(llm):
+    prompts = ids(random_prompts(4, 5, 20, seed=3))
+    greedy = tokens(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                                 use_tqdm=False))
+    top1 = tokens(llm.generate(prompts, SamplingParams(temperature=2.0, top_k=1, max_tokens=12, seed=7,
+                                                       ignore_eos=True), use_tqdm=False))
+    assert top1 == greedy
+
+
+def test_tiny_top_p_is_greedy(llm):
+    prompts = ids(random_prompts(3, 5, 20, seed=4))
+    greedy = tokens(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                                 use_tqdm=False))
+    nucleus = tokens(llm.generate(prompts, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=10, seed=3,
+                                                          ignore_eos=True), use_tqdm=False))
+    assert nucleus == greedy
+
+
+def test_sampled_tokens_follow_the_model_distribution():
+    """Empirical frequencies of the first token match softmax(logits / T) (chi-square-like bound)."""
+    import jax.numpy as jnp
+
+    from jaxpaged import sampler
+
+    vocab, rows = 24, 4000
+    logits = np.tile(np.linspace(-3.0, 1.5, vocab, dtype=np.float32), (rows, 1))
+    s = {"temperature": jnp.full(rows, 0.8), "top_p": jnp.ones(rows), "top_k": jnp.full(rows, -1, jnp.int32),
+         "min_p": jnp.zeros(rows), "seed_lo": jnp.arange(rows, dtype=jnp.uint32),
+         "seed_hi": jnp.zeros(rows, jnp.uint32),
+         "step": jnp.zeros(rows, jnp.int32), "want_logprobs": jnp.array(False),
+         "banned": jnp.full((rows, sampler.MAX_BANNED), -1, jnp.int32)}
+    got = np.bincount(np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"]), minlength=vocab) / rows
+    p = np.exp(logits[0] / 0.8)
+    p /= p.sum()
+    assert np.abs(got - p).max() < 0.03
+    s["top_k"] = jnp.full(rows, 2, jnp.int32)
+    got = np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"])
+    assert set(np.unique(got)) <= {vocab - 1, vocab - 2}
+    s["top_k"], s["min_p"] = jnp.full(rows, -1, jnp.int32), jnp.full(rows, 0.5)
+    got = np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"])
+    keep = np.flatnonzero(p >= 0.5 * p.max())
+    assert set(np.unique(got)) <= set(keep.tolist())
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    prompt = ids(random_prompts(1, 8, 8, seed=5))
+    free = tokens(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                               use_tqdm=False))[0]
+    assert len(free) == 20
+    stop_at = free[5]
+    first = free.index(stop_at)
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True,
+                                              stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_bans_it(llm):
+    prompt = ids(random_prompts(1, 8, 8, seed=6))
+    free = tokens(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                               use_tqdm=False))[0]
+    eos = free[3]
+    llm.engine.eos_token_ids = {eos}
+    try:
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
+        out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=10),
+                           use_tqdm=False)[0].outputs[0]
+        assert eos not in out.token_ids[:10] and len(out.token_ids) >= 10
+    finally:
+        llm.engine.eos_token_ids = {1}
+
+
+class _ByteTokenizer:
+    """Token i decodes to byte i (UTF-8 joined), like a byte-level BPE's fallback tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_never_splits_a_multibyte_character():
+    text = "héllo 世界 🙂!"
+    data = list(text.encode())
+    d = Detokenizer(_ByteTokenizer())
+    seen = []
+    for i in range(1, len(data) + 1):
+        d.add(data[:i])
+        seen.append(d.text)
+        assert "\ufffd" not in d.text
+        assert text.startswith(d.text)
+    assert seen[-1] == text
+
+
+def test_stop_string_is_cut_and_held_back_while_streaming():
+    d = Detokenizer(_ByteTokenizer(), stop=["END"])
+    data = list(b"abc ENDxyz")
+    shown = []
+    for i in range(1, len(data) + 1):
+        d.add(data[:i])
+        if d.check_stop(1):
+            break
+        shown.append(d.visible_text(finished=False))
+    assert d.stopped_on == "END" and d.text == "abc "
+    assert all("abc ".startswith(s) for s in shown)

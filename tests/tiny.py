@@ -1,0 +1,39 @@
+"""Tiny in-memory models for engine tests that need no files: a config and random params in the loader's layout."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+
+
+def tiny_config(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, max_len=256,
+                **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers,
+                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_len,
+                       eos_token_ids=(1,), **kw)
+
+
+def random_params(c: ModelConfig, seed: int = 0) -> dict:
+    """Weights scaled so logits stay spread (greedy choices are not near ties)."""
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, scale=None):
+        scale = scale if scale is not None else 1.0 / np.sqrt(shape[-2])
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    L, H, D, F = c.num_layers, c.hidden_size, c.head_dim, c.intermediate_size
+    layers = {
+        "attn_norm": 1 + 0.1 * w(L, H, scale=1.0), "mlp_norm": 1 + 0.1 * w(L, H, scale=1.0),
+        "wq": w(L, H, c.num_heads * D), "wk": w(L, H, c.num_kv_heads * D), "wv": w(L, H, c.num_kv_heads * D),
+        "wo": w(L, c.num_heads * D, H), "w_gate": w(L, H, F), "w_up": w(L, H, F), "w_down": w(L, F, H),
+    }
+    params = {"embed": w(c.vocab_size, H, scale=1.0), "final_norm": np.ones(H, np.float32), "layers": layers}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = w(H, c.vocab_size, scale=2.0)
+    return params
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 96, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
