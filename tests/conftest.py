@@ -1,0 +1,26 @@
+"""Shared fixtures. Tiny on-disk models live in tests/tiny_hf.py; this re-exports its helpers so tests can write
+
+    from tests.conftest import make_tiny_hf_model      (or: from tests.tiny_hf import ...)
+    path = make_tiny_hf_model(tmp_path, "qwen2")        # kinds: llama, llama_tied, llama3, qwen2, mistral
+
+or use the `tiny_hf_model` fixture: `path = tiny_hf_model("mistral", sliding_window=16)`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny_hf import KINDS, TINY_VOCAB, make_tiny_hf_model, make_tiny_tokenizer, write_tiny_gguf
+
+__all__ = ["KINDS", "TINY_VOCAB", "make_tiny_hf_model", "make_tiny_tokenizer", "write_tiny_gguf"]
+
+
+@pytest.fixture
+def tiny_hf_model(tmp_path):
+    """Factory: tiny_hf_model(kind="llama", **kw) -> a fresh directory under this test's tmp_path."""
+    counter = iter(range(1_000_000))
+
+    def make(kind: str = "llama", **kwargs) -> str:
+        return make_tiny_hf_model(tmp_path / f"{kind}-{next(counter)}", kind, **kwargs)
+
+    return make
