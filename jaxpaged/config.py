@@ -50,6 +50,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    sliding_window: int | None = None  # Mistral: each token sees the last `sliding_window` positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"

@@ -110,7 +110,7 @@ class ModelRunner:
             static_argnames=("tile_size",), donate_argnums=(1, 2))
         self._copy_fn = jax.jit(_copy_blocks, donate_argnums=(0, 1))
         self._write_fn = jax.jit(_write_blocks, donate_argnums=(0, 1))
-        self.compiled_shapes: set[tuple] = set()
+        self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
 
     # ---- shapes -------------------------------------------------------------------------------------------------
@@ -126,14 +126,28 @@ class ModelRunner:
         return max(1, min(self.max_num_seqs, num_tokens // PREFILL_TILE))
 
     def warm_up(self, progress: bool = True) -> float:
-        """Compiles (or loads from the persistent cache) every shape; returns seconds spent."""
+        """Compiles (or loads from the persistent cache) every shape, running none; returns seconds spent."""
         from tqdm.auto import tqdm
 
         t0 = time.perf_counter()
         for shape in tqdm(self.all_shapes(), desc="compiling step shapes", disable=not progress):
-            self._run(self._dummy_batch(*shape))
+            self._executable(self._dummy_batch(*shape))
         self.warmed_up = True
         return time.perf_counter() - t0
+
+    def _executable(self, batch: Batch):
+        key = batch.shape_key
+        if key not in self._executables:
+            if self.warmed_up:
+                logger.warning("compiling a new step shape after start-up: %s", key)
+            lowered = self._step_fn.lower(self.params, self.k_cache, self.v_cache, batch.device_dict(),
+                                          tile_size=batch.tile_size)
+            self._executables[key] = lowered.compile()
+        return self._executables[key]
+
+    @property
+    def compiled_shapes(self) -> set[tuple]:
+        return set(self._executables)
 
     def _dummy_batch(self, t: int, s: int, w: int, tile: int) -> Batch:
         return Batch(
@@ -191,16 +205,9 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> dict[str, np.ndarray]:
         """Runs the step; returns numpy tokens [S], logprobs [S], top_ids / top_logprobs [S, 20]."""
-        if self.warmed_up and batch.shape_key not in self.compiled_shapes:
-            logger.warning("compiling a new step shape after start-up: %s", batch.shape_key)
-        result = self._run(batch)
+        step = self._executable(batch)
+        result, self.k_cache, self.v_cache = step(self.params, self.k_cache, self.v_cache, batch.device_dict())
         return jax.tree.map(np.asarray, result)
-
-    def _run(self, batch: Batch):
-        result, self.k_cache, self.v_cache = self._step_fn(
-            self.params, self.k_cache, self.v_cache, batch.device_dict(), tile_size=batch.tile_size)
-        self.compiled_shapes.add(batch.shape_key)
-        return result
 
     # ---- block copies -------------------------------------------------------------------------------------------
 

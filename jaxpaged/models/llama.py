@@ -112,7 +112,8 @@ def forward(
         v = v.reshape(num_tokens, num_kv_heads, head_dim)
         k_cache, v_cache = write_kv_reference(k_cache, v_cache, i, k, v, batch["slot_mapping"])
         attn = attention_fn(q, k_cache, v_cache, i, batch["block_tables"], batch["context_lens"],
-                            batch["query_start_loc"], positions, scale=scale, tile_size=tile_size)
+                            batch["query_start_loc"], positions, scale=scale, tile_size=tile_size,
+                            sliding_window=config.sliding_window)
         h = h + attn.reshape(num_tokens, num_heads * head_dim) @ p["wo"]
         x = _rms_norm(h, p["mlp_norm"], config.rms_norm_eps)
         h = h + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
