@@ -1,4 +1,5 @@
-# Two commands on a fresh clone: `make run PROMPT="..."` (generate with the default model) and `make test`.
+# Two commands on a fresh clone: `make serve` (the OpenAI-compatible server on the default model) and `make test`.
+# `make run PROMPT="..."` answers one prompt from the command line.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,6 +19,9 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	$(PY) -m jaxpaged.cli generate --prompt "$(PROMPT)" $(ARGS)
+
+serve: setup
+	$(PY) server.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)

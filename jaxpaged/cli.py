@@ -1,4 +1,4 @@
-"""Command line: `jaxpaged generate` (one-shot text from a model) and `jaxpaged serve` (the HTTP server)."""
+"""Command line: `jaxpaged generate` (one-shot text from a model). The HTTP server is `server.py`."""
 
 from __future__ import annotations
 

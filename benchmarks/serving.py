@@ -1,0 +1,273 @@
+"""Online serving benchmark: the throughput workload's prompts sent to the OpenAI server over HTTP.
+
+Open loop: requests arrive as a Poisson process at each --rates value (requests/s). Closed loop: --concurrency
+clients each send their next request as soon as the last one finished. Every request streams
+(`/v1/completions`, greedy, EOS ignored, a fixed number of new tokens) so the client sees its first token.
+
+Reports request throughput, output tokens/s, TTFT (time to first token) and TPOT (time per output token after
+the first) p50/p99; prints a table, writes benchmarks/results/serving.json and plots them against the rate in
+benchmarks/results/serving.png.
+
+    python benchmarks/serving.py --url http://127.0.0.1:8000          # a running server
+    python benchmarks/serving.py --start-server                       # starts server.py on the default model
+    python benchmarks/serving.py --start-server --quick               # a few minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import numpy as np
+from workload import NEW_TOKENS, workload_prompts
+
+QUICK_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 512 --max-model-len 512"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- one request --------------------------------------------------------------------------------------------------
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                      max_tokens: int) -> dict:
+    """Streams one completion; returns its timings (seconds) and token count, or the error."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return {"ok": False, "error": f"HTTP {resp.status}: {(await resp.text())[:200]}"}
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"ok": False, "error": chunk["error"]["message"]}
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                    first = time.perf_counter()
+    except aiohttp.ClientError as e:
+        return {"ok": False, "error": repr(e)}
+    end = time.perf_counter()
+    first = first or end
+    return {"ok": True, "start": start, "ttft": first - start, "latency": end - start, "tokens": tokens,
+            "tpot": (end - first) / (tokens - 1) if tokens > 1 else None}
+
+
+# ---- the two load shapes ------------------------------------------------------------------------------------------
+
+async def open_loop(url: str, model: str, prompts: list[list[int]], rate: float, max_tokens: int,
+                    seed: int) -> tuple[list[dict], float]:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=len(prompts))
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps, strict=True):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(session, url, model, prompt, max_tokens)))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - t0
+
+
+async def closed_loop(url: str, model: str, prompts: list[list[int]], concurrency: int,
+                      max_tokens: int) -> tuple[list[dict], float]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        async def client():
+            while not queue.empty():
+                results.append(await one_request(session, url, model, queue.get_nowait(), max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results, time.perf_counter() - t0
+
+
+def summarize(label: str, rate: float | None, results: list[dict], elapsed: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["ttft"] for r in ok]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None
+    return {"run": label, "rate": rate, "requests": len(results), "failed": len(results) - len(ok),
+            "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "duration_s": elapsed,
+            "request_throughput": len(ok) / elapsed, "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_s": pct(tpot, 50),
+            "tpot_p99_s": pct(tpot, 99), "latency_p50_s": pct([r["latency"] for r in ok], 50)}
+
+
+# ---- server handling ----------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(port), "--served-model-name", "bench",
+           "--max-waiting", "100000", *args.server_args.split()]
+    if args.model:
+        cmd += ["--model", args.model]
+    print("starting:", " ".join(cmd), file=sys.stderr)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + args.startup_timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} during start-up")
+        try:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1.0)
+    proc.kill()
+    raise SystemExit(f"server did not become healthy within {args.startup_timeout} s")
+
+
+def served_model(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+
+def print_table(rows: list[dict]) -> None:
+    ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"
+    print(f"\n{'run':<16} {'req':>4} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9}   (times in ms)")
+    for r in rows:
+        print(f"{r['run']:<16} {r['requests']:>4} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+              f"{r['output_tokens_per_s']:>9.1f} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} "
+              f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9}")
+        for e in r["errors"]:
+            print(f"    error: {e}")
+
+
+def _scaled(value: float | None, scale: float) -> float:
+    return value * scale if value is not None else float("nan")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    open_rows = [r for r in rows if r["rate"] is not None]
+    closed = [r for r in rows if r["rate"] is None]
+    rates = [r["rate"] for r in open_rows]
+    # (key in the rows, axis label, scale, [(suffix, line style, legend tag)])
+    pcts = [("_p50_s", "o-", "p50"), ("_p99_s", "s--", "p99")]
+    panels = [("output_tokens_per_s", "output tokens/s", 1, [("", "o-", "")]),
+              ("request_throughput", "requests/s", 1, [("", "o-", "")]),
+              ("ttft", "TTFT (ms)", 1000, pcts), ("tpot", "TPOT (ms)", 1000, pcts)]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label, scale, lines) in zip(axes.flat, panels, strict=True):
+        for suffix, style, tag in lines:
+            name = key + suffix
+            ax.plot(rates, [_scaled(r[name], scale) for r in open_rows], style, label=f"Poisson {tag}".strip())
+            for r in closed:
+                ax.axhline(_scaled(r[name], scale), color="gray", linestyle=style[1:], linewidth=1,
+                           label=f"{r['run']} {tag}".strip())
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("jaxpaged OpenAI server: throughput and latency vs request rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# ---- main ---------------------------------------------------------------------------------------------------------
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=None, help="a running server; without it use --start-server")
+    ap.add_argument("--start-server", action="store_true", help="start server.py for the run and stop it after")
+    ap.add_argument("--model", default=None, help="model for the started server and the prompts' tokenizer")
+    ap.add_argument("--server-args", default="", help="extra server.py options, e.g. '--max-num-seqs 32'")
+    ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates (req/s), comma separated")
+    ap.add_argument("--concurrency", type=int, default=16, help="clients in the closed-loop run (0: skip it)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=NEW_TOKENS)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"16 prompts, 32 new tokens, rates 1 and 4, 8 clients; server: {QUICK_SERVER_ARGS}")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "serving.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.num_prompts, args.max_tokens, args.rates, args.concurrency = 16, 32, "1,4", 8
+        args.server_args = args.server_args or QUICK_SERVER_ARGS
+    if not args.url and not args.start_server:
+        ap.error("give --url of a running server or --start-server")
+    return args
+
+
+def main():
+    args = parse_args()
+    from jaxpaged.loader import load_model
+
+    prompts = workload_prompts(load_model(args.model).tokenizer, args.num_prompts, seed=args.seed)
+    proc = None
+    url = args.url
+    if args.start_server:
+        proc, url = start_server(args)
+    try:
+        model = served_model(url)
+        # Warm-up: a few requests so lazily compiled shapes and the prefix cache do not land in the first run.
+        asyncio.run(closed_loop(url, model, prompts[:2], 2, 4))
+        rows = []
+        for rate in [float(x) for x in args.rates.split(",") if x]:
+            print(f"Poisson rate {rate} req/s ...", file=sys.stderr)
+            results, elapsed = asyncio.run(open_loop(url, model, prompts, rate, args.max_tokens, args.seed))
+            rows.append(summarize(f"rate {rate:g}/s", rate, results, elapsed))
+        if args.concurrency > 0:
+            print(f"closed loop, {args.concurrency} clients ...", file=sys.stderr)
+            results, elapsed = asyncio.run(closed_loop(url, model, prompts, args.concurrency, args.max_tokens))
+            rows.append(summarize(f"closed x{args.concurrency}", None, results, elapsed))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(f"\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {args.max_tokens} new "
+          f"tokens each (greedy, EOS ignored, streamed); server {url}")
+    print_table(rows)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"rows": rows, "num_prompts": len(prompts), "max_tokens": args.max_tokens,
+                   "model": args.model or "default", "machine": f"{os.cpu_count()} CPU cores",
+                   "quick": args.quick}, f, indent=2)
+    print(f"wrote {args.out}")
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

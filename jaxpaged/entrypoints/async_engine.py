@@ -1,0 +1,436 @@
+"""`AsyncEngine`: the online API. One background thread owns the `Engine` (and so the device); asyncio callers
+send it commands and read each request's outputs as they come.
+
+    engine = AsyncEngine.from_options("model_dir", max_waiting=256, max_num_seqs=64)
+    async for out in engine.generate("req-1", "Hello", SamplingParams(max_tokens=32)):
+        print(out.outputs[0].text)          # cumulative text so far
+    await engine.shutdown(grace_s=30)
+
+Threading: callers never touch the `Engine`. They append commands (add, abort) to a deque under one condition
+variable; the loop thread takes them between steps, so a request that arrives while others decode joins at the next
+step. Outputs go back to each request's asyncio queue through `loop.call_soon_threadsafe`. With no work the loop
+thread blocks on the condition variable (no busy polling). `stats()` returns a snapshot that the loop thread takes
+after every iteration, so readers never see the scheduler half-updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import copy
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from jaxpaged.engine import Engine
+from jaxpaged.entrypoints.metrics import EngineMetrics
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue holds `max_waiting` requests already; try again later (HTTP 429)."""
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is shutting down or its loop has died; it takes no new requests (HTTP 503)."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was aborted by someone other than its reader (e.g. at shutdown)."""
+
+
+class EngineStepError(RuntimeError):
+    """A step failed with an internal error; the requests in it were aborted (HTTP 500)."""
+
+
+@dataclasses.dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int] | dict
+    params: SamplingParams
+    arrival_time: float
+    done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has it
+
+
+@dataclasses.dataclass
+class _Abort:
+    request_id: str
+    error: BaseException | None = None  # handed to the reader when it is still listening
+
+
+_CLOSED = object()  # queued by aclose() so that a pending __anext__ returns
+
+
+class RequestStream:
+    """The outputs of one request, an async iterator of cumulative `RequestOutput`s ending with a finished one.
+
+    When the reader falls behind it gets only the newest output (each one holds all text so far). Leaving early
+    (`aclose()`, `break` inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()  # RequestOutput | BaseException | _CLOSED
+        self.finished = False
+        self._closed = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop, from the engine thread
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+            while not self._queue.empty() and not isinstance(item, BaseException) and item is not _CLOSED:
+                item = self._queue.get_nowait()
+        except BaseException:  # cancelled while waiting: nobody will read this request any more
+            await self.aclose()
+            raise
+        if item is _CLOSED or self._closed:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._engine._forget(self.request_id, abort=False)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._engine._forget(self.request_id, abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._forget(self.request_id, abort=not self.finished)
+            self._queue.put_nowait(_CLOSED)  # wakes a reader waiting in another task
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class AsyncEngine:
+    """Runs an `Engine` in one background thread and serves many asyncio callers."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 256, metrics: EngineMetrics | None = None):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting} must be >= 1")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = metrics or EngineMetrics(self.stats)
+        # The loop thread decodes with engine.tokenizer; callers encode with their own copy (a fast tokenizer's
+        # Rust object must not be borrowed mutably from two threads at once).
+        self.tokenizer = _private_copy(engine.tokenizer)
+        self._cond = threading.Condition()
+        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_adds = 0
+        self._accepting = True
+        self._stop = False
+        self._error: BaseException | None = None
+        self._token_times: dict[str, tuple[float, int]] = {}  # request id -> (last output time, tokens so far)
+        self._snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_options(cls, model: str | None = None, max_waiting: int = 256, **engine_options) -> AsyncEngine:
+        """Loads a model (path or None for the default) and starts the engine thread; options as for `LLM`."""
+        from jaxpaged.entrypoints.llm import _engine_config
+        from jaxpaged.loader import load_model
+
+        config = _engine_config(engine_options)
+        t0 = time.perf_counter()
+        loaded = load_model(model, dtype=config.dtype)
+        load_s = time.perf_counter() - t0
+        engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
+        engine.startup_times["load_s"] = load_s
+        logger.info("model %s loaded in %.1f s", loaded.source, load_s)
+        return cls(engine, max_waiting=max_waiting)
+
+    # ---- facts about the model, for the API layer --------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and accepting requests."""
+        return self._thread.is_alive() and self._accepting and self._error is None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send token ids")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use the completions API")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                          params: SamplingParams | None = None) -> RequestStream:
+        """Hands a request to the engine and waits until the engine has queued it.
+
+        Raises ValueError (bad input, from `Engine.add_request`), EngineOverloadedError (the waiting queue is full)
+        or EngineStoppedError (shutting down). On success the returned stream yields the request's outputs.
+        """
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id, loop)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._error is not None or not self._accepting:
+                raise EngineStoppedError("the engine is shutting down and takes no new requests")
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            waiting = self._pending_adds + self._snapshot["num_waiting"]
+            if waiting >= self.max_waiting:
+                self.metrics.rejected.inc()
+                raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
+                                            f"(max_waiting={self.max_waiting}); retry later")
+            self._streams[request_id] = stream
+            self._pending_adds += 1
+            self._commands.append(_Add(request_id, prompt, params or SamplingParams(), time.monotonic(), done))
+            self._cond.notify()
+        try:
+            await asyncio.wrap_future(done)
+        except BaseException:
+            rejected = done.done() and not done.cancelled() and done.exception() is not None
+            stream._closed = True
+            self._forget(request_id, abort=not rejected)  # cancelled mid-add: the engine may hold it
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int] | dict,
+                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative outputs until it finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV blocks; thread-safe, unknown ids are ignored. Its reader, if any,
+        gets RequestAbortedError."""
+        with self._cond:
+            self._commands.append(_Abort(request_id, RequestAbortedError(f"request {request_id!r} was aborted")))
+            self._cond.notify()
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        """The reader is done with a request; abort it in the engine if it has not finished."""
+        with self._cond:
+            self._streams.pop(request_id, None)
+            if abort:
+                self._commands.append(_Abort(request_id))
+                self._cond.notify()
+
+    # ---- observability ----------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """`Engine.stats()` as of the end of the loop's last iteration, plus the async layer's own counts."""
+        with self._cond:
+            snap = dict(self._snapshot)
+            snap["num_in_flight"] = len(self._streams)
+            snap["num_pending_adds"] = self._pending_adds
+        return snap
+
+    def num_in_flight(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    # ---- shutdown ---------------------------------------------------------------------------------------------
+
+    def stop_accepting(self) -> None:
+        """New requests get EngineStoppedError from now on; those in flight go on."""
+        with self._cond:
+            self._accepting = False
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stops accepting, lets in-flight requests finish for up to `grace_s`, aborts the rest, stops the thread."""
+        self.stop_accepting()
+        deadline = time.monotonic() + grace_s
+        while self.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is left and joins the loop thread (blocking)."""
+        with self._cond:
+            self._accepting = False
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.0f s", timeout)
+
+    # ---- the loop thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._commands or self._stop or self.engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    stop = self._stop
+                deliveries = self._apply(commands)
+                if stop:
+                    self._deliver(deliveries)
+                    break
+                progressed = True
+                if self.engine.has_unfinished_requests():
+                    progressed = self._step(deliveries)
+                snapshot = self._take_snapshot()
+                with self._cond:
+                    self._snapshot = snapshot
+                # Readers hear of outputs and aborts only now, so stats() they read next is at least as new.
+                self._deliver(deliveries)
+                with self._cond:
+                    if not progressed and not self._commands and not self._stop:
+                        # Work exists but nothing could be scheduled this iteration: wait a little, not spin.
+                        self._cond.wait(0.005)
+        except BaseException as e:  # a bug in this loop: fail every reader rather than leave them hanging
+            logger.exception("the engine loop died")
+            self._error = e
+        finally:
+            self._shut_down_engine()
+
+    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[str, RequestOutput | BaseException]]:
+        deliveries = []
+        for cmd in commands:
+            if isinstance(cmd, _Abort):
+                self.engine.abort_request(cmd.request_id)
+                self._token_times.pop(cmd.request_id, None)
+                if cmd.error is not None:
+                    deliveries.append((cmd.request_id, cmd.error))
+                continue
+            added = False
+            if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it
+                try:
+                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+                    added = True
+                except Exception as e:  # bad input: the caller gets it, the loop goes on
+                    cmd.done.set_exception(e)
+            with self._cond:
+                # From pending to waiting at once, so the max_waiting count never sees it twice or not at all.
+                self._pending_adds -= 1
+                self._snapshot["num_waiting"] += added
+            if added:
+                self._token_times[cmd.request_id] = (cmd.arrival_time, 0)
+                cmd.done.set_result(None)
+        return deliveries
+
+    def _step(self, deliveries: list) -> bool:
+        """Runs one engine step and appends what its readers should get to `deliveries`; returns whether it
+        progressed."""
+        steps_before = self.engine.counters["steps"]
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting its %d requests", len(self.engine.requests))
+            self.metrics.step_errors.inc()
+            error = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+                self._token_times.pop(request_id, None)
+                deliveries.append((request_id, error))
+            return True
+        now = time.monotonic()
+        for out in outputs:
+            self._observe(out, now)
+            deliveries.append((out.request_id, out))
+        return self.engine.counters["steps"] != steps_before or bool(outputs)
+
+    def _deliver(self, deliveries: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        with self._cond:
+            targets = [(self._streams.get(rid), item) for rid, item in deliveries]
+        for stream, item in targets:
+            if stream is None:  # its reader is gone (it aborted the request itself)
+                continue
+            try:
+                stream._loop.call_soon_threadsafe(stream._put, item)
+            except RuntimeError:  # the reader's event loop is closed
+                self.engine.abort_request(stream.request_id)
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        last, before = self._token_times.get(out.request_id, (out.metrics.get("arrival_time", now), 0))
+        tokens = sum(len(o.token_ids) for o in out.outputs)
+        if tokens > before:
+            if before == 0:
+                first = out.metrics.get("first_token_time") or now
+                self.metrics.time_to_first_token.observe(max(0.0, first - out.metrics.get("arrival_time", first)))
+            else:
+                per_token = (now - last) / (tokens - before)
+                for _ in range(tokens - before):
+                    self.metrics.inter_token_latency.observe(per_token)
+        if out.finished:
+            self._token_times.pop(out.request_id, None)
+            self.metrics.e2e_latency.observe(now - out.metrics.get("arrival_time", now))
+            for o in out.outputs:
+                self.metrics.finished.labels(finish_reason=o.finish_reason or "unknown").inc()
+        else:
+            self._token_times[out.request_id] = (now, tokens)
+
+    def _take_snapshot(self) -> dict:
+        return self.engine.stats()
+
+    def _shut_down_engine(self) -> None:
+        """On the loop thread at exit: abort every request and tell every reader."""
+        error: BaseException = EngineStoppedError("the engine stopped" if self._error is None else
+                                                  f"the engine loop died: {self._error!r}")
+        with self._cond:
+            self._accepting = False
+            leftover = list(self._commands)
+            self._commands.clear()
+            readers = list(self._streams)
+        for cmd in leftover:
+            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+                cmd.done.set_exception(error)
+        for request_id in list(self.engine.requests):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                logger.exception("aborting %s at shutdown failed", request_id)
+        try:
+            snapshot = self._take_snapshot()
+        except Exception:
+            snapshot = self._snapshot
+        with self._cond:
+            self._pending_adds = 0
+            self._snapshot = snapshot
+        self._deliver([(request_id, error) for request_id in readers])
+
+
+def _private_copy(tokenizer):
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # some tokenizers cannot be copied; share it (encode and decode then race rarely)
+        logger.warning("could not copy the tokenizer for the API thread; sharing the engine's")
+        return tokenizer
+
+
+__all__ = ["AsyncEngine", "EngineOverloadedError", "EngineStepError", "EngineStoppedError", "RequestAbortedError",
+           "RequestStream"]

@@ -1,0 +1,231 @@
+"""The OpenAI API's request bodies as pydantic models, and its error shape. No HTTP library, no engine.
+
+Bodies are validated in strict JSON mode: `"max_tokens": "5"` is a type error, as with OpenAI. Unknown fields are
+ignored (clients send `user` and the like); fields we do not implement are refused when set to anything but their
+neutral value, with a 400 that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxpaged.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20  # the engine's top-k logprob limit
+MAX_N = 128
+MAX_STOP_STRINGS = 16
+
+
+class OpenAIError(Exception):
+    """An error the API answers with `{"error": {"message", "type", "param", "code"}}` and `status`."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    """The sampling fields both endpoints share (OpenAI's names; top_k, min_p and the rest as vLLM extends them)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise OpenAIError(f"{name}={value} is not supported by this server; only 0 (the default) is",
+                                  param=name, code="unsupported_parameter")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise OpenAIError(f"repetition_penalty={self.repetition_penalty} is not supported; only 1.0 is",
+                              param="repetition_penalty", code="unsupported_parameter")
+        if self.logit_bias:
+            raise OpenAIError("logit_bias is not supported by this server", param="logit_bias",
+                              code="unsupported_parameter")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise OpenAIError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+        if any(not s for s in stops):
+            raise OpenAIError("stop strings must be non-empty", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
+                min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
+            raise OpenAIError(str(e), param=str(e).split("=", 1)[0] or None) from e
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(f"best_of={self.best_of} is not supported; leave it unset or equal to n",
+                              param="best_of", code="unsupported_parameter")
+        if self.suffix:
+            raise OpenAIError("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo",
+                              code="unsupported_parameter")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one string, strings, one token list, or token lists."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content if isinstance(self.content, str) or self.content is None else \
+            "".join(part.text for part in self.content)
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise OpenAIError("tools (function calling) are not supported by this server", param="tools",
+                              code="unsupported_parameter")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise OpenAIError("tool_choice is not supported by this server", param="tool_choice",
+                              code="unsupported_parameter")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise OpenAIError(f"response_format type {self.response_format.type!r} is not supported; only 'text'",
+                              param="response_format", code="unsupported_parameter")
+        if self.top_logprobs and not self.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse_body(model: type[_Body], raw: bytes) -> _Body:
+    """Validates a JSON body; every failure is an OpenAIError (400) naming the field."""
+    if not raw.strip():
+        raise OpenAIError("the request body is empty; send a JSON object")
+    try:
+        body = model.model_validate_json(raw)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+    body.check_unsupported()
+    return body
+
+
+def _validation_error(e: ValidationError) -> OpenAIError:
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return OpenAIError(f"the request body is not valid JSON: {err['msg']}")
+    if err["type"] == "model_type":
+        return OpenAIError("the request body must be a JSON object")
+    # Union members appear in loc as their type names ("str", "list[int]"); the field path is what users need.
+    loc = [str(x) for x in err["loc"] if isinstance(x, int) or ("[" not in str(x) and str(x) not in _TYPE_NAMES)]
+    param = ".".join(loc) or None
+    if err["type"] == "missing":
+        return OpenAIError(f"'{param}' is a required property", param=param)
+    union = sum(1 for x in e.errors(include_url=False) if x["loc"][:1] == err["loc"][:1]) > 1
+    message = f"invalid type for '{param}'" if union else f"'{param}': {err['msg']}"
+    return OpenAIError(message, param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart", "ChatMessage"}
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError", "error_body", "parse_body"]

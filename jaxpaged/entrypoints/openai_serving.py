@@ -1,0 +1,412 @@
+"""OpenAI completions and chat completions on an `AsyncEngine`: validated bodies in, response dicts (or, when
+streaming, an async iterator of chunk dicts) out. It knows the API's JSON shapes, not HTTP: `server.py` does the
+transport, SSE framing and status codes (every failure here is an `OpenAIError` carrying its status).
+
+Each prompt of a request is one engine request (n choices each); choice index = prompt index * n + sample index,
+as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from jaxpaged.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineOverloadedError,
+    EngineStepError,
+    EngineStoppedError,
+    RequestAbortedError,
+    RequestStream,
+)
+from jaxpaged.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
+from jaxpaged.outputs import CompletionOutput, RequestOutput
+
+
+@dataclasses.dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class _ChoiceState:
+    """What one choice's stream has sent so far."""
+
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False
+    done: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+        if not model_names:
+            raise ValueError("model_names must name at least one model")
+        self.engine = engine
+        self.model_names = list(model_names)
+        self.created = int(time.time())
+        self._token_cache: dict[int, tuple[str, bytes]] = {}
+
+    # ---- models -----------------------------------------------------------------------------------------------
+
+    def list_models(self) -> dict:
+        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
+
+    def get_model(self, name: str) -> dict:
+        self._check_model(name)
+        return self._model_card(name)
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "jaxpaged",
+                "root": self.model_names[0], "max_model_len": self.engine.max_model_len}
+
+    def _check_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise OpenAIError(f"The model '{name}' does not exist; this server serves "
+                              f"{', '.join(repr(n) for n in self.model_names)}", status=404, param="model",
+                              code="model_not_found")
+        return name
+
+    # ---- the two endpoints ------------------------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest) -> dict | ChunkStream:
+        model = self._check_model(body.model)
+        prompts = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                prompts.append(_Prompt(p, self._encode(p)))
+            else:
+                prompts.append(_Prompt(None, list(p)))
+        max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
+        params = body.sampling_params(max_tokens, body.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, prompts, params)
+        ctx = _Context(request_id, model, int(time.time()), body.n, prompts, streams, self)
+        if body.stream:
+            return ChunkStream(self._completion_chunks(ctx, body), ctx)
+        finals = await ctx.finals()
+        choices = []
+        for k, out in enumerate(finals):
+            echo = self._prompt_text(prompts[k]) if body.echo else ""
+            for o in out.outputs:
+                choices.append({"index": k * body.n + o.index, "text": echo + o.text,
+                                "logprobs": self._completion_logprobs(o, 0, len(echo))
+                                if body.logprobs is not None else None,
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {"id": request_id, "object": "text_completion", "created": ctx.created, "model": model,
+                "choices": choices, "usage": _usage(finals)}
+
+    async def chat(self, body: ChatCompletionRequest) -> dict | ChunkStream:
+        model = self._check_model(body.model)
+        conversation = [m.as_template_message() for m in body.messages]
+        try:
+            ids = self.engine.apply_chat_template(conversation, body.add_generation_prompt)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from e
+        except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors
+            raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from e
+        prompts = [_Prompt(None, ids)]
+        max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
+        params = body.sampling_params(max_tokens, body.engine_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, prompts, params)
+        ctx = _Context(request_id, model, int(time.time()), body.n, prompts, streams, self)
+        if body.stream:
+            return ChunkStream(self._chat_chunks(ctx, body), ctx)
+        (out,) = await ctx.finals()
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": model,
+                "choices": choices, "usage": _usage([out])}
+
+    # ---- streaming ----------------------------------------------------------------------------------------------
+
+    async def _completion_chunks(self, ctx: _Context, body: CompletionRequest) -> AsyncIterator[dict]:
+        states: dict[int, _ChoiceState] = {}
+        finals: dict[int, RequestOutput] = {}
+        usage_key = {"usage": None} if body.include_usage else {}
+        async with contextlib.aclosing(ctx.merged()) as merged:
+            async for k, out in merged:
+                choices = [c for o in out.outputs if (c := self._completion_delta(ctx, body, k, o, states))]
+                if out.finished:
+                    finals[k] = out
+                if choices:
+                    yield {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
+                           "model": ctx.model, "choices": choices, **usage_key}
+        if body.include_usage:
+            yield {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
+                   "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])}
+
+    def _completion_delta(self, ctx: _Context, body: CompletionRequest, k: int, o: CompletionOutput,
+                          states: dict[int, _ChoiceState]) -> dict | None:
+        """The stream choice for what `o` adds since the last chunk, or None when it adds nothing."""
+        index = k * body.n + o.index
+        st = states.setdefault(index, _ChoiceState())
+        if st.done:
+            return None
+        echo = self._prompt_text(ctx.prompts[k]) if body.echo and not st.started else ""
+        delta, new_tokens = o.text[st.chars:], o.token_ids[st.tokens:]
+        finished = o.finish_reason is not None
+        if not (echo or delta or finished or (new_tokens and body.logprobs is not None)):
+            return None
+        lp = self._completion_logprobs(o, st.tokens, st.chars) if body.logprobs is not None else None
+        st.started, st.done = True, finished
+        st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
+        return {"index": index, "text": echo + delta, "logprobs": lp, "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+    async def _chat_chunks(self, ctx: _Context, body: ChatCompletionRequest) -> AsyncIterator[dict]:
+        states: dict[int, _ChoiceState] = {}
+        final: RequestOutput | None = None
+        usage_key = {"usage": None} if body.include_usage else {}
+
+        def chunk(choices, **extra):
+            return {"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
+                    "model": ctx.model, "choices": choices, **usage_key, **extra}
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(body.n)])
+        async with contextlib.aclosing(ctx.merged()) as merged:
+            async for _, out in merged:
+                choices = [c for o in out.outputs if (c := self._chat_delta(body, o, states))]
+                if out.finished:
+                    final = out
+                if choices:
+                    yield chunk(choices)
+        if body.include_usage and final is not None:
+            yield chunk([], usage=_usage([final]))
+
+    def _chat_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
+                    states: dict[int, _ChoiceState]) -> dict | None:
+        st = states.setdefault(o.index, _ChoiceState())
+        if st.done:
+            return None
+        delta, new_tokens = o.text[st.chars:], o.token_ids[st.tokens:]
+        finished = o.finish_reason is not None
+        if not (delta or finished or (new_tokens and body.logprobs)):
+            return None
+        lp = self._chat_logprobs(o, st.tokens, body.top_logprobs or 0) if body.logprobs else None
+        st.done = finished
+        st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
+        return {"index": o.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+
+    # ---- helpers ------------------------------------------------------------------------------------------------
+
+    def _encode(self, text: str) -> list[int]:
+        try:
+            return self.engine.encode(text)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="prompt") from e
+
+    def _max_tokens(self, prompts: list[_Prompt], max_tokens: int | None, param: str) -> int | None:
+        """Refuses prompts (plus max_tokens) beyond the context, as OpenAI words it."""
+        limit = self.engine.max_model_len
+        what = "messages" if param == "messages" else "prompt"
+        for p in prompts:
+            n = len(p.token_ids)
+            if n == 0:
+                raise OpenAIError(f"the {what} is empty: it must have at least one token", param=param)
+            if n >= limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, your {what} is {n} tokens, "
+                    "which leaves no room for the completion. Please reduce the length of the "
+                    f"{what}.", param=param, code="context_length_exceeded")
+            if max_tokens is not None and n + max_tokens > limit:
+                raise OpenAIError(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). Please reduce "
+                    f"the length of the {what} or completion.", param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+    async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for k, p in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{k}"
+                streams.append(await self.engine.add_request(
+                    rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
+        except BaseException as e:
+            for s in streams:
+                await s.aclose()
+            if isinstance(e, ValueError):
+                raise OpenAIError(str(e), param="prompt" if len(prompts) > 1 or prompts[0].text else None) from e
+            if isinstance(e, EngineOverloadedError):
+                raise OpenAIError(str(e), status=429, type="server_overloaded",
+                                  code="too_many_waiting_requests") from e
+            if isinstance(e, EngineStoppedError):
+                raise OpenAIError(str(e), status=503, type="service_unavailable", code="shutting_down") from e
+            raise
+        return streams
+
+    def _prompt_text(self, p: _Prompt) -> str:
+        if p.text is not None:
+            return p.text
+        return self._decode(p.token_ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.engine.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text for logprobs and its bytes. A token that is only part of a UTF-8 character (byte-level
+        BPE splits them) has no text of its own: it is written `bytes:\\xe2\\x80`, as OpenAI does."""
+        cached = self._token_cache.get(token_id)
+        if cached is None:
+            cached = self._token_cache[token_id] = _token_text(self.engine.tokenizer, token_id)
+        return cached
+
+    def _completion_logprobs(self, o: CompletionOutput, start: int, text_offset: int) -> dict:
+        """OpenAI's legacy logprobs of tokens start.. of one choice."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = text_offset
+        for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
+            s = self._token(t)[0]
+            tokens.append(s)
+            token_logprobs.append(lps.get(t))
+            top.append({self._token(i)[0]: lp for i, lp in sorted(lps.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int) -> dict:
+        content = []
+        for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
+            s, b = self._token(t)
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top_k]
+            content.append({"token": s, "logprob": lps.get(t), "bytes": list(b),
+                            "top_logprobs": [{"token": self._token(i)[0], "logprob": lp,
+                                              "bytes": list(self._token(i)[1])} for i, lp in ranked]})
+        return {"content": content}
+
+
+@dataclasses.dataclass
+class _Context:
+    request_id: str
+    model: str
+    created: int
+    n: int
+    prompts: list[_Prompt]
+    streams: list[RequestStream]
+    serving: OpenAIServing
+
+    async def finals(self) -> list[RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(self.merged()) as merged:
+            async for k, out in merged:
+                if out.finished:
+                    finals[k] = out
+        return [finals[k] for k in range(len(self.streams))]
+
+    async def merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) from every stream as they come; closing it aborts the unfinished ones."""
+        try:
+            if len(self.streams) == 1:
+                async for out in self.streams[0]:
+                    yield 0, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(k: int, stream: RequestStream):
+                try:
+                    async for out in stream:
+                        queue.put_nowait((k, out))
+                except Exception as e:
+                    queue.put_nowait((k, e))
+
+            tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(self.streams)]
+            try:
+                remaining = len(self.streams)
+                while remaining:
+                    k, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    remaining -= item.finished
+                    yield k, item
+            finally:
+                for t in tasks:
+                    t.cancel()
+        except (EngineStepError, RequestAbortedError, EngineStoppedError) as e:
+            status = 500 if isinstance(e, EngineStepError) else 503
+            raise OpenAIError(str(e), status=status, type="server_error" if status == 500 else "service_unavailable",
+                              code=type(e).__name__) from e
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        for s in self.streams:
+            await s.aclose()
+
+
+class ChunkStream:
+    """The chunk dicts of a streamed response. `aclose()` aborts the request even if iteration never began."""
+
+    def __init__(self, chunks: AsyncIterator[dict], ctx: _Context):
+        self._chunks, self._ctx = chunks, ctx
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> dict:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self._chunks.aclose()
+        finally:
+            await self._ctx.aclose()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: printable bytes stand for themselves, the others for chr(256 + k)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
+    if tokenizer is None:
+        return f"token_id:{token_id}", b""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text, text.encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+        raw = bytes([int(piece[3:5], 16)])
+    elif piece and all(c in _BYTE_LEVEL for c in piece):
+        raw = bytes(_BYTE_LEVEL[c] for c in piece)
+    else:
+        return text, text.encode()
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
+
+
+__all__ = ["ChunkStream", "OpenAIServing"]

@@ -1,0 +1,227 @@
+"""`AsyncEngine`: one loop thread owns the engine; asyncio callers stream, abort, get errors, and shut it down."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from jaxpaged.engine import Engine
+from jaxpaged.engine_setup import EngineConfig
+from jaxpaged.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineOverloadedError,
+    EngineStepError,
+    EngineStoppedError,
+    RequestAbortedError,
+)
+from jaxpaged.sampling_params import SamplingParams
+from tests.tiny import random_params, tiny_config
+
+CONFIG = tiny_config()
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+class CharTokenizer:
+    """Token t decodes to one letter; enough for the detokenizer."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    def __call__(self, text):
+        return {"input_ids": [2 + ord(c) % 90 for c in text]}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(CONFIG, random_params(CONFIG), CharTokenizer(),
+                  EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
+                               num_blocks=40, precompile=False, show_progress=False))
+
+
+@pytest.fixture
+def aengine(engine):
+    ae = AsyncEngine(engine, max_waiting=8)
+    yield ae
+    ae.close()
+
+
+def offline(engine, prompt, params):
+    engine.add_request("offline", prompt, params)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0].token_ids
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_streamed_outputs_grow_and_match_the_engine_run_directly(engine):
+    ae = AsyncEngine(engine)
+
+    async def run():
+        return [out async for out in ae.generate("a", [5, 6, 7, 8], GREEDY)]
+
+    outs = asyncio.run(run())
+    ae.close()
+    ids = [o.outputs[0].token_ids for o in outs]
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert all(later[:len(earlier)] == earlier for earlier, later in zip(ids, ids[1:], strict=False))
+    assert ids[-1] == offline(engine, [5, 6, 7, 8], GREEDY)
+
+
+def test_concurrent_requests_each_get_their_own_output(engine, aengine):
+    prompts = [[3 + i, 9, 4 + 2 * i] for i in range(6)]
+
+    async def run():
+        async def one(i, p):
+            last = None
+            async for out in aengine.generate(f"r{i}", p, GREEDY):
+                last = out
+            return last.outputs[0].token_ids
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    together = asyncio.run(run())
+    aengine.close()  # the engine is used directly below; its loop thread must be gone
+    alone = [offline(engine, p, GREEDY) for p in prompts]
+    assert together == alone and len({tuple(t) for t in alone}) > 1
+
+
+def test_bad_request_raises_to_the_caller_and_the_loop_goes_on(aengine):
+    async def run():
+        with pytest.raises(ValueError, match="longer than the context"):
+            await aengine.add_request("too-long", [3] * 100, GREEDY)
+        with pytest.raises(ValueError, match="empty"):
+            await aengine.add_request("empty", [], GREEDY)
+        return [out async for out in aengine.generate("ok", [3, 4], GREEDY)][-1]
+
+    last = asyncio.run(run())
+    assert last.finished and len(last.outputs[0].token_ids) == 8
+    assert wait_for(lambda: aengine.stats()["num_used"] == 0 and aengine.stats()["num_in_flight"] == 0)
+
+
+def test_a_full_waiting_queue_refuses_with_overloaded(engine):
+    ae = AsyncEngine(engine, max_waiting=1)
+
+    async def run():
+        return await asyncio.gather(ae.add_request("first", [3, 4], GREEDY), ae.add_request("second", [3, 5], GREEDY),
+                                    return_exceptions=True)
+
+    first, second = asyncio.run(run())
+    ae.close()
+    assert isinstance(second, EngineOverloadedError) and "max_waiting=1" in str(second)
+    assert not isinstance(first, BaseException)
+    assert ae.metrics.rejected._value.get() == 1
+
+
+def test_abort_from_another_thread_frees_the_blocks_at_once(aengine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def run():
+        seen = 0
+        with pytest.raises(RequestAbortedError):
+            async for _ in aengine.generate("long", [3, 4, 5], params):
+                seen += 1
+                if seen == 2:
+                    threading.Thread(target=aengine.abort, args=("long",)).start()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen < 50
+    s = aengine.stats()
+    assert s["num_used"] == 0 and s["num_running"] == 0 and s["aborted_requests"] >= 1
+
+
+def test_leaving_the_stream_early_aborts_the_request(aengine):
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+
+    async def run():
+        async for out in aengine.generate("quit", [3, 4, 5], params):
+            if len(out.outputs[0].token_ids) >= 2:
+                break
+
+    before = aengine.stats()["aborted_requests"]
+    asyncio.run(run())
+    assert wait_for(lambda: aengine.stats()["aborted_requests"] == before + 1)
+    assert aengine.stats()["num_used"] == 0
+
+
+def test_the_idle_loop_sleeps(aengine):
+    async def run():
+        return [o async for o in aengine.generate("x", [3, 4], GREEDY)]
+
+    asyncio.run(run())
+    steps = aengine.stats()["steps"]
+    cpu = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu < 0.1  # a spinning loop thread would burn ~0.5 s
+    assert aengine.stats()["steps"] == steps
+
+
+def test_shutdown_lets_in_flight_requests_finish_and_refuses_new_ones(engine):
+    ae = AsyncEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    async def run():
+        stream = await ae.add_request("inflight", [3, 4], params)
+        shutdown = asyncio.create_task(ae.shutdown(grace_s=30))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineStoppedError):
+            await ae.add_request("late", [3, 4], params)
+        outs = [o async for o in stream]
+        await shutdown
+        return outs[-1]
+
+    last = asyncio.run(run())
+    assert last.finished and len(last.outputs[0].token_ids) == 20
+    assert not ae._thread.is_alive() and not ae.is_running
+
+
+def test_shutdown_past_the_grace_period_aborts_the_rest(engine):
+    ae = AsyncEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def run():
+        stream = await ae.add_request("slow", [3, 4], params)
+        await ae.shutdown(grace_s=0.0)
+        with pytest.raises((EngineStoppedError, RequestAbortedError)):
+            async for _ in stream:
+                pass
+
+    asyncio.run(run())
+    assert engine.stats()["num_used"] == 0 and not engine.requests
+
+
+def test_a_failing_step_fails_its_requests_but_not_the_loop(engine, aengine, monkeypatch):
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+
+    async def run():
+        with pytest.raises(EngineStepError, match="device fell over"):
+            async for _ in aengine.generate("unlucky", [3, 4], GREEDY):
+                pass
+        return [o async for o in aengine.generate("lucky", [3, 4], GREEDY)][-1]
+
+    last = asyncio.run(run())
+    assert last.finished and aengine.is_running
+    assert wait_for(lambda: aengine.stats()["num_used"] == 0)
