@@ -2,8 +2,10 @@
 
 Every array the jitted step sees is padded up to a bucket, so XLA compiles a few shapes once (at start-up) and a
 request's length never reaches a jitted shape:
-  decode steps   tokens = sequences = S in `decode_buckets`, block-table width W in `width_buckets`, tile 1
-  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / 16), W as above, tile 16
+  decode steps   tokens = sequences = S in `decode_buckets`; block tables at the full width; the K/V read as a
+                 flat list of B blocks, B in `flat_block_buckets(S)` (the blocks in use, rounded up)
+  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / 16), block-table width W in
+                 `width_buckets`, tile 16
 """
 
 from __future__ import annotations
@@ -61,17 +63,23 @@ class Batch:
     step: np.ndarray  # [S] int32
     want_logprobs: np.ndarray  # [] bool
     banned: np.ndarray  # [S, MAX_BANNED] int32, -1 = none
-    tile_size: int
+    tile_size: int  # static: 16 for prefill steps
+    decode_blocks: int | None  # static: the flat K/V block count of a decode step, None for prefill
+
+    STATIC = ("tile_size", "decode_blocks")
 
     def device_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "tile_size"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.STATIC}
 
     @property
-    def shape_key(self) -> tuple[int, int, int, int]:
-        return (len(self.token_ids), len(self.context_lens), self.block_tables.shape[1], self.tile_size)
+    def shape_key(self) -> tuple:
+        return (len(self.token_ids), len(self.context_lens), self.block_tables.shape[1], self.tile_size,
+                self.decode_blocks)
 
 
-def _step(params, k_cache, v_cache, batch, *, config, attention_fn, tile_size):
+def _step(params, k_cache, v_cache, batch, *, config, attention_fn, tile_size, decode_blocks):
+    if decode_blocks is not None:
+        attention_fn = functools.partial(attention_fn, decode_blocks=decode_blocks)
     logits, k_cache, v_cache = llama.forward(params, k_cache, v_cache, batch, config=config,
                                              attention_fn=attention_fn, tile_size=tile_size)
     return sampler.sample(logits, batch), k_cache, v_cache
@@ -100,6 +108,7 @@ class ModelRunner:
         self.k_cache = jnp.zeros(shape, cache_dtype)  # [L, NB, BS, Hkv, D]
         self.v_cache = jnp.zeros(shape, cache_dtype)
         max_width = -(-max_model_len // block_size)
+        self.max_width = max_width
         self.width_buckets = pow2_buckets(min(4, max_width), max_width)
         self.decode_buckets = pow2_buckets(min(4, max_num_seqs), max_num_seqs)
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
@@ -107,7 +116,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self._step_fn = jax.jit(
             functools.partial(_step, config=config, attention_fn=attention_fn),
-            static_argnames=("tile_size",), donate_argnums=(1, 2))
+            static_argnames=Batch.STATIC, donate_argnums=(1, 2))
         self._copy_fn = jax.jit(_copy_blocks, donate_argnums=(0, 1))
         self._write_fn = jax.jit(_write_blocks, donate_argnums=(0, 1))
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
@@ -115,10 +124,13 @@ class ModelRunner:
 
     # ---- shapes -------------------------------------------------------------------------------------------------
 
-    def all_shapes(self) -> list[tuple[int, int, int, int]]:
-        """Every (tokens, seqs, width, tile) the engine can produce."""
-        shapes = [(s, s, w, 1) for s in self.decode_buckets for w in self.width_buckets]
-        shapes += [(t, self._prefill_seqs(t), w, PREFILL_TILE) for t in self.prefill_buckets
+    def flat_block_buckets(self, num_seqs: int) -> list[int]:
+        return pow2_buckets(min(max(num_seqs, 16), num_seqs * self.max_width), num_seqs * self.max_width)
+
+    def all_shapes(self) -> list[tuple]:
+        """Every (tokens, seqs, width, tile, decode_blocks) the engine can produce."""
+        shapes = [(s, s, self.max_width, 1, b) for s in self.decode_buckets for b in self.flat_block_buckets(s)]
+        shapes += [(t, self._prefill_seqs(t), w, PREFILL_TILE, None) for t in self.prefill_buckets
                    for w in self.width_buckets]
         return shapes
 
@@ -141,7 +153,7 @@ class ModelRunner:
             if self.warmed_up:
                 logger.warning("compiling a new step shape after start-up: %s", key)
             lowered = self._step_fn.lower(self.params, self.k_cache, self.v_cache, batch.device_dict(),
-                                          tile_size=batch.tile_size)
+                                          tile_size=batch.tile_size, decode_blocks=batch.decode_blocks)
             self._executables[key] = lowered.compile()
         return self._executables[key]
 
@@ -149,7 +161,7 @@ class ModelRunner:
     def compiled_shapes(self) -> set[tuple]:
         return set(self._executables)
 
-    def _dummy_batch(self, t: int, s: int, w: int, tile: int) -> Batch:
+    def _dummy_batch(self, t: int, s: int, w: int, tile: int, decode_blocks: int | None) -> Batch:
         return Batch(
             token_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32),
             block_tables=np.zeros((s, w), np.int32), context_lens=np.zeros(s, np.int32),
@@ -157,7 +169,7 @@ class ModelRunner:
             temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
             min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
             step=np.zeros(s, np.int32), want_logprobs=np.array(False),
-            banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile)
+            banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile, decode_blocks=decode_blocks)
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
@@ -171,15 +183,16 @@ class ModelRunner:
         n = len(out.scheduled)
         tile = PREFILL_TILE if out.is_prefill else 1
         lengths = [round_up(s.num_new_tokens, tile) for s in out.scheduled]
+        blocks = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in out.scheduled]
         if out.is_prefill:
             num_tokens = pick_bucket(self.prefill_buckets, sum(lengths))
             num_seqs = self._prefill_seqs(num_tokens)
+            width, decode_blocks = pick_bucket(self.width_buckets, max(blocks)), None
         else:
             num_tokens = num_seqs = pick_bucket(self.decode_buckets, n)
-        width_needed = max(-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in out.scheduled)
-        width = pick_bucket(self.width_buckets, width_needed)
+            width, decode_blocks = self.max_width, pick_bucket(self.flat_block_buckets(num_seqs), sum(blocks))
 
-        b = self._dummy_batch(num_tokens, num_seqs, width, tile)
+        b = self._dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks)
         start = 0
         for i, (sched, length) in enumerate(zip(out.scheduled, lengths, strict=True)):
             seq, m = sched.seq, sched.num_new_tokens

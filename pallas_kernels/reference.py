@@ -19,10 +19,15 @@ Query head h reads kv head h // (Hq // Hkv) (GQA/MQA). Token t of sequence s see
 p < context_lens[s] with p <= positions[t] (causal), and p > positions[t] - sliding_window when a window is set.
 Softmax runs in float32 whatever the input dtype.
 
-`tile_size` groups consecutive tokens into tiles that share one gather of their sequence's K/V: 1 for a
-decode-only batch (one token per sequence), 16 for prefill batches, whose segments the host then starts at
-multiples of 16. Cost is (T / tile_size) gathers of W * BS cached tokens: per-sequence cost for decodes,
-and no per-sequence padding of queries for prefills.
+`tile_size` groups consecutive tokens into tiles that share one gather of their sequence's K/V: 16 for prefill
+batches, whose segments the host then starts at multiples of 16. Cost is (T / tile_size) gathers of W * BS
+cached tokens, with no per-sequence padding of queries.
+
+`decode_blocks` (static) is for decode-only batches, where sequence s has exactly one query, token qsl[s]: K/V
+are read as one flat list of that many blocks, the blocks the sequences actually use (sum of
+ceil(context_lens / BS), padded with masked entries), instead of W blocks for every sequence. Each block's
+scores get a softmax that spans all blocks of its sequence (segment max and sum), as flash-decoding combines
+its splits. Memory read is proportional to the tokens in context, not to the batch's longest context.
 """
 
 from __future__ import annotations
@@ -47,7 +52,12 @@ def ragged_paged_attention_reference(
     tile_size: int = 1,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    decode_blocks: int | None = None,
 ) -> jax.Array:
+    if decode_blocks is not None:
+        return _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc,
+                                   positions, scale=scale, num_blocks=decode_blocks,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
@@ -89,6 +99,52 @@ def ragged_paged_attention_reference(
     p = p / jnp.where(denom == 0.0, 1.0, denom)  # fully masked rows (padding) give 0
     out = jnp.einsum("nkgtc,nckd->ntkgd", p, v.astype(jnp.float32))
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions, *,
+                        scale, num_blocks, sliding_window, soft_cap):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, width = block_tables.shape
+    group = num_q_heads // num_kv_heads
+
+    # Flat block j belongs to sequence seq[j], as its logical block logical[j].
+    per_seq = (context_lens + block_size - 1) // block_size  # [S]
+    ends = jnp.cumsum(per_seq)  # [S]
+    j = jnp.arange(num_blocks, dtype=jnp.int32)
+    used = j < ends[-1]
+    seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, num_seqs - 1)  # [NBF]
+    logical = jnp.clip(j - (ends[seq] - per_seq[seq]), 0, width - 1)
+    physical = jnp.where(used, block_tables[seq, logical], 0)
+
+    k = k_cache[layer, physical]  # [NBF, BS, Hkv, D]
+    v = v_cache[layer, physical]
+    token = jnp.clip(query_start_loc[seq], 0, num_tokens - 1)
+    q_pos = positions[token]  # [NBF]
+    qb = q[token].reshape(num_blocks, num_kv_heads, group, head_dim).astype(jnp.float32)
+    kv_pos = logical[:, None] * block_size + jnp.arange(block_size)[None, :]  # [NBF, BS]
+    mask = used[:, None] & (kv_pos < context_lens[seq][:, None]) & (kv_pos <= q_pos[:, None])
+    if sliding_window is not None:
+        mask &= kv_pos > q_pos[:, None] - sliding_window
+
+    # Multiply-and-reduce rather than a batched dot: XLA fuses the gather into it, so no gathered copy is written.
+    scores = jnp.sum(qb[:, None] * k.astype(jnp.float32)[:, :, :, None, :], axis=-1) * scale  # [NBF, BS, Hkv, G]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(mask[:, :, None, None], scores, NEG_INF)
+    seq_max = jax.ops.segment_max(scores.max(axis=1), seq, num_segments=num_seqs)  # [S, Hkv, G]
+    p = jnp.where(mask[:, :, None, None], jnp.exp(scores - seq_max[seq][:, None]), 0.0)
+    denom = jax.ops.segment_sum(p.sum(axis=1), seq, num_segments=num_seqs)  # [S, Hkv, G]
+    v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)  # unused slots may hold NaN
+    partial = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [NBF, Hkv, G, D]
+    out = jax.ops.segment_sum(partial, seq, num_segments=num_seqs)
+    out = out / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # [S, Hkv, G, D]
+    # Sequence s's query is token qsl[s]; padding sequences have no token of their own (dropped, or zeros).
+    real = per_seq > 0
+    rows = jnp.where(real, query_start_loc[:num_seqs], num_tokens)
+    result = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    result = result.at[rows].set(out.reshape(num_seqs, num_q_heads, head_dim), mode="drop")
+    return result.astype(q.dtype)
 
 
 def write_kv_reference(
