@@ -51,12 +51,15 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, reserve_tokens: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # > 0 models the pre-PagedAttention allocator (benchmarks only): a sequence's first allocation reserves this
+        # many token slots (max_model_len) up front, as systems that store the KV cache contiguously must.
+        self.reserve_tokens = reserve_tokens
         self.free_list: deque[int] = deque(range(1, num_blocks))
         self.refcount = [0] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; oldest first
@@ -142,7 +145,7 @@ class BlockManager:
         have = self.seq_tokens.setdefault(seq_id, 0)
         self.seq_hashes.setdefault(seq_id, [])
         bs = self.block_size
-        needed = -(-num_tokens // bs) - len(table)
+        needed = -(-max(num_tokens, self.reserve_tokens) // bs) - len(table)
         cow = num_tokens > have and have % bs != 0 and self.refcount[table[-1]] > 1
         if needed + cow > self.num_free_blocks:
             return False

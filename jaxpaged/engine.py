@@ -58,7 +58,9 @@ class Engine:
             model_config, params, config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching,
-                                          num_cpu_blocks=self._num_cpu_blocks(self.cache_config))
+                                          num_cpu_blocks=self._num_cpu_blocks(self.cache_config),
+                                          reserve_tokens=self.max_model_len if config.kv_allocation == "contiguous"
+                                          else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
         self.scheduler.make_children = self._make_children
         self.eos_token_ids = set(model_config.eos_token_ids)
@@ -326,12 +328,18 @@ class Engine:
         b = self.block_manager.stats()
         bs = self.cache_config.block_size
         live = [s for s in self.scheduler.running]
-        slots_allocated = sum(len(self.block_manager.block_table(s.seq_id)) for s in live) * bs
+        logical_blocks = sum(len(self.block_manager.block_table(s.seq_id)) for s in live)
+        slots_allocated = b.num_used * bs  # distinct blocks: a shared block counts once
         tokens_held = sum(min(s.num_computed_tokens, self.block_manager.num_tokens(s.seq_id)) for s in live)
         return {
             **dataclasses.asdict(b),
             "block_size": bs,
+            # token slots holding real tokens / slots in allocated blocks (shared tokens count once per holder, so
+            # with sharing this can pass 1: the pool holds more tokens than it has slots)
             "kv_utilization": tokens_held / slots_allocated if slots_allocated else 0.0,
+            "prefix_cache_hit_rate": b.prefix_cache_hits / b.prefix_cache_queries if b.prefix_cache_queries else 0.0,
+            # blocks the running sequences would hold without sharing, minus what the pool holds for them
+            "bytes_saved_by_sharing": max(0, logical_blocks - b.num_used) * self.runner.block_bytes,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),

@@ -39,10 +39,15 @@ class EngineConfig:
     precompile: bool = True
     show_progress: bool = True
     compilation_cache_dir: str | None = None  # None: $JAXPAGED_COMPILATION_CACHE or ~/.cache/jaxpaged/xla
+    # "paged" allocates a block when the last one fills; "contiguous" reserves max_model_len slots per request up
+    # front, the scheme of systems before PagedAttention (for the memory-waste benchmark)
+    kv_allocation: str = "paged"
 
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.kv_allocation not in ("paged", "contiguous"):
+            raise ValueError(f"kv_allocation={self.kv_allocation!r}; use 'paged' or 'contiguous'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}; use one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

@@ -1,0 +1,56 @@
+"""Helpers the benchmark scripts share: per-step stats sampling, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class StepSampler:
+    """Wraps an engine's step() to record engine.stats() (plus `extra(engine)`) after every step."""
+
+    def __init__(self, engine, extra=None):
+        self.engine, self.extra, self.rows = engine, extra, []
+        self._step = engine.step
+        engine.step = self._sampled_step
+
+    def _sampled_step(self):
+        outs = self._step()
+        row = self.engine.stats()
+        if self.extra is not None:
+            row.update(self.extra(self.engine))
+        self.rows.append(row)
+        return outs
+
+    def mean(self, key: str) -> float:
+        vals = [r[key] for r in self.rows if r["num_running"] > 0]
+        return sum(vals) / len(vals) if vals else 0.0
+
+    def peak(self, key: str) -> float:
+        return max((r[key] for r in self.rows), default=0)
+
+    def close(self):
+        self.engine.step = self._step
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
+    """columns: (key, header, format)."""
+    print(" | ".join(h for _, h, _ in columns))
+    print(" | ".join("---" for _ in columns))
+    for r in rows:
+        print(" | ".join(format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns))
+
+
+def write_json(path: str, payload: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    payload = {"machine": f"{os.cpu_count()} CPU cores (no accelerator)", **payload}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"wrote {path}")
