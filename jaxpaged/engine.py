@@ -10,12 +10,11 @@ import dataclasses
 import logging
 import time
 
-import jax
 import numpy as np
 
 from jaxpaged.beam_search import BeamSearchParams, BeamState
 from jaxpaged.block_manager import BlockManager
-from jaxpaged.config import CacheConfig, ModelConfig, SchedulerConfig
+from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
 from jaxpaged.outputs import CompletionOutput, RequestOutput
@@ -350,9 +349,5 @@ class Engine:
             **self.startup_times,
         }
 
-    @property
-    def platform(self) -> str:
-        return jax.default_backend()
 
-
-__all__ = ["Engine", "EngineConfig", "SchedulerConfig"]
+__all__ = ["Engine", "EngineConfig"]

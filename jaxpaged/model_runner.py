@@ -202,7 +202,7 @@ class ModelRunner:
             b.token_ids[start:start + m] = seq.token_ids[first:first + m]
             b.positions[start:start + m] = pos
             b.slot_mapping[start:start + m] = table[pos // bs] * bs + pos % bs
-            b.block_tables[i, :len(table)] = table
+            b.block_tables[i, :blocks[i]] = table[:blocks[i]]  # a table may hold reserved blocks beyond the context
             b.context_lens[i] = first + m
             b.query_start_loc[i] = start
             b.logits_indices[i] = start + m - 1
