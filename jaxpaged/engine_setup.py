@@ -74,18 +74,21 @@ def enable_compilation_cache(directory: str | None) -> str:
 
 
 def attention_fn(backend: str):
-    """The paged-attention implementation: Pallas on GPU/TPU, the pure-JAX reference on CPU ('auto')."""
+    """The paged-attention implementation: Pallas on GPU, the pure-JAX reference elsewhere ('auto').
+
+    'pallas' on CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
     platform = jax.default_backend()
     if backend == "auto":
-        backend = "pallas" if platform in ("gpu", "cuda", "rocm", "tpu") else "reference"
+        backend = "pallas" if platform in ("gpu", "cuda", "rocm") else "reference"
     if backend == "reference":
         from pallas_kernels.reference import ragged_paged_attention_reference
 
         return ragged_paged_attention_reference
     from pallas_kernels.attention import paged_attention
 
-    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
-                                                                                          "pallas_interpret")
+    if platform == "tpu":
+        raise ValueError("attention_backend='pallas' has no TPU kernel yet; use 'reference' on TPU")
+    implementation = "pallas_gpu" if platform in ("gpu", "cuda", "rocm") else "pallas_interpret"
     return functools.partial(paged_attention, implementation=implementation)
 
 
