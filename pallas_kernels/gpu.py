@@ -1,24 +1,70 @@
-"""Ragged paged attention for GPUs, in Pallas (Triton lowering). Same contract as `reference.py`.
+"""Ragged paged attention for GPUs: a Pallas kernel on the Triton backend.
 
-Grid: (num_tiles, num_kv_heads). A tile is `tile_size` consecutive query tokens of one sequence (the host starts
-every prefill segment at a multiple of the tile; decode batches use tile 1). One program takes one tile and one
-kv head, with all the q heads that read that kv head (GQA), and walks the sequence's blocks through the block
-table with an online softmax in float32, reading each K/V block once per (tile, kv head).
+Same contract as `pallas_kernels.reference.ragged_paged_attention_reference` (layouts, masking, padding rules; read
+its docstring): one launch serves a whole ragged batch of prefill chunks and decodes over the stacked K/V pool.
 
-Arrays (the wrapper builds the kernel's views):
-  q               [T, Hq, D]             -> per program [R, D]: the tile's tokens x the group's q heads, rows padded
-                                            to R = max(16, next power of 2) (Triton's dot wants >= 16 and 2^k rows)
-  k_cache/v_cache [L, NB, BS, Hkv, D]    whole pool in global memory; a program loads [C, D] chunks of C = max(BS,
-                                            16) tokens (C / BS blocks gathered through the block table)
-  block_tables    [S, W] int32, context_lens [S] int32, positions [T] int32 (-1 = padding), layer int32
-  output          [T, Hq, D]             0 for padding tokens
-Slots at or beyond a sequence's context length are masked in the scores *and* zeroed in V: an unused slot may
-hold NaN, and 0 x NaN = NaN in p @ V.
+Why Triton and not Mosaic GPU
+-----------------------------
+Both GPU backends of Pallas carry a deprecation: a plain `pallas_call` lowered to Mosaic GPU warns
+"jax-pallas-call-mgpu" (use `plgpu.kernel`) already in JAX 0.10.2, and the Triton backend warns "jax-pallas-triton"
+at lowering from JAX 0.11 (removal planned). We chose Triton, deliberately:
+  * a paged read is a gather: each K/V token row is found through the block table. Triton's pointer loads take a
+    vector of row indices plus a mask, so a chunk of tokens spread over several physical blocks is one masked load,
+    and slots past the context length are never read (so no NaN from an unused slot can reach the output).
+    Mosaic GPU would need one TMA copy per block into shared memory, barriers, and warpgroup-sized (64-row)
+    matmuls that a decode's query group of 3-8 heads would fill to 5-12%;
+  * it runs on every CUDA GPU JAX supports (Ampere and later); Mosaic GPU is built for Hopper (sm_90a) and later;
+  * it runs under `interpret=True` on CPU, which is how it is tested here, and `jax.export(platforms=['cuda'])`
+    lowers it without a GPU, which checks Triton's static rules (power-of-two shapes) in CI.
+On JAX 0.11.x the lowering emits a DeprecationWarning ("jax-pallas-triton") once per compiled shape. It is harmless,
+but a test run with `-W error` must filter it (pytest `filterwarnings`, by message). We do not silence it here: a
+library should not edit its users' warning filters. Up to jaxlib 0.10.2 the lowering hands Triton IR to XLA
+(custom call `__gpu$xla.gpu.triton`); later jaxlibs compile it to PTX at lowering (`triton_kernel_call_ffi`). When
+JAX removes the Triton backend this kernel moves to `plgpu.kernel`; the wrapper, the grid and the contract stay.
 
-Why Triton and not Mosaic GPU: the Triton lowering takes dynamic gathers through a block table in plain loads
-and runs in `interpret=True` on CPU with the same code; it is deprecated from JAX 0.11 (a warning at lowering)
-but present in both 0.10.2 (here) and 0.11.x (the lent GPU). A Mosaic GPU port is the follow-up.
-Supported: head_dim 64 and 128 (any power of 2 from 16), block sizes 8, 16, 32, any GQA group (padded rows).
+Shapes (T tokens, S sequences, W block-table width, L layers, NB pool blocks, BS block size, Hq/Hkv heads, D dim):
+  q               [T, Hq, D]             bf16 or f32
+  k_cache/v_cache [L, NB, BS, Hkv, D]    bf16 or f32 (cast to q's dtype in the kernel)
+  layer           int32 scalar           layer of the pool to read
+  block_tables    [S, W] int32
+  context_lens    [S] int32
+  query_start_loc [S + 1] int32          segments start at multiples of `tile_size` (the host's promise)
+  positions       [T] int32              -1 on padding tokens
+  output          [T, Hq, D]             q.dtype; 0 on padding tokens
+Supported: head_dim a power of two from 16 to 256 (64 and 128 tested and lowered), block_size 8, 16 or 32, any
+GQA ratio (a group that is not a power of two runs padded, its extra rows masked).
+
+Inside the kernel every array is a flat view (free reshapes, no copy), so that one load is one gather of rows:
+  q_ref, o_ref             [T * Hq, D]               row t * Hq + q_head
+  k_ref, v_ref             [L * NB * BS * Hkv, D]    row ((layer * NB + block) * BS + offset) * Hkv + kv_head
+  tables_ref               [S * W]                   block_tables, row-major
+  tile_seq_ref             [NT]                      sequence of each query tile
+  tile_lo_ref, tile_hi_ref [NT]                      first / one-past-last K/V chunk the tile can see
+  layer_ref                [1]
+
+Grid: (NT, Hkv), NT = T / tq query tiles of tq consecutive tokens. tq is the largest power of two dividing
+`tile_size` with tq * Gp <= 128 (Gp = the GQA group Hq / Hkv rounded up to a power of two), so a tile never
+straddles two sequences. One program (tile i, kv head h):
+  * loads the tile's queries for kv head h's query heads as one [M, D] block, M = max(16, tq * Gp), row
+    r = (token r // Gp of the tile, query head r % Gp of the group); rows of padded heads or tokens are masked;
+  * walks its sequence's K/V in chunks of C = max(64, BS) tokens (several blocks: both dots then have every
+    dimension >= 16, as Triton's tensor-core dots need), from chunk tile_lo to tile_hi. A chunk's rows are
+    gathered through the block table by one masked load for K and one for V, so each K/V block is read once per
+    kv head per query tile, and slots past the context length are not read at all;
+  * keeps an online softmax in float32 (running max m, denominator l, accumulator acc [M, D]); scores are masked
+    causally (kv position <= the row's position), by the context length and by the sliding window; q @ K^T and
+    p @ V run in the input dtype with float32 accumulation (bf16 tensor cores; f32 inputs use IEEE f32 dots);
+  * writes acc / l for its valid rows; a padding token (position -1) sees nothing and gets 0.
+Every (token, query head) of the output belongs to exactly one program and row, so the whole output is written.
+
+`decode_blocks` is accepted for the engine's sake and ignored: each program's loop already stops at its
+sequence's context length, so a decode reads only the blocks it uses.
+
+Known limits (not measured yet: no GPU was at hand when this was written; see benchmarks/kernel.py):
+  * no split of one sequence's context over several programs (flash-decoding): a decode batch of S sequences
+    runs S * Hkv programs, 64 at batch 8 with 8 kv heads, fewer than an H100's 132 SMs. JAX's bundled decode
+    kernel splits the context 16 ways and may win on small batches with long contexts;
+  * a prefill re-reads its sequence's K/V once per query tile (from L2 when it fits).
 """
 
 from __future__ import annotations
@@ -28,116 +74,234 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 NEG_INF = -1e30
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+MAX_TILE_ROWS = 128  # query rows (tokens x padded group) of one program; bounds the [M, D] f32 accumulator
+MIN_DOT_DIM = 16  # Triton's tensor-core dots need every dimension >= 16
+CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(tile_seq_ref, layer_ref, block_tables_ref, context_lens_ref, row_pos_ref, q_ref, k_ref, v_ref, o_ref,
-            *, scale: float, block_size: int, chunk: int, sliding_window: int | None):
-    # q_ref [R, D]; row_pos_ref [R] (position of the row's token, -1 for padding rows); o_ref [R, D]
-    tile, head = pl.program_id(0), pl.program_id(1)
-    seq = tile_seq_ref[tile]
-    layer = layer_ref[0]
-    ctx = context_lens_ref[seq]
-    q = q_ref[...].astype(jnp.float32) * scale
-    pos = row_pos_ref[...]
-    rows, head_dim = q.shape
-    blocks_per_chunk = chunk // block_size
-    # Causal: no row of the tile looks past its largest position, so later chunks are never read.
-    limit = jnp.minimum(ctx, jnp.max(pos) + 1)
-    num_chunks = pl.cdiv(jnp.maximum(limit, 0), chunk)
-
-    def body(c, carry):
-        acc, m_prev, l_prev = carry
-        first = c * blocks_per_chunk
-        idx = jnp.minimum(first + jnp.arange(blocks_per_chunk), block_tables_ref.shape[1] - 1)
-        blocks = block_tables_ref[seq, idx]  # [C / BS]
-        k = k_ref[layer, blocks, :, head, :].reshape(chunk, head_dim).astype(jnp.float32)
-        v = v_ref[layer, blocks, :, head, :].reshape(chunk, head_dim).astype(jnp.float32)
-        kv_pos = c * chunk + jnp.arange(chunk)
-        in_ctx = kv_pos < ctx
-        v = jnp.where(in_ctx[:, None], v, 0.0)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [R, C]
-        mask = in_ctx[None, :] & (kv_pos[None, :] <= pos[:, None])
-        if sliding_window is not None:
-            mask &= kv_pos[None, :] > pos[:, None] - sliding_window
-        s = jnp.where(mask, s, NEG_INF)
-        m_next = jnp.maximum(m_prev, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)
-        correction = jnp.exp(m_prev - m_next)
-        l_next = l_prev * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc, m_next, l_next
-
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG_INF, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    acc, _, denom = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # padding rows (nothing visible) stay 0
-    o_ref[...] = out.astype(o_ref.dtype)
+def query_tile(tile_size: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """Tokens per program: the largest power of two dividing tile_size with tq * Gp <= MAX_TILE_ROWS (>= 1)."""
+    group_pow2 = _next_pow2(num_q_heads // num_kv_heads)
+    tq = tile_size & -tile_size  # lowest set bit: the largest power of two dividing tile_size
+    while tq > 1 and tq * group_pow2 > MAX_TILE_ROWS:
+        tq //= 2
+    return tq
 
 
-def ragged_paged_attention_gpu(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
-                               *, scale: float, tile_size: int = 1, sliding_window: int | None = None,
-                               soft_cap: float | None = None, decode_blocks: int | None = None,
-                               interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
-    """Same arguments and result as `ragged_paged_attention_reference` (decode_blocks is accepted and unused:
-    this kernel already reads only the blocks each sequence uses)."""
-    del decode_blocks
-    if soft_cap is not None:
-        raise ValueError("soft_cap is not supported by the Pallas GPU kernel; use the reference backend")
+def _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, tile_size):
+    if q.ndim != 3 or k_cache.ndim != 5:
+        raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D]; got q{q.shape}, "
+                         f"k_cache{k_cache.shape}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache{k_cache.shape} and v_cache{v_cache.shape} must have the same shape")
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim={head_dim} is not supported by the Pallas GPU kernel; use one of "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if kv_dim != head_dim:
+        raise ValueError(f"k_cache head_dim={kv_dim} must equal q's head_dim={head_dim}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"block_size={block_size} is not supported by the Pallas GPU kernel; use "
                          f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
-    if head_dim != kv_dim or head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim={head_dim} is not supported by the Pallas GPU kernel: it needs a power of 2 "
-                         ">= 16 (64 and 128 are the tested ones)")
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} q heads are not a multiple of {num_kv_heads} kv heads")
-    if num_tokens % tile_size:
-        raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size}")
+        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} dtype {x.dtype} is not supported by the Pallas GPU kernel; use float32 or "
+                             "bfloat16")
+    if tile_size < 1 or num_tokens % tile_size:
+        raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size} (>= 1)")
+    num_seqs = block_tables.shape[0]
+    if context_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"context_lens{context_lens.shape} must be [S] and query_start_loc"
+                         f"{query_start_loc.shape} [S + 1], with S={num_seqs} rows of block_tables")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions{positions.shape} must be [T] with T={num_tokens}")
+
+
+def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq, chunk, sliding_window):
+    """Per query tile, its sequence and the K/V chunk range [lo, hi) it can see: three [NT] int32 arrays.
+
+    Cheap XLA ops on [T] integers, outside the kernel. A tile of padding tokens gets an empty range.
+    """
+    num_tiles = positions.shape[0] // tq
+    starts = jnp.arange(num_tiles, dtype=jnp.int32) * tq
+    # A tile belongs to the sequence whose segment holds its first token (segments start at tile boundaries).
+    seq = jnp.searchsorted(query_start_loc, starts, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, block_tables.shape[0] - 1)
+    pos = positions.reshape(num_tiles, tq)
+    # Causal: nothing past the tile's last position, nor past the context. All -1 (padding) -> an empty range.
+    kv_end = jnp.maximum(jnp.minimum(context_lens[seq], jnp.max(pos, axis=1) + 1), 0)
+    hi = (kv_end + chunk - 1) // chunk
+    if sliding_window is None:
+        lo = jnp.zeros_like(hi)
+    else:
+        # The window's lower edge is set by the tile's earliest real token.
+        first = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max), axis=1)
+        lo = jnp.minimum(jnp.maximum(first - sliding_window + 1, 0) // chunk, hi)
+    return seq, lo.astype(jnp.int32), hi.astype(jnp.int32)
+
+
+def _paged_attention_kernel(
+    # inputs
+    layer_ref,  # [1] int32
+    tile_seq_ref,  # [NT] int32
+    tile_lo_ref,  # [NT] int32
+    tile_hi_ref,  # [NT] int32
+    tables_ref,  # [S * W] int32
+    context_lens_ref,  # [S] int32
+    positions_ref,  # [T] int32
+    q_ref,  # [T * Hq, D]
+    k_ref,  # [L * NB * BS * Hkv, D]
+    v_ref,  # [L * NB * BS * Hkv, D]
+    # outputs
+    o_ref,  # [T * Hq, D]
+    *,
+    tq: int,
+    group: int,
+    group_pow2: int,
+    rows: int,
+    chunk: int,
+    block_size: int,
+    num_blocks: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    width: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    tile = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    head_dim = q_ref.shape[-1]
+
+    seq = tile_seq_ref[tile]
+    context_len = context_lens_ref[seq]
+    layer = layer_ref[0]
+
+    # Query rows: r = (token r // Gp of the tile, query head r % Gp of this kv head's group).
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = r // group_pow2
+    g = r % group_pow2
+    row_ok = (tok < tq) & (g < group)  # [M]
+    token = tile * tq + jnp.minimum(tok, tq - 1)  # [M]
+    # [M] rows of q_ref and o_ref. A padded row points past the end: masked, it is never read or written, and
+    # (unlike a clamped index) it cannot alias a real row, which matters to the interpreter's masked store.
+    q_rows = jnp.where(row_ok, token * num_q_heads + kv_head * group + g, o_ref.shape[0] + r)
+    row_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+    # Loads index rows and columns with two broadcast integer arrays: Triton turns them into pointer offsets (64-bit
+    # when the array passes 4 GiB), and the interpreter into a numpy-style gather.
+    cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
+    q = plgpu.load(q_ref.at[q_rows[:, None], cols], mask=row_mask, other=0)  # [M, D]
+    q_pos = jnp.where(row_ok, plgpu.load(positions_ref.at[token]), -1)  # [M]; padded rows see nothing
+
+    def body(c, carry):
+        m_prev, l_prev, acc_prev = carry
+        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
+        kv_ok = kv_pos < context_len
+        # Physical block of each token of the chunk; past the context nothing is read (masked to block 0).
+        physical = plgpu.load(tables_ref.at[seq * width + kv_pos // block_size], mask=kv_ok, other=0)  # [C]
+        kv_rows = ((layer * num_blocks + physical) * block_size + kv_pos % block_size) * num_kv_heads + kv_head
+        kv_mask = jnp.broadcast_to(kv_ok[:, None], (chunk, head_dim))
+        # Unused slots may hold garbage (NaN): they are not loaded, the mask fills them with 0 (0 x NaN = NaN).
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
+
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, C]
+        s = s * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])  # [M, C]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > q_pos[:, None] - sliding_window
+        s = jnp.where(mask, s, NEG_INF)
+
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))  # [M]
+        alpha = jnp.exp(m_prev - m_next)
+        # Zeroed where masked: a row with nothing visible yet has m = NEG_INF, and exp(s - m) = 1 there.
+        p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [M, C] f32
+        l_next = alpha * l_prev + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [M, D]
+        return m_next, l_next, alpha[:, None] * acc_prev + pv
+
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, denom, acc = jax.lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, init)
+    out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # rows that saw nothing (padding) give 0
+    plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_mask)
+
+
+def ragged_paged_attention_gpu(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    tile_size: int = 1,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    decode_blocks: int | None = None,
+    interpret: bool = False,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Ragged paged attention over the stacked pool; arguments and result as the reference's (module docstring).
+
+    interpret=True runs the kernel in Pallas' interpreter (any backend, CPU included). num_warps (default: 4, or 8
+    for programs of more than 64 x 128 accumulator elements) and num_stages are Triton's tuning knobs.
+    """
+    del decode_blocks  # each program reads only the blocks its sequence uses anyway
+    _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, tile_size)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, width = block_tables.shape
     group = num_q_heads // num_kv_heads
-    num_tiles = num_tokens // tile_size
-    rows = max(16, _next_pow2(tile_size * group))
-    chunk = max(block_size, 16)
+    group_pow2 = _next_pow2(group)  # Triton blocks are powers of two: a group of 3 runs as 4, one row masked
+    tq = query_tile(tile_size, num_q_heads, num_kv_heads)
+    rows = max(MIN_DOT_DIM, tq * group_pow2)
+    chunk = max(CHUNK_TOKENS, block_size)
+    num_tiles = num_tokens // tq
 
-    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile_size
-    tile_seq = jnp.clip(jnp.searchsorted(query_start_loc, tile_start, side="right") - 1, 0,
-                        block_tables.shape[0] - 1).astype(jnp.int32)
-    # [NT, Hkv, R, D]: rows are (token in tile, q head in group), padded
-    qt = q.reshape(num_tiles, tile_size, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qt = qt.reshape(num_tiles, num_kv_heads, tile_size * group, head_dim)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, rows - tile_size * group), (0, 0)))
-    row_pos = jnp.repeat(positions.reshape(num_tiles, tile_size), group, axis=1)
-    row_pos = jnp.pad(row_pos, ((0, 0), (0, rows - tile_size * group)), constant_values=-1)  # [NT, R]
+    block_tables = block_tables.astype(jnp.int32)
+    context_lens = context_lens.astype(jnp.int32)
+    positions = positions.astype(jnp.int32)
+    tile_seq, tile_lo, tile_hi = _tile_schedule(block_tables, context_lens, query_start_loc.astype(jnp.int32),
+                                                positions, tq=tq, chunk=chunk, sliding_window=sliding_window)
 
-    whole = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(_kernel, scale=scale, block_size=block_size, chunk=chunk,
-                               sliding_window=sliding_window)
-    from jax.experimental.pallas import triton as plt
-
+    kernel = functools.partial(
+        _paged_attention_kernel, tq=tq, group=group, group_pow2=group_pow2, rows=rows, chunk=chunk,
+        block_size=block_size, num_blocks=num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        width=width, scale=float(scale), sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap))
+    if num_warps is None:
+        num_warps = 4 if rows * head_dim <= 64 * 128 else 8
+    kv_rows = num_layers * num_blocks * block_size * num_kv_heads
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
-        in_specs=[
-            whole(tile_seq.shape), whole((1,)), whole(block_tables.shape), whole(context_lens.shape),
-            pl.BlockSpec((None, rows), lambda t, h: (t, 0)),
-            pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-            whole(k_cache.shape), whole(v_cache.shape),
-        ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(tile_seq, jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32),
-      context_lens.astype(jnp.int32), row_pos.astype(jnp.int32), qt, k_cache, v_cache)
-    out = out[:, :, : tile_size * group].reshape(num_tiles, num_kv_heads, tile_size, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_q_heads, head_dim)
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_lo, tile_hi, block_tables.reshape(num_seqs * width),
+        context_lens, positions, q.reshape(num_tokens * num_q_heads, head_dim),
+        k_cache.reshape(kv_rows, head_dim), v_cache.reshape(kv_rows, head_dim),
+    )
+    return out.reshape(num_tokens, num_q_heads, head_dim)
