@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxpaged.chat import apply_chat_template
 from jaxpaged.engine import Engine
 from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import RequestOutput
@@ -178,13 +179,7 @@ class AsyncEngine:
         return list(self.tokenizer(text)["input_ids"])
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use the completions API")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
 
     # ---- requests ---------------------------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
 
 from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine import Engine
 from jaxpaged.engine_setup import EngineConfig
@@ -72,14 +74,19 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        self._add_all([functools.partial(self.engine.add_request, rid, prompt, params)
+                       for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)], ids)
+        return self._run(ids, use_tqdm)
+
+    def _add_all(self, adds: list, ids: list[str]) -> None:
+        """Queues every request or none: one bad prompt rejects the batch and leaves nothing behind."""
         try:
-            for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True):
-                self.engine.add_request(rid, prompt, params)
+            for add in adds:
+                add()
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -100,34 +107,20 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
-        try:
-            for rid, prompt in zip(ids, prompts, strict=True):
-                self.engine.add_beam_request(rid, prompt, params)
-        except ValueError:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+        self._add_all([functools.partial(self.engine.add_beam_request, rid, prompt, params)
+                       for rid, prompt in zip(ids, prompts, strict=True)], ids)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError("each chat message must be a dict with 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
 
     def stats(self) -> dict:
         return self.engine.stats()
