@@ -88,3 +88,27 @@ def test_parse_bytes():
     assert parse_bytes(1000) == 1000
     with pytest.raises(ValueError):
         parse_bytes("-1GiB")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"beam_width": 0, "max_tokens": 4}, "beam_width=0"), ({"beam_width": 11, "max_tokens": 4}, "beam_width=11"),
+    ({"beam_width": 2, "max_tokens": 0}, "max_tokens=0"),
+])
+def test_bad_beam_search_params(kwargs, message):
+    from jaxpaged import BeamSearchParams
+
+    with pytest.raises(ValueError, match=message):
+        BeamSearchParams(**kwargs)
+
+
+def test_requests_too_big_for_the_engine_are_refused_and_leak_nothing(llm):
+    from jaxpaged import BeamSearchParams
+
+    with pytest.raises(ValueError, match="n=5 exceeds max_num_seqs=4"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(n=5), use_tqdm=False)
+    with pytest.raises(ValueError, match="beam_width=5 exceeds max_num_seqs=4"):
+        llm.beam_search([{"prompt_token_ids": [3, 4]}], BeamSearchParams(beam_width=5, max_tokens=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="exceeds max_model_len=64"):
+        llm.beam_search([{"prompt_token_ids": [3] * 40}], BeamSearchParams(beam_width=2, max_tokens=30),
+                        use_tqdm=False)
+    still_serves(llm)
