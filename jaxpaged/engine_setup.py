@@ -74,21 +74,20 @@ def enable_compilation_cache(directory: str | None) -> str:
 
 
 def attention_fn(backend: str):
-    """The paged-attention implementation: Pallas on GPU, the pure-JAX reference elsewhere ('auto').
+    """The paged-attention implementation: Pallas on GPU and TPU, the pure-JAX reference on CPU ('auto').
 
     'pallas' on CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
     platform = jax.default_backend()
     if backend == "auto":
-        backend = "pallas" if platform in ("gpu", "cuda", "rocm") else "reference"
+        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
     if backend == "reference":
         from pallas_kernels.reference import ragged_paged_attention_reference
 
         return ragged_paged_attention_reference
     from pallas_kernels.attention import paged_attention
 
-    if platform == "tpu":
-        raise ValueError("attention_backend='pallas' has no TPU kernel yet; use 'reference' on TPU")
-    implementation = "pallas_gpu" if platform in ("gpu", "cuda", "rocm") else "pallas_interpret"
+    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
+                                                                                          "pallas_interpret")
     return functools.partial(paged_attention, implementation=implementation)
 
 
