@@ -56,26 +56,37 @@ One program (tile i) handles every query head of every kv head of its tq tokens:
   * writes acc / l for every row of its output block (0 where a row saw nothing: padding tokens and rows).
 Every (token, query head) of the output belongs to exactly one program and row, so the whole output is written.
 
-Padding for TPU tiling (all outside the pool): query rows are padded to M (a multiple of 8 / 16 sublanes); head_dim
-64 is kept as the array's full last dimension (Mosaic pads it to 128 lanes in VMEM, not in HBM); the pool's
-(Hkv, D) minor dimensions are DMAd whole, so no kv-head slice of a tiled dimension is ever taken in HBM (3 kv heads
-are not a multiple of the 8-row tile), and the per-head view k_buf[s, :, :, h, :] is a strided VMEM load.
+Padding for TPU tiling: query rows are padded to M (a multiple of 8 / 16 sublanes) outside the kernel; head_dim 64
+stays the arrays' full last dimension (Mosaic pads it to 128 lanes in VMEM); the pool's (Hkv, D) minor dimensions are
+DMAd whole, so no kv-head slice of a tiled dimension is ever taken in HBM (3 kv heads are not a multiple of the
+8-row tile), and the per-head view k_buf[s, :, :, h, :] is a strided VMEM load. Nothing of the pool is padded or
+copied by this function.
+
+The pool's HBM layout (the engine's business, measured with libtpu 0.0.42 for v5e): the custom call takes the pool
+row-major. For head_dim 128 that is XLA's default TPU layout. For head_dim 64 it is not: XLA's default puts the
+block axis minor-most (major_to_minor (0, 2, 3, 4, 1)), and a pool in that layout is copied whole on every call
+(2 x 940 MiB of temporaries at 30 layers x 1000 blocks of SmolLM2 in bfloat16). The engine must allocate the pool
+and pass it through its jitted step with an explicit row-major format,
+`jax.experimental.layout.Format(Layout(major_to_minor=(0, 1, 2, 3, 4)), sharding)`; XLA then tiles (Hkv, D) =
+(3, 64) as (4, 128), i.e. the pool takes 2.7x its logical bytes in HBM (a TPU-first pool layout would fix that).
 
 `decode_blocks` is accepted for the engine's sake and ignored: each program already stops at its tile's context,
-so a decode reads only the blocks its sequence uses.
+so a decode reads only the blocks its sequence uses. `chunk_tokens` exists for tests (several chunks on short
+contexts) and tuning.
 
-JAX APIs relied on (present in both jax 0.10.2 and 0.11.2): `pl.pallas_call`, `pl.BlockSpec`, `pl.ANY`,
-`pl.program_id`, `pl.num_programs`, `pl.when`, `pl.cdiv`, `pltpu.PrefetchScalarGridSpec`, `pltpu.VMEM`,
-`pltpu.SMEM`, `pltpu.SemaphoreType.DMA`, `pltpu.make_async_copy`, `pltpu.CompilerParams(dimension_semantics=)`.
+JAX APIs relied on (present in both jax 0.10.2 and 0.11.2; the tests pass on both): `pl.pallas_call`, `pl.BlockSpec`,
+`pl.ANY`, `pl.program_id`, `pl.num_programs`, `pl.when`, `pl.cdiv`, `pltpu.PrefetchScalarGridSpec`, `pltpu.VMEM`,
+`pltpu.SMEM`, `pltpu.SemaphoreType.DMA`, `pltpu.make_async_copy`, `pltpu.CompilerParams(dimension_semantics=)`,
+`pltpu.InterpretParams` (tests).
 
-Known limits (no TPU was at hand when this was written; it is checked by compiling for a TPU v5e topology through
-libtpu's compile-only client, see tests/test_kernel_tpu.py, and by the Pallas TPU interpreter):
-  * the whole block table is scalar-prefetched into SMEM: S * W int32 must fit (e.g. 256 x 512 = 512 KiB);
-  * the pool layout [L, NB, BS, Hkv, D] puts (Hkv, D) in TPU's tiled minor dimensions: with Hkv < 8 (16 for
-    bfloat16) or D = 64 XLA pads those tiles in HBM and each DMA moves padding too. A TPU-first layout would be
-    [L, NB, Hkv, BS, D] with D = 128;
+Known limits (no TPU was at hand: the kernel is checked by the Pallas interpreters, by jax.export's TPU lowering and
+by libtpu's compile-only client for v4, v5e, v5p and v6e topologies; nothing was run or timed on a TPU):
+  * the whole block table is scalar-prefetched into SMEM (1 MiB on v5e): S * W is capped at MAX_TABLE_ENTRIES
+    (2^17, 512 KiB; e.g. 256 sequences x 512 blocks), a ValueError beyond;
   * no split of one sequence's context over several programs (flash-decoding), and the "arbitrary" grid runs on
     one TensorCore (v4/v5p megacore would split a "parallel" axis over two);
+  * each block is one DMA per pool, of BS x Hkv x D elements: small DMAs for small models (6 KiB for SmolLM2 at
+    BS 16 in bfloat16);
   * a decode tile has G query rows padded to M = 8 / 16: the MXU is mostly idle on decode, as in any decode kernel.
 """
 
@@ -95,6 +106,7 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_TILE_ROWS = 256  # query rows (tokens x group) of one program; bounds the [Hkv, M, D] f32 accumulator
 CHUNK_TOKENS = 128  # K/V tokens per loop step (NBC = CHUNK_TOKENS // BS blocks), before the VMEM cap below
 CHUNK_BUFFER_BYTES = 1 << 20  # cap on one K or V chunk buffer slot in VMEM (padded tile bytes)
+MAX_TABLE_ENTRIES = 1 << 17  # S * W int32 scalar-prefetched into SMEM (1 MiB on v5e; half of it for the table)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -152,6 +164,9 @@ def _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, 
                          f"and query_start_loc{query_start_loc.shape} [S + 1]")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions{positions.shape} must be [T] with T={num_tokens}")
+    if block_tables.size > MAX_TABLE_ENTRIES:
+        raise ValueError(f"block_tables{block_tables.shape} has {block_tables.size} entries; the Pallas TPU kernel "
+                         f"keeps the table in SMEM and takes at most {MAX_TABLE_ENTRIES} (sequences x width)")
     if chunk_tokens < block_size or chunk_tokens % block_size:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be a positive multiple of block_size={block_size}")
     if sliding_window is not None and sliding_window < 1:
