@@ -4,26 +4,45 @@ Plain Python, no JAX: the device only ever sees block tables and slot numbers ma
 
 - Blocks 0..num_blocks-1 live on the device; block 0 is the *null block*: never handed out, it is where padding
   tokens write their K/V, so a padded batch needs no special case on the device.
-- Each block has a reference count: the number of sequence block tables that hold it. Sequences of one request
-  (parallel samples, beams) and requests with equal prefixes share blocks this way.
-- Prefix caching: a block full of known tokens gets a hash that chains its parent block's hash with its token
-  ids, so equal prefixes map to equal hashes. A block whose refcount drops to 0 keeps its hash and its K/V in an
-  LRU of *evictable* cached blocks: a later request with the same prefix takes it back; allocation evicts the
-  least recently freed one only when the free list is empty.
+- Each block has a reference count: the number of sequence block tables that hold it (a table holding a block
+  twice counts twice). Sequences of one request (parallel samples, beams) and requests with equal prefixes share
+  blocks this way. A block is always exactly one of: on the free list, cached and evictable (refcount 0, still
+  holding a prefix hash and its K/V), or in use (refcount > 0).
+- Prefix caching: a block full of known tokens gets a hash that chains its parent block's hash with its token ids
+  (sha256, stable across processes), so equal prefixes map to equal hashes. One block per hash: a second block
+  with the same content stays unregistered. Hashes are registered when the slots are *allocated*, as vLLM v1 does;
+  the step that follows writes the K/V, so a sequence must not be freed or swapped out in the same step after
+  `allocate_slots` gave it new slots (the scheduler only preempts sequences it has not yet scheduled).
+- LRU: a hashed block whose refcount drops to 0 joins an LRU of evictable blocks; a request with the same prefix
+  takes it back (`take_cached_prefix`). Allocation takes the free list first and evicts the least recently freed
+  cached block only when the free list is empty. `free` returns a table tail first, so a request's last blocks are
+  evicted before its prefix, which other requests are likelier to share.
 - Copy-on-write: writes only ever go past a sequence's last token, so only a shared, partly filled last block can
-  be written by two owners; the first write copies it (a (src, dst) pair the runner copies on device).
-- Swap: whole request groups move to a host pool of `num_cpu_blocks` blocks and back, sharing preserved.
+  be written by two owners; the first write moves the writer to a fresh block and records a (src, dst) copy for
+  the device (`pop_copies`); a shared block with no tokens yet (`reserve_tokens`) just gets a fresh block.
+  Pending copies stay correct when their blocks move within the step: a destination freed before the copy ran is
+  dropped, a chain of copies reads the original, and swapping out a destination reads its source.
+- Swap: whole request groups move to a host pool of `num_cpu_blocks` blocks and back; a block shared inside the
+  group maps to one host block, so sharing survives the round trip.
+
+The device side of one step runs the lists in this order: swap-ins (host -> device), swap-outs (device -> host),
+copy-on-write copies (all sources read before any destination is written), then the model step. This is correct
+when a step's `swap_in` calls come before its allocations and swap-outs, as the scheduler does.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+
+NULL_BLOCK = 0
+_ROOT_HASH = hashlib.sha256(b"jaxpaged prefix cache root").digest()
 
 
 class NoFreeBlocksError(RuntimeError):
-    pass
+    """The device or host pool has fewer free blocks than the operation needs."""
 
 
 @dataclasses.dataclass
@@ -33,7 +52,7 @@ class BlockStats:
     num_used: int  # refcount > 0
     num_cached: int  # blocks holding a prefix-cache hash (any refcount)
     num_shared: int  # refcount > 1
-    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_queries: int  # prompt tokens looked up (every take_cached_prefix call counts its whole prompt)
     prefix_cache_hits: int  # prompt tokens found
     num_cpu_blocks: int
     num_cpu_used: int
@@ -42,11 +61,18 @@ class BlockStats:
     cow_copies: int  # cumulative
 
 
-def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-    """Stable across processes (unlike hash()): sha256 of the parent's hash and the block's token ids."""
-    h = hashlib.sha256(parent or b"root")
-    h.update(",".join(map(str, tokens)).encode())
+def chain_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: sha256 of its parent's key (None for the first block) and its tokens.
+
+    Not Python's hash(): that is salted per process, and keys must agree across processes and hosts.
+    """
+    h = hashlib.sha256(_ROOT_HASH if parent is None else parent)
+    h.update(",".join(str(int(t)) for t in tokens).encode())
     return h.digest()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class BlockManager:
@@ -54,26 +80,32 @@ class BlockManager:
                  num_cpu_blocks: int = 0, reserve_tokens: int = 0):
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        if num_cpu_blocks < 0 or reserve_tokens < 0:
+            raise ValueError(f"num_cpu_blocks={num_cpu_blocks} and reserve_tokens={reserve_tokens} must be >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # > 0 models the pre-PagedAttention allocator (benchmarks only): a sequence's first allocation reserves this
         # many token slots (max_model_len) up front, as systems that store the KV cache contiguously must.
         self.reserve_tokens = reserve_tokens
+        # device pool
         self.free_list: deque[int] = deque(range(1, num_blocks))
         self.refcount = [0] * num_blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; oldest first
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0; least recently freed first
         self.hash_to_block: dict[bytes, int] = {}
         self.block_hash: dict[int, bytes] = {}
-        self.tables: dict[int, list[int]] = {}  # seq_id -> device blocks
-        self.seq_tokens: dict[int, int] = {}  # seq_id -> token slots allocated
-        self.seq_hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its leading full blocks
-        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_copies: dict[int, int] = {}  # dst -> src, copy-on-write not yet handed to the runner
+        # sequences
+        self.tables: dict = {}  # seq_id -> device blocks, logical order
+        self.seq_tokens: dict = {}  # seq_id -> token slots allocated (kept while swapped out)
+        self.seq_hashes: dict = {}  # seq_id -> chain hashes of its leading full, known blocks
         # host pool
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
-        self.cpu_tables: dict[int, list[int]] = {}
         self.cpu_refcount = [0] * num_cpu_blocks
+        self.cpu_tables: dict = {}  # seq_id -> host blocks of a swapped-out sequence
         self.counters = {"queries": 0, "hits": 0, "swapped_out": 0, "swapped_in": 0, "cow": 0}
 
     # ---- pool primitives ----------------------------------------------------------------------------------------
@@ -89,22 +121,38 @@ class BlockManager:
             block, _ = self.evictable.popitem(last=False)  # the least recently freed cached block
             del self.hash_to_block[self.block_hash.pop(block)]
         else:
-            raise NoFreeBlocksError("the KV pool has no free block")
+            raise NoFreeBlocksError(f"all {self.num_blocks - 1} KV blocks are in use")
         self.refcount[block] = 1
         return block
 
     def _ref(self, block: int) -> None:
         if self.refcount[block] == 0:
-            self.evictable.pop(block)  # a cache hit brings it back into use
+            del self.evictable[block]  # a prefix-cache hit brings an evictable block back into use
         self.refcount[block] += 1
 
     def _unref(self, block: int) -> None:
         self.refcount[block] -= 1
-        if self.refcount[block] == 0:
-            if block in self.block_hash:
-                self.evictable[block] = None
-            else:
-                self.free_list.append(block)
+        if self.refcount[block] > 0:
+            return
+        self.pending_copies.pop(block, None)  # nobody will read this copy's destination
+        if block in self.block_hash:
+            self.evictable[block] = None
+        else:
+            self.free_list.append(block)
+
+    def _register(self, block: int, h: bytes) -> None:
+        """Maps a full block to its chain hash unless that hash (or this block) is already mapped."""
+        if h not in self.hash_to_block and block not in self.block_hash:
+            self.hash_to_block[h] = block
+            self.block_hash[block] = h
+
+    def _record_copy(self, src: int, dst: int) -> None:
+        # src may itself wait for a copy in this step: read from the block that holds the content now. That can be
+        # dst itself (freed this step, still unchanged, handed out again): then there is nothing to copy.
+        src = self.pending_copies.get(src, src)
+        if src != dst:
+            self.pending_copies[dst] = src
+        self.counters["cow"] += 1
 
     # ---- sequences ----------------------------------------------------------------------------------------------
 
@@ -114,71 +162,77 @@ class BlockManager:
     def num_tokens(self, seq_id) -> int:
         return self.seq_tokens.get(seq_id, 0)
 
-    def take_cached_prefix(self, seq_id, token_ids: list[int]) -> int:
-        """For a sequence with no blocks yet: takes the longest cached chain of its full blocks; returns tokens.
+    def take_cached_prefix(self, seq_id, token_ids: Sequence[int]) -> int:
+        """For a sequence with no slots yet: takes the longest cached chain of its full blocks; returns its tokens.
 
-        Never the whole prompt: at least one token must run to produce logits. Queries count the prompt's tokens.
+        Never the whole prompt: at most ((len - 1) // block_size) blocks, so at least one token runs to produce
+        logits. Every call counts all of `token_ids` as queried (a request retried next step counts again, as in
+        vLLM) and the returned tokens as hits. Returns 0 with prefix caching off.
         """
-        if not self.enable_prefix_caching or self.tables.get(seq_id):
+        if not self.enable_prefix_caching or self.tables.get(seq_id) or seq_id in self.cpu_tables:
             return 0
         self.counters["queries"] += len(token_ids)
         bs = self.block_size
-        parent, blocks, hashes = None, [], []
+        blocks, hashes = [], []
         for i in range((len(token_ids) - 1) // bs):
-            h = chain_hash(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            h = chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs])
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             self._ref(block)
             blocks.append(block)
             hashes.append(h)
-            parent = h
         self.tables[seq_id] = blocks
         self.seq_hashes[seq_id] = hashes
         self.seq_tokens[seq_id] = len(blocks) * bs
         self.counters["hits"] += len(blocks) * bs
         return len(blocks) * bs
 
-    def allocate_slots(self, seq_id, token_ids: list[int], num_tokens: int) -> bool:
-        """Gives the sequence slots for its first `num_tokens` tokens; all or nothing. False: not enough blocks."""
-        table = self.tables.setdefault(seq_id, [])
-        have = self.seq_tokens.setdefault(seq_id, 0)
-        self.seq_hashes.setdefault(seq_id, [])
+    def allocate_slots(self, seq_id, token_ids: Sequence[int], num_tokens: int) -> bool:
+        """Gives the sequence slots for its first `num_tokens` tokens; all or nothing. False: not enough blocks.
+
+        `token_ids` are the sequence's known tokens (longer or shorter than `num_tokens`): every block that is
+        full of slots and of known tokens gets its prefix hash registered.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+        if seq_id in self.cpu_tables:
+            raise ValueError(f"sequence {seq_id!r} is swapped out; swap_in before allocating")
+        table = self.tables.get(seq_id, [])
+        have = self.seq_tokens.get(seq_id, 0)
         bs = self.block_size
-        needed = -(-max(num_tokens, self.reserve_tokens) // bs) - len(table)
-        cow = num_tokens > have and have % bs != 0 and self.refcount[table[-1]] > 1
-        if needed + cow > self.num_free_blocks:
+        num_new = max(0, _cdiv(max(num_tokens, self.reserve_tokens), bs) - len(table))
+        # The blocks this call writes into that other sequences also hold must be made private first.
+        shared = [i for i in range(have // bs, min(_cdiv(num_tokens, bs), len(table)))
+                  if self.refcount[table[i]] > 1] if num_tokens > have else []
+        if num_new + len(shared) > self.num_free_blocks:
             return False
-        if cow:  # the shared, partly filled last block is about to be written: copy it
-            src = table[-1]
-            dst = self._allocate()
+        for i in shared:
+            src, table[i] = table[i], self._allocate()
             self._unref(src)
-            table[-1] = dst
-            self.pending_copies.append((src, dst))
-            self.counters["cow"] += 1
-        for _ in range(max(needed, 0)):
-            table.append(self._allocate())
+            if i * bs < have:  # it already holds some of this sequence's tokens: copy them
+                self._record_copy(src, table[i])
+        table.extend(self._allocate() for _ in range(num_new))
+        self.tables[seq_id] = table
         self.seq_tokens[seq_id] = max(have, num_tokens)
-        self._cache_full_blocks(seq_id, token_ids)
+        self.seq_hashes.setdefault(seq_id, [])
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq_id, token_ids)
         return True
 
-    def _cache_full_blocks(self, seq_id, token_ids: list[int]) -> None:
-        """Registers the hashes of the sequence's blocks that are full of known tokens."""
-        if not self.enable_prefix_caching:
-            return
+    def _register_full_blocks(self, seq_id, token_ids: Sequence[int]) -> None:
         bs = self.block_size
         hashes, table = self.seq_hashes[seq_id], self.tables[seq_id]
-        full = min(self.seq_tokens[seq_id], len(token_ids)) // bs
-        for i in range(len(hashes), full):
-            h = chain_hash(hashes[-1] if hashes else None, tuple(token_ids[i * bs:(i + 1) * bs]))
-            hashes.append(h)
-            block = table[i]
-            if h not in self.hash_to_block and block not in self.block_hash:
-                self.hash_to_block[h] = block
-                self.block_hash[block] = h
+        for i in range(len(hashes), min(self.seq_tokens[seq_id], len(token_ids)) // bs):
+            hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
+            self._register(table[i], hashes[-1])
 
     def fork(self, parent_id, child_id) -> None:
-        """The child shares every block of the parent (parallel samples, beams)."""
+        """The child shares every block of the parent (parallel samples, beams) and its token count."""
+        if child_id in self.seq_tokens or child_id in self.tables or child_id in self.cpu_tables:
+            raise ValueError(f"fork: child {child_id!r} already has slots; free it first")
+        if parent_id in self.cpu_tables:
+            raise ValueError(f"fork: parent {parent_id!r} is swapped out")
         table = list(self.tables.get(parent_id, []))
         for block in table:
             self._ref(block)
@@ -196,52 +250,73 @@ class BlockManager:
         self.seq_hashes.pop(seq_id, None)
 
     def pop_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
+        """Copy-on-write (src, dst) device copies recorded since the last call; no dst repeats."""
+        copies = [(src, dst) for dst, src in self.pending_copies.items()]
+        self.pending_copies = {}
         return copies
 
     # ---- swap ---------------------------------------------------------------------------------------------------
 
-    def _distinct(self, tables: list[list[int]]) -> list[int]:
+    @staticmethod
+    def _distinct(tables: Iterable[list[int]]) -> list[int]:
         return list(dict.fromkeys(b for t in tables for b in t))
 
-    def can_swap_out(self, seq_ids) -> bool:
-        return len(self._distinct([self.tables.get(s, []) for s in seq_ids])) <= len(self.cpu_free)
+    def can_swap_out(self, seq_ids: Iterable) -> bool:
+        seq_ids = list(seq_ids)
+        if any(s in self.cpu_tables for s in seq_ids):
+            return False
+        return len(self._distinct(self.block_table(s) for s in seq_ids)) <= len(self.cpu_free)
 
-    def swap_out(self, seq_ids) -> list[tuple[int, int]]:
-        """Moves the group's blocks to the host pool; returns (device block, host block) copies to make."""
+    def swap_out(self, seq_ids: Iterable) -> list[tuple[int, int]]:
+        """Moves a group's blocks to the host pool; returns the (device block, host block) copies to make.
+
+        Blocks that sequences outside the group also hold stay on the device for them (and get copied too).
+        """
+        seq_ids = list(dict.fromkeys(seq_ids))
+        if any(s in self.cpu_tables for s in seq_ids):
+            raise ValueError(f"swap_out: some of {seq_ids} are already swapped out")
         if not self.can_swap_out(seq_ids):
-            raise NoFreeBlocksError("the host swap pool is full")
-        mapping = {b: self.cpu_free.popleft() for b in self._distinct([self.tables[s] for s in seq_ids])}
+            raise NoFreeBlocksError(f"the host swap pool has {len(self.cpu_free)} free blocks; the group needs more")
+        mapping = {b: self.cpu_free.popleft() for b in self._distinct(self.block_table(s) for s in seq_ids)}
+        # A block still waiting for its copy-on-write copy has no content yet: read its source.
+        copies = [(self.pending_copies.get(b, b), c) for b, c in mapping.items()]
         for s in seq_ids:
-            self.cpu_tables[s] = [mapping[b] for b in self.tables[s]]
-            for block in self.cpu_tables[s]:
-                self.cpu_refcount[block] += 1
-            for block in self.tables.pop(s):
+            self.cpu_tables[s] = [mapping[b] for b in self.block_table(s)]
+            for c in self.cpu_tables[s]:
+                self.cpu_refcount[c] += 1
+            for block in reversed(self.tables.pop(s, [])):
                 self._unref(block)
+            self.seq_tokens.setdefault(s, 0)
         self.counters["swapped_out"] += len(mapping)
-        return list(mapping.items())
+        return copies
 
     def is_swapped(self, seq_id) -> bool:
         return seq_id in self.cpu_tables
 
-    def can_swap_in(self, seq_ids) -> bool:
-        return len(self._distinct([self.cpu_tables.get(s, []) for s in seq_ids])) <= self.num_free_blocks
+    def can_swap_in(self, seq_ids: Iterable) -> bool:
+        seq_ids = list(seq_ids)
+        if not all(s in self.cpu_tables for s in seq_ids):
+            return False
+        return len(self._distinct(self.cpu_tables[s] for s in seq_ids)) <= self.num_free_blocks
 
-    def swap_in(self, seq_ids) -> list[tuple[int, int]]:
-        """Brings the group back onto the device; returns (host block, device block) copies to make."""
+    def swap_in(self, seq_ids: Iterable) -> list[tuple[int, int]]:
+        """Brings a swapped group back onto the device; returns the (host block, device block) copies to make."""
+        seq_ids = list(dict.fromkeys(seq_ids))
+        if not all(s in self.cpu_tables for s in seq_ids):
+            raise ValueError(f"swap_in: some of {seq_ids} are not swapped out")
         if not self.can_swap_in(seq_ids):
-            raise NoFreeBlocksError("not enough free device blocks to swap in")
-        mapping = {c: self._allocate() for c in self._distinct([self.cpu_tables[s] for s in seq_ids])}
-        refs: dict[int, int] = {}
+            raise NoFreeBlocksError(f"{self.num_free_blocks} free device blocks are too few to swap the group in")
+        mapping = {c: self._allocate() for c in self._distinct(self.cpu_tables[s] for s in seq_ids)}
         for s in seq_ids:
             self.tables[s] = [mapping[c] for c in self.cpu_tables[s]]
             for c in self.cpu_tables.pop(s):
-                refs[mapping[c]] = refs.get(mapping[c], 0) + 1
                 self._cpu_unref(c)
-        for block, n in refs.items():
+        for block, n in Counter(b for s in seq_ids for b in self.tables[s]).items():
             self.refcount[block] = n  # _allocate set 1; the group's own sharing makes it n
-        for s in seq_ids:  # swapped-in blocks carry no hash: they were new blocks
-            self.seq_hashes[s] = []
+        if self.enable_prefix_caching:  # same tokens, same hashes: cache the new blocks where nobody else is
+            for s in seq_ids:
+                for block, h in zip(self.tables[s], self.seq_hashes.get(s, []), strict=False):
+                    self._register(block, h)
         self.counters["swapped_in"] += len(mapping)
         return list(mapping.items())
 
@@ -253,10 +328,10 @@ class BlockManager:
     # ---- observability ------------------------------------------------------------------------------------------
 
     def stats(self) -> BlockStats:
-        used = sum(1 for r in self.refcount if r > 0)
         return BlockStats(
-            num_blocks=self.num_blocks - 1, num_free=self.num_free_blocks, num_used=used,
-            num_cached=len(self.block_hash), num_shared=sum(1 for r in self.refcount if r > 1),
+            num_blocks=self.num_blocks - 1, num_free=self.num_free_blocks,
+            num_used=sum(1 for r in self.refcount if r > 0), num_cached=len(self.block_hash),
+            num_shared=sum(1 for r in self.refcount if r > 1),
             prefix_cache_queries=self.counters["queries"], prefix_cache_hits=self.counters["hits"],
             num_cpu_blocks=self.num_cpu_blocks, num_cpu_used=self.num_cpu_blocks - len(self.cpu_free),
             swapped_out_blocks=self.counters["swapped_out"], swapped_in_blocks=self.counters["swapped_in"],
@@ -264,25 +339,40 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         """Raises AssertionError describing the first broken invariant of the pool."""
-        counts = [0] * self.num_blocks
-        for table in self.tables.values():
-            for block in table:
-                counts[block] += 1
-        assert counts[0] == 0 and self.refcount[0] == 0, "the null block is in use"
-        assert counts == self.refcount, "refcounts differ from the number of block-table references"
+        n, bs = self.num_blocks, self.block_size
+        counts = Counter(b for t in self.tables.values() for b in t)
+        assert all(0 < b < n for b in counts), f"a block table holds the null block or an id outside 1..{n - 1}"
+        assert all(self.refcount[b] == counts[b] for b in range(n)), "refcounts differ from block-table references"
         free = list(self.free_list)
+        assert all(0 < b < n for b in free), f"the free list holds the null block or an id outside 1..{n - 1}"
         assert len(free) == len(set(free)), "a block is twice in the free list"
         free_set, evictable = set(free), set(self.evictable)
-        for block in range(1, self.num_blocks):
+        for block in range(1, n):
             places = (block in free_set) + (block in evictable) + (self.refcount[block] > 0)
             assert places == 1, f"block {block} is in {places} of free list / evictable cache / in use"
-        assert all(b in self.block_hash for b in evictable), "an evictable block has no hash"
-        assert not (free_set & set(self.block_hash)), "a free-list block still carries a hash"
-        assert {b: h for h, b in self.hash_to_block.items()} == self.block_hash, "hash maps disagree"
-        cpu_counts = [0] * self.num_cpu_blocks
-        for table in self.cpu_tables.values():
-            for block in table:
-                cpu_counts[block] += 1
-        assert cpu_counts == self.cpu_refcount, "host refcounts differ from host block-table references"
-        assert len(self.cpu_free) + sum(1 for r in self.cpu_refcount if r > 0) == self.num_cpu_blocks, \
-            "host blocks leaked"
+        assert NULL_BLOCK not in evictable and NULL_BLOCK not in self.block_hash, "the null block is cached"
+        assert evictable <= set(self.block_hash), "an evictable block has no hash"
+        assert len(self.hash_to_block) == len(self.block_hash) and all(
+            self.block_hash.get(b) == h for h, b in self.hash_to_block.items()), "hash maps disagree"
+        for dst, src in self.pending_copies.items():
+            assert self.refcount[dst] > 0 and 0 < src < n and src != dst, f"bad pending copy {src} -> {dst}"
+        # sequences
+        assert not (self.tables.keys() & self.cpu_tables.keys()), "a sequence is both on device and swapped out"
+        assert self.seq_tokens.keys() == self.tables.keys() | self.cpu_tables.keys(), "token counts of unknown seqs"
+        for s, tokens in self.seq_tokens.items():
+            table = self.tables.get(s, self.cpu_tables.get(s))
+            want = max(_cdiv(tokens, bs), _cdiv(self.reserve_tokens, bs) if self.reserve_tokens else 0)
+            assert _cdiv(tokens, bs) <= len(table) <= want, f"seq {s!r}: {len(table)} blocks for {tokens} tokens"
+            hashes = self.seq_hashes.get(s, [])
+            assert len(hashes) <= tokens // bs, f"seq {s!r} has hashes for blocks it has not filled"
+            if s in self.tables:
+                for i, h in enumerate(hashes):
+                    assert self.block_hash.get(table[i], h) == h, f"seq {s!r}: block {table[i]} has another hash"
+        # host pool
+        cpu_counts = Counter(b for t in self.cpu_tables.values() for b in t)
+        assert all(self.cpu_refcount[b] == cpu_counts[b] for b in range(self.num_cpu_blocks)), \
+            "host refcounts differ from host block-table references"
+        cpu_free = list(self.cpu_free)
+        assert len(cpu_free) == len(set(cpu_free)), "a host block is twice in the host free list"
+        assert set(cpu_free) | set(cpu_counts) == set(range(self.num_cpu_blocks)) and not (
+            set(cpu_free) & set(cpu_counts)), "host blocks leaked or both free and referenced"

@@ -309,16 +309,18 @@ class Engine:
                              seq0.num_cached_prompt_tokens, metrics)
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        if swap_out:
-            k, v = self.runner.read_blocks([d for d, _ in swap_out])
-            for j, (_, h) in enumerate(swap_out):
-                self._host_pool[h] = (k[:, j], v[:, j])
+        # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
+        # already be the target of this step's swap-out.
         if swap_in:
             k = np.stack([self._host_pool[h][0] for h, _ in swap_in], axis=1)
             v = np.stack([self._host_pool[h][1] for h, _ in swap_in], axis=1)
             self.runner.write_blocks([d for _, d in swap_in], k, v)
             for h, _ in swap_in:
                 del self._host_pool[h]
+        if swap_out:
+            k, v = self.runner.read_blocks([d for d, _ in swap_out])
+            for j, (_, h) in enumerate(swap_out):
+                self._host_pool[h] = (k[:, j], v[:, j])
 
     # ---- observability ------------------------------------------------------------------------------------------
 
