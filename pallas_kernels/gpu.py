@@ -76,10 +76,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.validation import validate_ragged_inputs
+
 NEG_INF = -1e30
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_TILE_ROWS = 128  # query rows (tokens x padded group) of one program; bounds the [M, D] f32 accumulator
 MIN_DOT_DIM = 16  # Triton's tensor-core dots need every dimension >= 16
 CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block)
@@ -96,38 +96,6 @@ def query_tile(tile_size: int, num_q_heads: int, num_kv_heads: int) -> int:
     while tq > 1 and tq * group_pow2 > MAX_TILE_ROWS:
         tq //= 2
     return tq
-
-
-def _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, tile_size):
-    if q.ndim != 3 or k_cache.ndim != 5:
-        raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D]; got q{q.shape}, "
-                         f"k_cache{k_cache.shape}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache{k_cache.shape} and v_cache{v_cache.shape} must have the same shape")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported by the Pallas GPU kernel; use one of "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    if kv_dim != head_dim:
-        raise ValueError(f"k_cache head_dim={kv_dim} must equal q's head_dim={head_dim}")
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size={block_size} is not supported by the Pallas GPU kernel; use "
-                         f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {x.dtype} is not supported by the Pallas GPU kernel; use float32 or "
-                             "bfloat16")
-    if tile_size < 1 or num_tokens % tile_size:
-        raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size} (>= 1)")
-    num_seqs = block_tables.shape[0]
-    if context_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"context_lens{context_lens.shape} must be [S] and query_start_loc"
-                         f"{query_start_loc.shape} [S + 1], with S={num_seqs} rows of block_tables")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions{positions.shape} must be [T] with T={num_tokens}")
 
 
 def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq, chunk, sliding_window):
@@ -267,7 +235,8 @@ def ragged_paged_attention_gpu(
     for programs of more than 64 x 128 accumulator elements) and num_stages are Triton's tuning knobs.
     """
     del decode_blocks  # each program reads only the blocks its sequence uses anyway
-    _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, tile_size)
+    validate_ragged_inputs("Pallas GPU kernel", q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           positions, tile_size, SUPPORTED_HEAD_DIMS)
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, width = block_tables.shape

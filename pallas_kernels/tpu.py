@@ -99,10 +99,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.validation import validate_ragged_inputs
+
 NEG_INF = -1e30
 SUPPORTED_HEAD_DIMS = (64, 128)
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_TILE_ROWS = 256  # query rows (tokens x group) of one program; bounds the [Hkv, M, D] f32 accumulator
 CHUNK_TOKENS = 128  # K/V tokens per loop step (NBC = CHUNK_TOKENS // BS blocks), before the VMEM cap below
 CHUNK_BUFFER_BYTES = 1 << 20  # cap on one K or V chunk buffer slot in VMEM (padded tile bytes)
@@ -135,35 +135,9 @@ def chunk_blocks(block_size: int, num_kv_heads: int, head_dim: int, dtype, chunk
 
 def _validate(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions, tile_size,
               sliding_window, soft_cap, chunk_tokens):
-    if q.ndim != 3 or k_cache.ndim != 5:
-        raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D]; got q{q.shape}, "
-                         f"k_cache{k_cache.shape}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache{k_cache.shape} and v_cache{v_cache.shape} must have the same shape")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim={head_dim} is not supported by the Pallas TPU kernel; use one of "
-                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    if kv_dim != head_dim:
-        raise ValueError(f"k_cache head_dim={kv_dim} must equal q's head_dim={head_dim}")
-    if block_size not in SUPPORTED_BLOCK_SIZES:
-        raise ValueError(f"block_size={block_size} is not supported by the Pallas TPU kernel; use one of "
-                         f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {x.dtype} is not supported by the Pallas TPU kernel; use float32 or "
-                             "bfloat16")
-    if tile_size < 1 or num_tokens % tile_size:
-        raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size} (>= 1)")
-    num_seqs = block_tables.shape[0]
-    if block_tables.ndim != 2 or context_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
-        raise ValueError(f"block_tables{block_tables.shape} must be [S, W], context_lens{context_lens.shape} [S] "
-                         f"and query_start_loc{query_start_loc.shape} [S + 1]")
-    if positions.shape != (num_tokens,):
-        raise ValueError(f"positions{positions.shape} must be [T] with T={num_tokens}")
+    validate_ragged_inputs("Pallas TPU kernel", q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
+                           positions, tile_size, SUPPORTED_HEAD_DIMS)
+    block_size = k_cache.shape[2]
     if block_tables.size > MAX_TABLE_ENTRIES:
         raise ValueError(f"block_tables{block_tables.shape} has {block_tables.size} entries; the Pallas TPU kernel "
                          f"keeps the table in SMEM and takes at most {MAX_TABLE_ENTRIES} (sequences x width)")
