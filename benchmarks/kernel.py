@@ -8,9 +8,10 @@ then timed as the median over --samples samples of --reps back-to-back calls. Re
     least memory any implementation must move, against a measured device copy bandwidth (read + write of a large
     array); decode attention is memory-bound, so this ratio is the figure of merit;
   * the largest difference from the reference's output (when the reference fits in memory).
-JAX's bundled kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton, decode only) wants its own layout,
-k/v pages [kv_heads, pages, page_size, head_dim] (converted once, outside the timing), and does no 1/sqrt(d)
-scaling inside, so its q is pre-scaled (inside the timed call). A run needs a CUDA GPU:
+`pallas_gpu` is our kernel with its default flash-decoding splits (`default_kv_splits`), `pallas_gpu_1split` the
+same kernel with none. JAX's bundled kernel (`jax.experimental.pallas.ops.gpu.paged_attention`, Triton, decode
+only) wants its own layout, k/v pages [kv_heads, pages, page_size, head_dim] (converted once, outside the timing),
+and does no 1/sqrt(d) scaling inside, so its q is pre-scaled (inside the timed call). A run needs a CUDA GPU:
 
     python benchmarks/kernel.py                 # the full grid -> benchmarks/results/kernel.json
     python benchmarks/kernel.py --smoke         # tiny sizes on any machine: the reference, and the kernels in
@@ -109,8 +110,12 @@ def implementations(batch: dict, *, decode: bool, interpret: bool) -> dict:
     flat = dict(decode_blocks=batch["decode_blocks"]) if decode else {}
     impls = {
         "reference": (jax.jit(functools.partial(ragged_paged_attention_reference, **common, **flat)), args),
-        "pallas_gpu": (jax.jit(functools.partial(ragged_paged_attention_gpu, **common, interpret=interpret)), args),
+        "pallas_gpu": (jax.jit(functools.partial(ragged_paged_attention_gpu, **common, **flat,
+                                                 interpret=interpret)), args),
     }
+    if decode:  # the same kernel without flash-decoding splits, to see what they buy at each size
+        impls["pallas_gpu_1split"] = (jax.jit(functools.partial(ragged_paged_attention_gpu, **common, **flat,
+                                                                num_kv_splits=1, interpret=interpret)), args)
     if decode:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as bundled
 

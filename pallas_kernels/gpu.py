@@ -35,35 +35,43 @@ Supported: head_dim a power of two from 16 to 256 (64 and 128 tested and lowered
 GQA ratio (a group that is not a power of two runs padded, its extra rows masked).
 
 Inside the kernel every array is a flat view (free reshapes, no copy), so that one load is one gather of rows:
-  q_ref, o_ref             [T * Hq, D]               row t * Hq + q_head
+  q_ref                    [T * Hq, D]               row t * Hq + q_head
+  o_ref                    [T * Hq, D] q.dtype       (splits K > 1: [K * T * Hq, D] float32, split k's rows at
+                                                      k * T * Hq + t * Hq + q_head, normalised over its keys)
+  lse_ref (K > 1 only)     [K * T * Hq] float32      log-sum-exp of each partial row (-1e30 if it saw no key)
   k_ref, v_ref             [L * NB * BS * Hkv, D]    row ((layer * NB + block) * BS + offset) * Hkv + kv_head
   tables_ref               [S * W]                   block_tables, row-major
   tile_seq_ref             [NT]                      sequence of each query tile
   tile_lo_ref, tile_hi_ref [NT]                      first / one-past-last K/V chunk the tile can see
   layer_ref                [1]
 
-Grid: (NT, Hkv), NT = T / tq query tiles of tq consecutive tokens. tq is the largest power of two dividing
-`tile_size` with tq * Gp <= 128 (Gp = the GQA group Hq / Hkv rounded up to a power of two), so a tile never
-straddles two sequences. One program (tile i, kv head h):
+Grid: (NT, Hkv, K), NT = T / tq query tiles of tq consecutive tokens, K = num_kv_splits. tq is the largest power
+of two dividing `tile_size` with tq * Gp <= 128 (Gp = the GQA group Hq / Hkv rounded up to a power of two), so a
+tile never straddles two sequences. One program (tile i, kv head h, split k):
   * loads the tile's queries for kv head h's query heads as one [M, D] block, M = max(16, tq * Gp), row
     r = (token r // Gp of the tile, query head r % Gp of the group); rows of padded heads or tokens are masked;
-  * walks its sequence's K/V in chunks of C = max(64, BS) tokens (several blocks: both dots then have every
-    dimension >= 16, as Triton's tensor-core dots need), from chunk tile_lo to tile_hi. A chunk's rows are
-    gathered through the block table by one masked load for K and one for V, so each K/V block is read once per
-    kv head per query tile, and slots past the context length are not read at all;
+  * walks its share of the sequence's K/V in chunks of C = max(64, BS) tokens (several blocks: both dots then have
+    every dimension >= 16, as Triton's tensor-core dots need): chunks [tile_lo, tile_hi) cut into K contiguous
+    shares of ceil((hi - lo) / K) chunks, the k-th for split k. A chunk's rows are gathered through the block table
+    by one masked load for K and one for V, so each K/V block is read once per kv head per query tile, and slots
+    past the context length are not read at all;
   * keeps an online softmax in float32 (running max m, denominator l, accumulator acc [M, D]); scores are masked
     causally (kv position <= the row's position), by the context length and by the sliding window; q @ K^T and
     p @ V run in the input dtype with float32 accumulation (bf16 tensor cores; f32 inputs use IEEE f32 dots);
-  * writes acc / l for its valid rows; a padding token (position -1) sees nothing and gets 0.
-Every (token, query head) of the output belongs to exactly one program and row, so the whole output is written.
+  * writes acc / l for its valid rows (and, when K > 1, m + log l); a padding token (position -1) sees nothing
+    and gets 0.
+Every (token, query head, split) belongs to exactly one program and row, so the whole output is written. With
+K > 1, XLA merges the K partials (`merge_splits`: weights exp(lse_k - max_k lse_k)), reading K x T x Hq x D
+float32 twice: small beside the K/V a long decode reads.
 
-`decode_blocks` is accepted for the engine's sake and ignored: each program's loop already stops at its
-sequence's context length, so a decode reads only the blocks it uses.
+Splits (flash-decoding): without them a decode batch of S sequences runs S * Hkv programs (64 at batch 8 with 8 kv
+heads), too few to keep an H100's 132 SMs loading. `default_kv_splits` doubles K while the grid has fewer than
+TARGET_PROGRAMS programs and each split keeps at least one chunk, up to 16; it sees only static shapes, so the
+average context comes from `decode_blocks` (the engine's flat-block count of a decode batch) or else from the
+table width. Big batches and prefills get K = 1 and no merge.
 
-Known limits (not measured yet: no GPU was at hand when this was written; see benchmarks/kernel.py):
-  * no split of one sequence's context over several programs (flash-decoding): a decode batch of S sequences
-    runs S * Hkv programs, 64 at batch 8 with 8 kv heads, fewer than an H100's 132 SMs. JAX's bundled decode
-    kernel splits the context 16 ways and may win on small batches with long contexts;
+Known limits (not measured yet: no GPU was lent to the sessions that wrote this; see benchmarks/kernel.py):
+  * TARGET_PROGRAMS, the chunk size and num_warps/num_stages are reasoned, not tuned;
   * a prefill re-reads its sequence's K/V once per query tile (from L2 when it fits).
 """
 
@@ -83,6 +91,11 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_TILE_ROWS = 128  # query rows (tokens x padded group) of one program; bounds the [M, D] f32 accumulator
 MIN_DOT_DIM = 16  # Triton's tensor-core dots need every dimension >= 16
 CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block)
+# Flash-decoding split: when a batch has fewer programs than this, each (tile, kv head) pair's context is split over
+# several programs. About four resident programs on each of an H100's 132 SMs: a memory-bound kernel needs many
+# loads in flight. A guess to tune on the device (benchmarks/kernel.py times splits 1 against the default).
+TARGET_PROGRAMS = 512
+MAX_KV_SPLITS = 16
 
 
 def _next_pow2(n: int) -> int:
@@ -96,6 +109,19 @@ def query_tile(tile_size: int, num_q_heads: int, num_kv_heads: int) -> int:
     while tq > 1 and tq * group_pow2 > MAX_TILE_ROWS:
         tq //= 2
     return tq
+
+
+def default_kv_splits(num_programs: int, chunks_per_seq: int) -> int:
+    """How many programs share one (query tile, kv head)'s context: a power of two, 1 for big batches.
+
+    num_programs: tiles x kv heads without splitting; chunks_per_seq: an estimate of the K/V chunks a sequence
+    holds (a split gets at least one chunk).
+    """
+    splits = 1
+    while (splits < MAX_KV_SPLITS and num_programs * splits < TARGET_PROGRAMS
+           and 2 * splits <= max(1, chunks_per_seq)):
+        splits *= 2
+    return splits
 
 
 def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq, chunk, sliding_window):
@@ -134,8 +160,10 @@ def _paged_attention_kernel(
     k_ref,  # [L * NB * BS * Hkv, D]
     v_ref,  # [L * NB * BS * Hkv, D]
     # outputs
-    o_ref,  # [T * Hq, D]
+    o_ref,  # [T * Hq, D] q.dtype; with splits: [splits * T * Hq, D] float32, this split's normalised partial
+    lse_ref=None,  # with splits only: [splits * T * Hq] float32, log-sum-exp of each partial (NEG_INF if empty)
     *,
+    num_splits: int,
     tq: int,
     group: int,
     group_pow2: int,
@@ -152,7 +180,9 @@ def _paged_attention_kernel(
 ):
     tile = pl.program_id(0)
     kv_head = pl.program_id(1)
+    split = pl.program_id(2)
     head_dim = q_ref.shape[-1]
+    num_rows = q_ref.shape[0]  # T * Hq
 
     seq = tile_seq_ref[tile]
     context_len = context_lens_ref[seq]
@@ -166,7 +196,7 @@ def _paged_attention_kernel(
     token = tile * tq + jnp.minimum(tok, tq - 1)  # [M]
     # [M] rows of q_ref and o_ref. A padded row points past the end: masked, it is never read or written, and
     # (unlike a clamped index) it cannot alias a real row, which matters to the interpreter's masked store.
-    q_rows = jnp.where(row_ok, token * num_q_heads + kv_head * group + g, o_ref.shape[0] + r)
+    q_rows = jnp.where(row_ok, token * num_q_heads + kv_head * group + g, num_rows * num_splits + r)
     row_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
     # Loads index rows and columns with two broadcast integer arrays: Triton turns them into pointer offsets (64-bit
     # when the array passes 4 GiB), and the interpreter into a numpy-style gather.
@@ -205,9 +235,22 @@ def _paged_attention_kernel(
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(tile_lo_ref[tile], tile_hi_ref[tile], body, init)
-    out = acc / jnp.where(denom == 0.0, 1.0, denom)[:, None]  # rows that saw nothing (padding) give 0
-    plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_mask)
+    # This split's share of the tile's chunks [lo, hi): ceil((hi - lo) / splits) each; the last may be short or empty.
+    lo, hi = tile_lo_ref[tile], tile_hi_ref[tile]
+    per_split = (hi - lo + num_splits - 1) // num_splits
+    split_lo = jnp.minimum(lo + split * per_split, hi)
+    split_hi = jnp.minimum(split_lo + per_split, hi)
+    m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, body, init)
+    seen = denom > 0.0
+    out = acc / jnp.where(seen, denom, 1.0)[:, None]  # rows that saw nothing (padding, an empty split) give 0
+    if num_splits == 1:
+        plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_mask)
+    else:
+        # Partials of split k live at rows k * T * Hq + row; padded rows stay past the end of the buffer.
+        part_rows = jnp.where(row_ok, q_rows + split * num_rows, q_rows)
+        plgpu.store(o_ref.at[part_rows[:, None], cols], out, mask=row_mask)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), NEG_INF)
+        plgpu.store(lse_ref.at[part_rows], lse, mask=row_ok)
 
 
 def ragged_paged_attention_gpu(
@@ -225,16 +268,18 @@ def ragged_paged_attention_gpu(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_blocks: int | None = None,
+    num_kv_splits: int | None = None,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int = 2,
 ) -> jax.Array:
     """Ragged paged attention over the stacked pool; arguments and result as the reference's (module docstring).
 
-    interpret=True runs the kernel in Pallas' interpreter (any backend, CPU included). num_warps (default: 4, or 8
-    for programs of more than 64 x 128 accumulator elements) and num_stages are Triton's tuning knobs.
+    num_kv_splits: programs per (query tile, kv head), each over a contiguous share of the context's chunks
+    (flash-decoding); None picks `default_kv_splits` from the static shapes (decode_blocks, when given, tells the
+    average context). interpret=True runs the kernel in Pallas' interpreter (any backend, CPU included). num_warps
+    (default: 4, or 8 for programs of more than 64 x 128 accumulator elements) and num_stages are Triton's knobs.
     """
-    del decode_blocks  # each program reads only the blocks its sequence uses anyway
     validate_ragged_inputs("Pallas GPU kernel", q, k_cache, v_cache, block_tables, context_lens, query_start_loc,
                            positions, tile_size, SUPPORTED_HEAD_DIMS)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -246,6 +291,12 @@ def ragged_paged_attention_gpu(
     rows = max(MIN_DOT_DIM, tq * group_pow2)
     chunk = max(CHUNK_TOKENS, block_size)
     num_tiles = num_tokens // tq
+    if num_kv_splits is None:
+        # Blocks a sequence holds: the average in use for a decode batch (decode_blocks over S), else the width.
+        blocks = -(-decode_blocks // num_seqs) if decode_blocks is not None else width
+        num_kv_splits = default_kv_splits(num_tiles * num_kv_heads, -(-blocks * block_size // chunk))
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
 
     block_tables = block_tables.astype(jnp.int32)
     context_lens = context_lens.astype(jnp.int32)
@@ -257,14 +308,20 @@ def ragged_paged_attention_gpu(
         _paged_attention_kernel, tq=tq, group=group, group_pow2=group_pow2, rows=rows, chunk=chunk,
         block_size=block_size, num_blocks=num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         width=width, scale=float(scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap))
+        soft_cap=None if soft_cap is None else float(soft_cap), num_splits=num_kv_splits)
     if num_warps is None:
         num_warps = 4 if rows * head_dim <= 64 * 128 else 8
     kv_rows = num_layers * num_blocks * block_size * num_kv_heads
+    q_rows = num_tokens * num_q_heads
+    if num_kv_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((q_rows, head_dim), q.dtype)
+    else:  # float32 partials and their log-sum-exps, merged below
+        out_shape = (jax.ShapeDtypeStruct((num_kv_splits * q_rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_kv_splits * q_rows,), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype),
+        grid=(num_tiles, num_kv_heads, num_kv_splits),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
@@ -273,4 +330,16 @@ def ragged_paged_attention_gpu(
         context_lens, positions, q.reshape(num_tokens * num_q_heads, head_dim),
         k_cache.reshape(kv_rows, head_dim), v_cache.reshape(kv_rows, head_dim),
     )
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+    if num_kv_splits > 1:
+        out = merge_splits(out[0].reshape(num_kv_splits, q_rows, head_dim), out[1].reshape(num_kv_splits, q_rows))
+    return out.astype(q.dtype).reshape(num_tokens, num_q_heads, head_dim)
+
+
+def merge_splits(parts: jax.Array, lse: jax.Array) -> jax.Array:
+    """Softmax-weighted sum of per-split results: parts [K, R, D] f32 (each normalised over its own keys), lse
+    [K, R] f32 (log of each split's softmax denominator, NEG_INF where it saw no key) -> [R, D] float32.
+
+    A row no split saw (padding) has all parts 0 and comes out 0.
+    """
+    weights = jnp.exp(lse - jnp.max(lse, axis=0, keepdims=True))  # [K, R], 0 for empty splits of a seen row
+    return jnp.sum(weights[..., None] * parts, axis=0) / jnp.sum(weights, axis=0)[:, None]

@@ -99,33 +99,79 @@ def test_kernel_reads_the_given_layer_of_the_stacked_pool():
 
 
 def _poisoned_pallas_call(real_pallas_call):
-    """pallas_call whose output buffer starts as NaN (aliased to a NaN input), as uninitialised GPU memory may."""
+    """pallas_call whose output buffers start as NaN (aliased to NaN inputs), as uninitialised GPU memory may."""
 
     def pallas_call(body, *, out_shape, **kwargs):
+        shapes = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+
         def run(*args):
             def body_with_init(*refs):
-                *inputs, _init_ref, out_ref = refs
-                body(*inputs, out_ref)
+                split = len(refs) - 2 * len(shapes)
+                body(*refs[:split], *refs[split + len(shapes):])  # inputs, then the outputs (not the NaN inits)
 
-            call = real_pallas_call(body_with_init, out_shape=out_shape, input_output_aliases={len(args): 0},
-                                    **kwargs)
-            return call(*args, jnp.full(out_shape.shape, jnp.nan, out_shape.dtype))
+            aliases = {len(args) + i: i for i in range(len(shapes))}
+            call = real_pallas_call(body_with_init, out_shape=out_shape, input_output_aliases=aliases, **kwargs)
+            return call(*args, *(jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes))
 
         return run
 
     return pallas_call
 
 
-def test_every_output_row_is_written(monkeypatch):
-    """With the output buffer poisoned, rows of real and padding tokens alike come back finite (written)."""
+@pytest.mark.parametrize("splits", [1, 4])
+def test_every_output_row_is_written(monkeypatch, splits):
+    """With the output buffers poisoned, rows of real and padding tokens alike come back finite (written)."""
     monkeypatch.setattr(gpu.pl, "pallas_call", _poisoned_pallas_call(pl.pallas_call))
-    case = build_case([(17, 1), (9, 9), (40, 3)], num_q_heads=6, num_kv_heads=2, block_size=8, tile_size=1,
+    case = build_case([(170, 1), (9, 9), (40, 3)], num_q_heads=6, num_kv_heads=2, block_size=8, tile_size=1,
                       num_padding_seqs=2, num_padding_tokens=3, seed=16)
-    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), interpret=True))
+    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True))
     # The poison is real: a kernel that writes nothing leaves every row NaN.
     monkeypatch.setattr(gpu, "_paged_attention_kernel", lambda *refs, **_: None)
-    out = gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), interpret=True)
+    out = gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True)
     assert np.isnan(np.asarray(out)).all()
+
+
+# Contexts of several 64-token chunks, so that every split has work, some splits none (1 chunk, 3 splits), and
+# shares end mid-block.
+SPLIT_DECODE_LENS = [1, 8, 9, 64, 65, 150, 257]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_kernel_splits_a_decode_context_over_programs(splits, dtype):
+    """Flash-decoding: each split's partial softmax, merged by log-sum-exp, equals attention over the whole context."""
+    case = decode_case(SPLIT_DECODE_LENS, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
+                       num_padding_seqs=1, num_padding_tokens=1, seed=20 + splits)
+    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True))
+
+
+def test_split_prefill_tiles_and_sliding_window():
+    """Splits apply to prefill tiles too, and a window's lower edge (tile_lo > 0) is split like the rest."""
+    prefill = prefill_case([(150, 20), (100, 100), (70, 1)], num_q_heads=4, num_kv_heads=2, block_size=8,
+                           num_padding_seqs=1, seed=23)
+    check(prefill, gpu.ragged_paged_attention_gpu(*prefill.args, **prefill.kwargs(), num_kv_splits=4,
+                                                  interpret=True))
+    decode = decode_case(SPLIT_DECODE_LENS, num_q_heads=4, num_kv_heads=2, block_size=8, seed=24)
+    out = gpu.ragged_paged_attention_gpu(*decode.args, **decode.kwargs(sliding_window=100), num_kv_splits=4,
+                                         interpret=True)
+    check(decode, out, sliding_window=100)
+
+
+def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch):
+    assert gpu.default_kv_splits(num_programs=8 * 8, chunks_per_seq=128) == 8  # batch 8 x 8 kv heads: 512 programs
+    assert gpu.default_kv_splits(num_programs=2, chunks_per_seq=1000) == gpu.MAX_KV_SPLITS
+    assert gpu.default_kv_splits(num_programs=64, chunks_per_seq=3) == 2  # every split keeps a chunk
+    assert gpu.default_kv_splits(num_programs=64, chunks_per_seq=1) == 1
+    assert gpu.default_kv_splits(num_programs=128 * 8, chunks_per_seq=128) == 1  # a big batch fills the device
+    # The wrapper estimates a sequence's chunks from decode_blocks (blocks in use) when given, else the table width.
+    case = decode_case([5, 9], num_q_heads=2, num_kv_heads=1, block_size=16, width=64, seed=25)
+    seen = []
+    monkeypatch.setattr(gpu, "default_kv_splits", lambda n, chunks: seen.append((n, chunks)) or 1)
+    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), interpret=True)
+    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(decode_blocks=2), interpret=True)
+    assert seen == [(2, 64 * 16 // 64), (2, 1)]  # 2 tiles x 1 kv head; 16 chunks of the table, 1 in use
+    with pytest.raises(ValueError, match="num_kv_splits=0 must be >= 1"):
+        gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=0, interpret=True)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -165,9 +211,11 @@ ENGINE_SHAPES = [  # (q heads, kv heads, head_dim): SmolLM2-135M and a Llama-3-8
 ]
 
 
-@pytest.mark.parametrize("tile_size, num_tokens, num_seqs", [(1, 32, 32), (16, 256, 16)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("tile_size, num_tokens, num_seqs, splits",
+                         [(1, 32, 32, None), (1, 4, 4, 8), (16, 256, 16, None)],
+                         ids=["decode", "decode-split", "prefill"])
 @pytest.mark.parametrize("heads", ENGINE_SHAPES, ids=lambda h: f"{h[0]}q{h[1]}kv-d{h[2]}")
-def test_kernel_lowers_for_cuda_without_a_gpu(heads, tile_size, num_tokens, num_seqs):
+def test_kernel_lowers_for_cuda_without_a_gpu(heads, tile_size, num_tokens, num_seqs, splits):
     """jax.export(platforms=['cuda']) runs the Pallas -> Triton lowering, which enforces Triton's static rules."""
     from jax import export
 
@@ -179,7 +227,8 @@ def test_kernel_lowers_for_cuda_without_a_gpu(heads, tile_size, num_tokens, num_
             sds((num_seqs, width), jnp.int32), sds((num_seqs,), jnp.int32), sds((num_seqs + 1,), jnp.int32),
             sds((num_tokens,), jnp.int32))
     fn = jax.jit(functools.partial(paged_attention, scale=d ** -0.5, tile_size=tile_size,
-                                   decode_blocks=64 if tile_size == 1 else None, implementation="pallas_gpu"))
+                                   decode_blocks=64 if tile_size == 1 else None, num_kv_splits=splits,
+                                   implementation="pallas_gpu"))
     # Triton calls carry no serialization-compatibility guarantee; only the lowering is wanted here.
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
     with warnings.catch_warnings():
