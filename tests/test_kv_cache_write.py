@@ -1,0 +1,68 @@
+"""The K/V cache write stays in place: XLA's scatter into the donated pool, no copy of the pool per step.
+
+The step function writes each layer's new K/V rows with `.at[slots].set` on the pool carried through the layer loop,
+and the pool arguments are donated. Shown two ways, on CPU (the platform tests run on):
+  * the compiled HLO of every step shape aliases the pool inputs to the pool outputs (`input_output_alias`) and has
+    no `copy` of a pool-shaped array;
+  * at run time the pool keeps its device buffer: the step's output pool is the input's memory, and the input
+    array is deleted (donated), so an engine step never holds two pools.
+The block copy (copy-on-write) and swap-in write functions are held to the same rule.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from tests.tiny import random_params, random_prompts, tiny_config
+
+
+@pytest.fixture(scope="module")
+def llm():
+    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
+    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False)
+
+
+def _pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
+    dims = ",".join(map(str, pool_shape))
+    return [line.strip() for line in hlo.splitlines() if re.search(rf"\[{dims}\]", line) and " copy(" in line]
+
+
+def test_every_step_shape_writes_the_pool_in_place(llm):
+    runner = llm.engine.runner
+    llm.generate([{"prompt_token_ids": p} for p in random_prompts(3, 5, 30, seed=1)],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    executables = runner._executables
+    assert len(executables) >= 2, "expected a prefill and a decode shape"
+    # Arguments are flattened: the params' leaves first, then k_cache and v_cache.
+    pool_params = {len(jax.tree.leaves(runner.params)), len(jax.tree.leaves(runner.params)) + 1}
+    for key, executable in executables.items():
+        hlo = executable.as_text()
+        aliased = {int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}", hlo.splitlines()[0])}
+        assert pool_params <= aliased, (key, hlo.splitlines()[0][:200])
+        assert _pool_copies(hlo, runner.k_cache.shape) == [], key
+
+
+def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
+    runner = llm.engine.runner
+    k_before, v_before = runner.k_cache, runner.v_cache
+    pointers = (k_before.unsafe_buffer_pointer(), v_before.unsafe_buffer_pointer())
+    outputs = llm.generate([{"prompt_token_ids": random_prompts(1, 20, 20, seed=2)[0]}],
+                           SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outputs[0].outputs[0].token_ids) == 3
+    assert k_before.is_deleted() and v_before.is_deleted()  # donated to the step
+    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == pointers
+
+    # Copy-on-write block copies and swap-in writes: in place too, and they do what they say.
+    k_host = np.asarray(runner.k_cache[:, 3])
+    runner.copy_blocks([(3, 7)])
+    np.testing.assert_array_equal(np.asarray(runner.k_cache[:, 7]), k_host)
+    blocks = np.arange(2 * 1 * 8 * 2 * 8, dtype=np.float32).reshape(2, 1, 8, 2, 8)
+    runner.write_blocks([9], blocks, -blocks)
+    np.testing.assert_array_equal(np.asarray(runner.v_cache[:, 9:10]), -blocks)
+    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == pointers
