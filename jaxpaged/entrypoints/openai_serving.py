@@ -89,10 +89,7 @@ class OpenAIServing:
             else:
                 prompts.append(_Prompt(None, list(p)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
-        params = body.sampling_params(max_tokens, body.logprobs)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, prompts, params)
-        ctx = _Context(request_id, model, int(time.time()), body.n, prompts, streams, self)
+        ctx = await self._start("cmpl", model, body.n, prompts, body.sampling_params(max_tokens, body.logprobs))
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -104,7 +101,7 @@ class OpenAIServing:
                                 "logprobs": self._completion_logprobs(o, 0, len(echo))
                                 if body.logprobs is not None else None,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-        return {"id": request_id, "object": "text_completion", "created": ctx.created, "model": model,
+        return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage(finals)}
 
     async def chat(self, body: ChatCompletionRequest) -> dict | ChunkStream:
@@ -118,17 +115,15 @@ class OpenAIServing:
             raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from e
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
-        params = body.sampling_params(max_tokens, body.engine_logprobs)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, prompts, params)
-        ctx = _Context(request_id, model, int(time.time()), body.n, prompts, streams, self)
+        ctx = await self._start("chatcmpl", model, body.n, prompts,
+                                body.sampling_params(max_tokens, body.engine_logprobs))
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                     "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
-        return {"id": request_id, "object": "chat.completion", "created": ctx.created, "model": model,
+        return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage([out])}
 
     # ---- streaming ----------------------------------------------------------------------------------------------
@@ -230,6 +225,12 @@ class OpenAIServing:
                     f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). Please reduce "
                     f"the length of the {what} or completion.", param="max_tokens", code="context_length_exceeded")
         return max_tokens
+
+    async def _start(self, id_prefix: str, model: str, n: int, prompts: list[_Prompt], params) -> _Context:
+        """Submits the prompts as one OpenAI request, id `<id_prefix>-<hex>`; the context merges their streams."""
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, prompts, params)
+        return _Context(request_id, model, int(time.time()), n, prompts, streams, self)
 
     async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
         streams: list[RequestStream] = []
