@@ -206,3 +206,12 @@ def decode_case(context_lens: list[int], **kwargs) -> AttentionCase:
 def prefill_case(seqs: list[tuple[int, int]], **kwargs) -> AttentionCase:
     """A prefill batch with 16-token tiles: whole prompts (q_len == context_len) and chunks (q_len < context_len)."""
     return build_case(seqs, tile_size=16, **kwargs)
+
+
+def shape_args(*, block_size: int = 16, head_dim: int = 64, q_heads: int = 2, kv_heads: int = 1,
+               dtype=jnp.float32) -> tuple:
+    """Positional arguments of a one-sequence, two-token batch with the given shapes (zeros): for argument checks."""
+    k = jnp.zeros((1, 4, block_size, kv_heads, head_dim), dtype)  # [L, NB, BS, Hkv, D]
+    q = jnp.zeros((2, q_heads, head_dim), dtype)
+    return (q, k, k, 0, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros(2, jnp.int32),
+            jnp.zeros(2, jnp.int32))

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kernels.gpu as gpu
 from pallas_kernels.attention import IMPLEMENTATIONS, paged_attention
-from tests.attention_cases import build_case, decode_case, prefill_case, tolerance
+from tests.attention_cases import build_case, decode_case, prefill_case, shape_args, tolerance
 
 STATIC = ("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks")
 kernel = jax.jit(functools.partial(paged_attention, implementation="pallas_interpret"), static_argnames=STATIC)
@@ -179,13 +179,8 @@ def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch
     (dict(head_dim=48), "head_dim=48 is not supported.*64, 128"),
 ], ids=["block_size", "head_dim"])
 def test_unsupported_shapes_are_clear_errors(change, message):
-    shape = dict(layers=1, blocks=4, block_size=16, kv_heads=1, head_dim=64) | change
-    k = jnp.zeros(tuple(shape.values()), jnp.float32)
-    q = jnp.zeros((2, 2, shape["head_dim"]), jnp.float32)
-    ints = jnp.zeros(1, jnp.int32)
     with pytest.raises(ValueError, match=message):
-        gpu.ragged_paged_attention_gpu(q, k, k, 0, jnp.zeros((1, 2), jnp.int32), ints, jnp.zeros(2, jnp.int32),
-                                       jnp.zeros(2, jnp.int32), scale=0.1, interpret=True)
+        gpu.ragged_paged_attention_gpu(*shape_args(**change), scale=0.1, interpret=True)
 
 
 def test_token_count_must_be_a_multiple_of_the_tile():

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_kernels.tpu as tpu
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.attention_cases import build_case, decode_case, prefill_case, tolerance
+from tests.attention_cases import build_case, decode_case, prefill_case, shape_args, tolerance
 
 STATIC = ("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks", "chunk_tokens", "interpret")
 # The interpreted kernel is a large XLA program: without backend optimisation it compiles in half the time.
@@ -167,13 +167,8 @@ def test_tpu_interpreter_poisons_unwritten_outputs(tpu_interpreter, monkeypatch)
     (dict(q_heads=4, kv_heads=3), "num_q_heads=4 must be a multiple of num_kv_heads=3"),
 ], ids=["block_size", "head_dim", "dtype", "heads"])
 def test_unsupported_shapes_are_clear_errors(change, message):
-    shape = dict(block_size=16, head_dim=64, q_heads=2, kv_heads=1, dtype=jnp.float32) | change
-    k = jnp.zeros((1, 4, shape["block_size"], shape["kv_heads"], shape["head_dim"]), shape["dtype"])
-    q = jnp.zeros((2, shape["q_heads"], shape["head_dim"]), shape["dtype"])
-    ints = jnp.zeros(1, jnp.int32)
     with pytest.raises(ValueError, match=message):
-        tpu.ragged_paged_attention_tpu(q, k, k, 0, jnp.zeros((1, 2), jnp.int32), ints, jnp.zeros(2, jnp.int32),
-                                       jnp.zeros(2, jnp.int32), scale=0.1, interpret=True)
+        tpu.ragged_paged_attention_tpu(*shape_args(**change), scale=0.1, interpret=True)
 
 
 def test_token_count_must_be_a_multiple_of_the_tile():
