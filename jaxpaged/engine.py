@@ -79,7 +79,7 @@ class Engine:
     def _num_cpu_blocks(self, cache: CacheConfig) -> int:
         if cache.swap_space <= 0:
             return 0
-        return int(cache.swap_space * 2**30 // self.runner.block_bytes)
+        return int(cache.swap_space * 2**30 // self.runner.host_block_bytes)
 
     # ---- requests -----------------------------------------------------------------------------------------------
 

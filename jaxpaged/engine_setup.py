@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, ModelConfig, SchedulerConfig, parse_bytes
-from jaxpaged.model_runner import ModelRunner
+from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +124,8 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
 
     dtype = jnp.dtype(config.dtype)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    itemsize = dtype.itemsize
-    block_bytes = (2 * model_config.num_layers * cache.block_size * model_config.num_kv_heads
-                   * model_config.head_dim * itemsize)
+    # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
+    block_bytes = pool_block_bytes(model_config, cache.block_size, dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -145,7 +144,6 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
                          attention_fn=attention_fn(config.attention_backend), cache_dtype=dtype)
-    runner.block_bytes = block_bytes
     return runner, cache, sched, max_model_len
 
 

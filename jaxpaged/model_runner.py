@@ -6,6 +6,12 @@ request's length never reaches a jitted shape:
                  flat list of B blocks, B in `flat_block_buckets(S)` (the blocks in use, rounded up)
   prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / 16), block-table width W in
                  `width_buckets`, tile 16
+
+The pool's device layout (`pool_format`): on TPU the pool is allocated, and passes through every jitted function
+that takes it (the step, the block copy, the swap-in write), in an explicit row-major format, the layout the Pallas
+TPU kernel's custom call takes; a pool in XLA's default TPU layout for head_dim 64 would be copied whole, in and
+out, on every step. Row-major TPU tiles pad the pool's (Hkv, D) dimensions, so a block's HBM bytes are measured from
+XLA (`pool_block_bytes`) rather than counted. CPU and GPU keep their default layouts (already row-major).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.layout import Format, Layout
 
 from jaxpaged import sampler
 from jaxpaged.config import ModelConfig
@@ -77,7 +84,7 @@ class Batch:
                 self.decode_blocks)
 
 
-def _step(params, k_cache, v_cache, batch, *, config, attention_fn, tile_size, decode_blocks):
+def _step(params, k_cache, v_cache, batch, tile_size, decode_blocks, *, config, attention_fn):
     if decode_blocks is not None:
         attention_fn = functools.partial(attention_fn, decode_blocks=decode_blocks)
     logits, k_cache, v_cache = llama.forward(params, k_cache, v_cache, batch, config=config,
@@ -95,6 +102,93 @@ def _write_blocks(k_cache, v_cache, dst, k_blocks, v_blocks):
     return k_cache.at[:, dst].set(k_blocks), v_cache.at[:, dst].set(v_blocks)
 
 
+# ---- the pool's device format ----------------------------------------------------------------------------------------
+
+ROW_MAJOR_POOL = Layout(major_to_minor=(0, 1, 2, 3, 4))  # of [L, NB, BS, Hkv, D]
+
+
+def pool_format(device: jax.Device) -> Format | None:
+    """The K/V pool's explicit format on `device`: row-major on TPU, None (the default layout) elsewhere.
+
+    The Pallas TPU kernel's custom call takes the pool row-major, and XLA's default TPU layout for head_dim 64 puts
+    the block axis minor-most: every step would copy both pools to row-major and back (pallas_kernels/tpu.py, "The
+    pool's HBM layout"). CPU and GPU default layouts are row-major already.
+    """
+    if device.platform != "tpu":
+        return None
+    return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
+
+
+def jit_step(config: ModelConfig, attention_fn, fmt: Format | None):
+    """The jitted step: (params, k_cache, v_cache, batch, tile_size, decode_blocks) -> (sampled, k_cache, v_cache).
+
+    The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
+    outputs live on its device. Statics are passed by position (`lower_step`): with in_shardings, jit takes no
+    keyword arguments.
+    """
+    step = functools.partial(_step, config=config, attention_fn=attention_fn)
+    if fmt is None:
+        return jax.jit(step, static_argnames=Batch.STATIC, donate_argnums=(1, 2))
+    device = fmt.sharding
+    return jax.jit(step, static_argnames=Batch.STATIC, donate_argnums=(1, 2),
+                   in_shardings=(device, fmt, fmt, device), out_shardings=(device, fmt, fmt))
+
+
+def jit_pool_update(fn, fmt: Format | None, num_args: int):
+    """jit of fn(k_cache, v_cache, *indices_and_blocks) -> (k_cache, v_cache), the pool donated and kept in `fmt`."""
+    if fmt is None:
+        return jax.jit(fn, donate_argnums=(0, 1))
+    rest = (fmt.sharding,) * (num_args - 2)
+    return jax.jit(fn, donate_argnums=(0, 1), in_shardings=(fmt, fmt, *rest), out_shardings=(fmt, fmt))
+
+
+def _zeros_in(shape: tuple[int, ...], dtype, fmt: Format):
+    """A jitted function returning zeros created in `fmt` (jnp.zeros then device_put would first hold a pool in the
+    default layout beside the one in `fmt`)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=fmt)
+
+
+def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | None) -> jax.Array:
+    """A zero-filled pool [L, NB, BS, Hkv, D], in `fmt` if given."""
+    return jnp.zeros(shape, dtype) if fmt is None else _zeros_in(shape, dtype, fmt)()
+
+
+def pool_block_bytes(config: ModelConfig, block_size: int, dtype, fmt: Format | None) -> int:
+    """Device bytes of one block of the K and V pools together, all layers.
+
+    Default layout: the logical 2 * L * BS * Hkv * D * itemsize. With a format: XLA's own count, the output bytes
+    of the compiled allocation of a 2-block pool minus a 1-block pool (compile only, nothing is allocated), so the
+    padding of the format's tiles is counted: on TPU v5e a row-major bfloat16 (Hkv, D) = (3, 64) is tiled
+    (4, 128), 2.67x the logical bytes.
+    """
+    per_block = config.num_layers * block_size * config.num_kv_heads * config.head_dim * jnp.dtype(dtype).itemsize
+    if fmt is None:
+        return 2 * per_block
+
+    def allocated(num_blocks: int) -> int:
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        return _zeros_in(shape, dtype, fmt).lower().compile().memory_analysis().output_size_in_bytes
+
+    return 2 * (allocated(2) - allocated(1))
+
+
+def dummy_batch(t: int, s: int, w: int, tile: int, decode_blocks: int | None) -> Batch:
+    """An all-padding batch of one step shape: T tokens, S sequences, block-table width W."""
+    return Batch(
+        token_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32),
+        block_tables=np.zeros((s, w), np.int32), context_lens=np.zeros(s, np.int32),
+        query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
+        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
+        min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
+        step=np.zeros(s, np.int32), want_logprobs=np.array(False),
+        banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile, decode_blocks=decode_blocks)
+
+
+def lower_step(step_fn, params, k_cache, v_cache, batch: Batch):
+    """Lowers the step for one batch shape; the arguments may be arrays or jax.ShapeDtypeStructs."""
+    return step_fn.lower(params, k_cache, v_cache, batch.device_dict(), batch.tile_size, batch.decode_blocks)
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, num_blocks: int, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, attention_fn, cache_dtype):
@@ -104,9 +198,13 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        self.pool_format = pool_format(jax.devices()[0])  # None off TPU
+        # One block of K and V, all layers: in device memory (tile padding included) and swapped out to the host.
+        self.block_bytes = pool_block_bytes(config, block_size, cache_dtype, self.pool_format)
+        self.host_block_bytes = pool_block_bytes(config, block_size, cache_dtype, None)
         # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
-        self.k_cache = jnp.zeros(shape, cache_dtype)  # [L, NB, BS, Hkv, D]
-        self.v_cache = jnp.zeros(shape, cache_dtype)
+        self.k_cache = zeros_pool(shape, cache_dtype, self.pool_format)  # [L, NB, BS, Hkv, D]
+        self.v_cache = zeros_pool(shape, cache_dtype, self.pool_format)
         max_width = -(-max_model_len // block_size)
         self.max_width = max_width
         self.width_buckets = pow2_buckets(min(4, max_width), max_width)
@@ -114,11 +212,9 @@ class ModelRunner:
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
-        self._step_fn = jax.jit(
-            functools.partial(_step, config=config, attention_fn=attention_fn),
-            static_argnames=Batch.STATIC, donate_argnums=(1, 2))
-        self._copy_fn = jax.jit(_copy_blocks, donate_argnums=(0, 1))
-        self._write_fn = jax.jit(_write_blocks, donate_argnums=(0, 1))
+        self._step_fn = jit_step(config, attention_fn, self.pool_format)
+        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=4)
+        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=5)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
 
@@ -143,7 +239,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         for shape in tqdm(self.all_shapes(), desc="compiling step shapes", disable=not progress):
-            self._executable(self._dummy_batch(*shape))
+            self._executable(dummy_batch(*shape))
         self.warmed_up = True
         return time.perf_counter() - t0
 
@@ -152,24 +248,13 @@ class ModelRunner:
         if key not in self._executables:
             if self.warmed_up:
                 logger.warning("compiling a new step shape after start-up: %s", key)
-            lowered = self._step_fn.lower(self.params, self.k_cache, self.v_cache, batch.device_dict(),
-                                          tile_size=batch.tile_size, decode_blocks=batch.decode_blocks)
+            lowered = lower_step(self._step_fn, self.params, self.k_cache, self.v_cache, batch)
             self._executables[key] = lowered.compile()
         return self._executables[key]
 
     @property
     def compiled_shapes(self) -> set[tuple]:
         return set(self._executables)
-
-    def _dummy_batch(self, t: int, s: int, w: int, tile: int, decode_blocks: int | None) -> Batch:
-        return Batch(
-            token_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32),
-            block_tables=np.zeros((s, w), np.int32), context_lens=np.zeros(s, np.int32),
-            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
-            temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
-            min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
-            step=np.zeros(s, np.int32), want_logprobs=np.array(False),
-            banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile, decode_blocks=decode_blocks)
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
@@ -192,7 +277,7 @@ class ModelRunner:
             num_tokens = num_seqs = pick_bucket(self.decode_buckets, n)
             width, decode_blocks = self.max_width, pick_bucket(self.flat_block_buckets(num_seqs), sum(blocks))
 
-        b = self._dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks)
+        b = dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks)
         start = 0
         for i, (sched, length) in enumerate(zip(out.scheduled, lengths, strict=True)):
             seq, m = sched.seq, sched.num_new_tokens

@@ -62,13 +62,17 @@ DMAd whole, so no kv-head slice of a tiled dimension is ever taken in HBM (3 kv 
 8-row tile), and the per-head view k_buf[s, :, :, h, :] is a strided VMEM load. Nothing of the pool is padded or
 copied by this function.
 
-The pool's HBM layout (the engine's business, measured with libtpu 0.0.42 for v5e): the custom call takes the pool
+The pool's HBM layout (measured with libtpu 0.0.42's compile-only client for v5e): the custom call takes the pool
 row-major. For head_dim 128 that is XLA's default TPU layout. For head_dim 64 it is not: XLA's default puts the
-block axis minor-most (major_to_minor (0, 2, 3, 4, 1)), and a pool in that layout is copied whole on every call
-(2 x 940 MiB of temporaries at 30 layers x 1000 blocks of SmolLM2 in bfloat16). The engine must allocate the pool
-and pass it through its jitted step with an explicit row-major format,
-`jax.experimental.layout.Format(Layout(major_to_minor=(0, 1, 2, 3, 4)), sharding)`; XLA then tiles (Hkv, D) =
-(3, 64) as (4, 128), i.e. the pool takes 2.7x its logical bytes in HBM (a TPU-first pool layout would fix that).
+block axis minor-most (major_to_minor (0, 2, 3, 4, 1)), and a step given a pool in that layout copies both pools to
+row-major on the way in and back on the way out (four whole-pool copies per step, 939 MiB of temporaries for SmolLM2
+at 30 layers x 1000 blocks in bfloat16). So on TPU the engine allocates the pool, and compiles its step, block copy
+and swap-in write with the pool in and out, in an explicit row-major format,
+`jax.experimental.layout.Format(Layout(major_to_minor=(0, 1, 2, 3, 4)), sharding)` (`pool_format` in
+jaxpaged/model_runner.py); the compiled step then holds no copy of the pool (tests/test_tpu_pool_layout.py). XLA
+tiles that layout's (Hkv, D) = (3, 64) as (4, 128): the pool takes 8/3 of its logical bytes in HBM (938 MiB for
+352 MiB of K/V there), and the KV budget counts the padded bytes (`pool_block_bytes`, read from XLA's compiled
+allocation). A TPU-first pool layout would remove the padding.
 
 `decode_blocks` is accepted for the engine's sake and ignored: each program already stops at its tile's context,
 so a decode reads only the blocks its sequence uses. `chunk_tokens` exists for tests (several chunks on short
