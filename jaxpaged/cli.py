@@ -21,7 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped blocks")
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas", "native"])
     p.add_argument("--no-precompile", action="store_true", help="compile step shapes lazily instead of at start")
 
 

@@ -15,7 +15,7 @@ from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
 DEFAULT_CPU_KV_MEMORY = "1GiB"
 
 
@@ -74,10 +74,23 @@ def enable_compilation_cache(directory: str | None) -> str:
 
 
 def attention_fn(backend: str):
-    """The paged-attention implementation: Pallas on GPU and TPU, the pure-JAX reference on CPU ('auto').
+    """The paged-attention implementation: Pallas on GPU and TPU; on CPU ('auto') the native decode kernel
+    (pallas_kernels/cpu_native, built with g++ on first use) for decode steps and the pure-JAX reference for
+    prefill, or the reference alone when the native kernel cannot be built (the reason is logged).
 
-    'pallas' on CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
+    'native' is the CPU path with the native kernel required (an error names why it is unavailable). 'pallas' on
+    CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
     platform = jax.default_backend()
+    if backend in ("auto", "native") and platform == "cpu":
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available():
+            return functools.partial(cpu_native.native_decode_else_reference, strict=backend == "native")
+        if backend == "native":
+            raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
+        backend = "reference"
+    if backend == "native":
+        raise ValueError(f"attention_backend='native' is the CPU kernel; the platform is {platform!r}")
     if backend == "auto":
         backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
     if backend == "reference":

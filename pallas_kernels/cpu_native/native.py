@@ -1,0 +1,216 @@
+"""Native CPU decode attention: paged_decode.cc as an XLA FFI custom call, built with g++ on first use.
+
+    paged_decode_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc,
+                                  positions, scale=..., tile_size=1, sliding_window=None, soft_cap=None,
+                                  decode_blocks=N)
+
+Arguments and result are those of `ragged_paged_attention_reference` (reference.py states every layout) for a
+decode batch: tile_size 1 and decode_blocks set (sequence s has exactly one query, token query_start_loc[s]).
+decode_blocks only marks the batch as a decode batch; the kernel walks each sequence's own blocks. q and the pools
+are float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passed whole with the layer index,
+so no per-layer slice is copied, and the call works inside jit and lax.fori_loop.
+
+The build: `g++ -std=c++17 -O3 -march=native -fno-math-errno -fPIC -shared` against `jax.ffi.include_dir()`,
+into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `paged_decode-<hash>.so`, the hash covering
+the source, the compiler and its version, the flags, the jaxlib version, `platform.machine()` and the CPU's flags
+(-march=native code must not move to an older CPU). It is written to a temporary file and renamed into place, so
+concurrent builds are safe. `$JAXPAGED_CXX` picks the compiler; `JAXPAGED_NATIVE=0` disables the kernel. If the
+build fails, `available()` is False and `unavailable_reason()` says why (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.cc")
+SYMBOL = "JaxpagedPagedDecodeAttention"
+TARGET = "jaxpaged_paged_decode_attention"
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
+DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool, "reason": str, "path": str
+
+
+def cache_dir() -> str:
+    return os.environ.get("JAXPAGED_NATIVE_CACHE") or os.path.expanduser("~/.cache/jaxpaged/native")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> str:
+    """Returns the path of the built library, building it if the cache lacks it. Raises RuntimeError on failure."""
+    compiler = os.environ.get("JAXPAGED_CXX") or "g++"
+    compiler_path = shutil.which(compiler)
+    if compiler_path is None:
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set JAXPAGED_CXX)")
+    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    include = jax.ffi.include_dir()
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (source, compiler_path.encode(), version.encode(), " ".join(FLAGS).encode(),
+                 jaxlib.__version__.encode(), platform.machine().encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    directory = cache_dir()
+    path = os.path.join(directory, f"paged_decode-{key.hexdigest()[:24]}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        cmd = [compiler_path, *FLAGS, "-I", include, SOURCE, "-o", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the native CPU decode-attention kernel: %s", path)
+    return path
+
+
+def _load() -> None:
+    if os.environ.get("JAXPAGED_NATIVE", "1") == "0":
+        raise RuntimeError("disabled by JAXPAGED_NATIVE=0")
+    if platform.system() != "Linux" and platform.system() != "Darwin":
+        raise RuntimeError(f"unsupported OS {platform.system()}")
+    path = _build()
+    lib = ctypes.CDLL(path)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    _state["lib"] = lib  # keep it loaded
+    _state["path"] = path
+
+
+def available() -> bool:
+    """Whether the kernel is built and registered (builds it on the first call; False with a logged reason)."""
+    with _lock:
+        if "ok" not in _state:
+            try:
+                _load()
+                _state["ok"], _state["reason"] = True, ""
+            except Exception as e:  # noqa: BLE001 - any failure means: use the reference
+                _state["ok"], _state["reason"] = False, f"{type(e).__name__}: {e}"
+                logger.warning("native CPU decode attention unavailable, using the pure-JAX reference: %s",
+                               _state["reason"])
+        return _state["ok"]
+
+
+def unavailable_reason() -> str:
+    """Why `available()` is False ('' when it is True)."""
+    available()
+    return _state["reason"]
+
+
+def supports(dtype, *, tile_size: int = 1, decode_blocks: int | None = None) -> bool:
+    """Whether a call with these static properties can run natively (a decode batch of a supported dtype)."""
+    return tile_size == 1 and decode_blocks is not None and np.dtype(dtype) in DTYPES
+
+
+def _int32(name: str, x, ndim: int) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def paged_decode_attention_native(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    query_start_loc: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    tile_size: int = 1,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    decode_blocks: int | None = None,
+) -> jax.Array:
+    """Decode-batch paged attention on the CPU by the native kernel; see the module docstring."""
+    if tile_size != 1 or decode_blocks is None:
+        raise ValueError(f"the native kernel runs decode batches only (tile_size=1 with decode_blocks set), got "
+                         f"tile_size={tile_size}, decode_blocks={decode_blocks}; prefill uses the reference")
+    if q.ndim != 3 or k_cache.ndim != 5:
+        raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D], got {q.shape} and {k_cache.shape}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
+    if np.dtype(q.dtype) not in DTYPES:
+        raise ValueError(f"the native kernel takes float32 or bfloat16, got {q.dtype}; use the reference backend")
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"q, k_cache and v_cache need one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[3]
+    if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit the pool {k_cache.shape}: head_dim must match and Hq be a "
+                         "multiple of Hkv")
+    block_tables = _int32("block_tables", block_tables, 2)
+    context_lens = _int32("context_lens", context_lens, 1)
+    query_start_loc = _int32("query_start_loc", query_start_loc, 1)
+    positions = _int32("positions", positions, 1)
+    layer = _int32("layer", layer, 0)
+    num_seqs = block_tables.shape[0]
+    if context_lens.shape != (num_seqs,) or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"context_lens {context_lens.shape} and query_start_loc {query_start_loc.shape} must be "
+                         f"[S] and [S + 1] for block_tables {block_tables.shape}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions {positions.shape} must be [T] = ({num_tokens},)")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window={sliding_window} must be positive or None")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap={soft_cap} must be positive or None")
+    if not available():
+        raise RuntimeError(f"native CPU decode attention is unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
+                scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
+                soft_cap=np.float32(soft_cap or 0.0))
+
+
+def native_decode_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
+    """The CPU attention: native for decode batches, the pure-JAX reference for prefill.
+
+    strict=False ('auto') falls back to the reference for dtypes the kernel lacks; strict=True ('native') raises."""
+    from pallas_kernels.reference import ragged_paged_attention_reference
+
+    decode = kwargs.get("tile_size", 1) == 1 and kwargs.get("decode_blocks") is not None
+    if decode and (strict or np.dtype(args[0].dtype) in DTYPES):
+        return paged_decode_attention_native(*args, **kwargs)
+    return ragged_paged_attention_reference(*args, **kwargs)
+
+
+__all__ = ["available", "unavailable_reason", "supports", "paged_decode_attention_native",
+           "native_decode_else_reference", "cache_dir"]

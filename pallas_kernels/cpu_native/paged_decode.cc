@@ -1,0 +1,342 @@
+// Native CPU paged decode attention, an XLA FFI custom call (built and registered by native.py).
+//
+// Decode batches only: sequence s has exactly one query, token query_start_loc[s]. The rules are those of
+// pallas_kernels/reference.py; layouts (row-major, C order):
+//   q               [T, Hq, D]            float32 or bfloat16   queries of the step's tokens
+//   k_cache/v_cache [L, NB, BS, Hkv, D]   q's dtype             the whole stacked pool (no per-layer slice)
+//   layer           [] int32                                    which layer of the pool to read
+//   block_tables    [S, W] int32                                logical -> physical block of each sequence
+//   context_lens    [S] int32                                   cached tokens of sequence s (0: padding sequence)
+//   query_start_loc [S + 1] int32                               sequence s's query is token query_start_loc[s]
+//   positions       [T] int32                                   absolute position of each token (-1: padding)
+//   attributes      scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
+//   out             [T, Hq, D]            q's dtype             0 on rows that no real sequence owns
+//
+// Query head h reads kv head h / G, G = Hq / Hkv. Sequence s's query at position p sees the cached positions
+// [lo, hi) with hi = min(context_lens[s], p + 1, W * BS) and lo = max(0, p - sliding_window + 1) (0 without a
+// window): only the blocks and offsets of that range are read, so pool slots outside the context (which may hold
+// NaN) are never touched. Block ids are clipped to [0, NB) and the layer to [0, L), so nothing is read out of
+// bounds; a query token outside [0, T) gives no output row.
+//
+// Work item = one sequence and a range of its kv heads (all of them when the batch has enough sequences to keep
+// every thread busy, so each block is read as one contiguous run; else one kv head per item). The item's query
+// vectors are loaded once (as float32), then the sequence's blocks are walked through its block table; per block
+// the (query heads) x (offsets in range) scores, an online softmax (running max m and sum l per query head,
+// float32) and acc += p @ V in float32. Items are claimed from an atomic counter by the calling thread and by
+// helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for items
+// that were claimed, so it is correct with a pool of any size, including none. The inner loops are written over
+// fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a vectorisable
+// polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf propagate.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 8;  // 8 measured faster than 16 for head_dim 64 (cheaper lane sum)
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if (std::isnan(x)) {
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+// sum_d a[d] * b[d], a float32, b float32 or bf16: partial sums in kLanes lanes (vectorised by g++ without
+// -ffast-math: the order of additions is written out), then the lanes in order.
+template <typename T>
+inline float Dot(const float* a, const T* b, int64_t n) {
+  float lanes[kLanes] = {0};
+  int64_t d = 0;
+  for (; d + kLanes <= n; d += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * ToFloat(b[d + l]);
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; d < n; ++d) sum += a[d] * ToFloat(b[d]);
+  return sum;
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: 2^n * e^r with n = round(x / ln 2),
+// |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error ~2e-7). Below -87 it returns ~1e-38 instead of
+// a denormal or 0 (irrelevant next to the max's weight 1); NaN stays NaN.
+inline float ExpNonPositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float poly = 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return poly * scale;
+}
+
+// acc[d] += p * v[d]
+template <typename T>
+inline void Axpy(float* __restrict acc, float p, const T* __restrict v, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * ToFloat(v[d]);
+}
+
+struct Problem {
+  int64_t num_tokens, num_q_heads, head_dim;
+  int64_t num_layers, num_blocks, block_size, num_kv_heads;
+  int64_t num_seqs, width;
+  int64_t layer;
+  const int32_t* block_tables;
+  const int32_t* context_lens;
+  const int32_t* query_start_loc;
+  const int32_t* positions;
+  float scale;
+  int64_t sliding_window;  // 0: none
+  float soft_cap;          // 0: none
+};
+
+// Per-thread scratch, sized for one work item of `heads` query heads.
+struct Scratch {
+  std::vector<float> q, acc, scores, m, l;
+  Scratch(int64_t heads, int64_t head_dim, int64_t block_size)
+      : q(heads * head_dim), acc(heads * head_dim), scores(heads * block_size), m(heads), l(heads) {}
+};
+
+// One work item: sequence s, kv heads [kh0, kh1) and their query heads [kh0 * G, kh1 * G) (H of them, contiguous
+// in q and out). Writes out[token, kh0 * G : kh1 * G]. Per block, the rows of the item's kv heads are contiguous
+// (a whole block when the item has every kv head).
+template <typename T>
+void DecodeItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s, int64_t kh0,
+                int64_t kh1, Scratch& scratch) {
+  const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
+  const int64_t G = p.num_q_heads / Hkv;
+  const int64_t H = (kh1 - kh0) * G;
+  const int64_t context = p.context_lens[s];
+  if (context <= 0) return;  // padding sequence: its rows stay 0
+  const int64_t token = p.query_start_loc[s];
+  if (token < 0 || token >= p.num_tokens) return;
+  const int64_t pos = p.positions[token];
+  const int64_t hi = std::min({context, pos + 1, p.width * BS});  // exclusive
+  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  if (hi <= lo) return;  // nothing visible: 0, as the reference
+  const float scale = p.scale, soft_cap = p.soft_cap;
+
+  float* qf = scratch.q.data();
+  float* acc = scratch.acc.data();
+  float* scores = scratch.scores.data();  // [H, BS]
+  float* m = scratch.m.data();
+  float* l = scratch.l.data();
+  const T* q_rows = q + (token * p.num_q_heads + kh0 * G) * D;
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = ToFloat(q_rows[i]);
+  std::fill(acc, acc + H * D, 0.0f);
+  std::fill(m, m + H, -INFINITY);
+  std::fill(l, l + H, 0.0f);
+
+  const int32_t* table = p.block_tables + s * p.width;
+  const int64_t row_stride = Hkv * D;  // between offsets of one block
+  for (int64_t b = lo / BS; b * BS < hi; ++b) {
+    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    const int64_t block_start = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh0 * D;
+    const T* k_block = k_cache + block_start;
+    const T* v_block = v_cache + block_start;
+    const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
+    const int64_t n = j1 - j0;
+
+    // scores[h * BS + j] for j in [0, n), offset j0 + j; query head h reads kv head kh0 + h / G
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k_row = k_block + (j0 + j) * row_stride;
+      for (int64_t h = 0; h < H; ++h) scores[h * BS + j] = Dot(qf + h * D, k_row + (h / G) * D, D) * scale;
+    }
+    if (soft_cap > 0.0f) {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t j = 0; j < n; ++j) scores[h * BS + j] = soft_cap * std::tanh(scores[h * BS + j] / soft_cap);
+    }
+    // Online softmax: rescale what came before by exp(m_old - m_new), then p = exp(score - m_new).
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = scores + h * BS;
+      float block_max = sh[0];
+      for (int64_t j = 1; j < n; ++j) block_max = std::max(block_max, sh[j]);
+      const float m_new = std::max(m[h], block_max);
+      const float alpha = m[h] == -INFINITY ? 0.0f : std::exp(m[h] - m_new);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < n; ++j) sh[j] = ExpNonPositive(sh[j] - m_new);
+      for (int64_t j = 0; j < n; ++j) sum += sh[j];
+      l[h] = l[h] * alpha + sum;
+      m[h] = m_new;
+      if (alpha != 1.0f) {
+        float* acc_h = acc + h * D;
+        for (int64_t d = 0; d < D; ++d) acc_h[d] *= alpha;
+      }
+    }
+    // acc[h] += sum_j p[h, j] * V[j]
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v_row = v_block + (j0 + j) * row_stride;
+      for (int64_t h = 0; h < H; ++h) Axpy(acc + h * D, scores[h * BS + j], v_row + (h / G) * D, D);
+    }
+  }
+  T* out_rows = out + (token * p.num_q_heads + kh0 * G) * D;
+  for (int64_t h = 0; h < H; ++h) {
+    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) FromFloat(acc[h * D + d] * inv, out_rows + h * D + d);
+  }
+}
+
+// Work shared by the calling thread and the helper tasks of XLA's thread pool. Items are claimed from `next`; the
+// caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
+// so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
+template <typename T>
+struct ParallelDecode {
+  Problem p;
+  const T *q, *k, *v;
+  T* out;
+  int64_t kv_per_item;    // kv heads per work item
+  int64_t items_per_seq;  // ceil(Hkv / kv_per_item)
+  int64_t total;          // num_seqs * items_per_seq
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Drain() {
+    int64_t i = next.fetch_add(1);
+    if (i >= total) return;  // nothing left: return before reading anything
+    Scratch scratch(kv_per_item * (p.num_q_heads / p.num_kv_heads), p.head_dim, p.block_size);
+    for (; i < total; i = next.fetch_add(1)) {
+      const int64_t kh0 = (i % items_per_seq) * kv_per_item;
+      DecodeItem(p, q, k, v, out, i / items_per_seq, kh0, std::min(kh0 + kv_per_item, p.num_kv_heads), scratch);
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+template <typename T>
+ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, const T* v, T* out) {
+  std::memset(out, 0, sizeof(T) * p.num_tokens * p.num_q_heads * p.head_dim);
+  if (p.num_seqs == 0) return ffi::Error::Success();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+
+  auto state = std::make_shared<ParallelDecode<T>>();
+  state->p = p;
+  state->q = q;
+  state->k = k;
+  state->v = v;
+  state->out = out;
+  // Whole sequences (every kv head: each block is read as one contiguous run) when there are enough of them to
+  // balance the threads (8 items per thread); else each sequence's kv heads are split over several items.
+  const int64_t splits = std::clamp<int64_t>((8 * threads + p.num_seqs - 1) / p.num_seqs, 1, p.num_kv_heads);
+  state->kv_per_item = (p.num_kv_heads + splits - 1) / splits;
+  state->items_per_seq = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
+  state->total = p.num_seqs * state->items_per_seq;
+  // The caller is one worker; XLA's pool (num_threads() may be 0: no pool) supplies the others.
+  const int64_t helpers = std::min(threads, state->total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
+  state->Drain();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == state->total; });
+  return ffi::Error::Success();
+}
+
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                                    ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
+                                    ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
+                                    float scale, int64_t sliding_window, float soft_cap,
+                                    ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument("paged_decode_attention: q must be [T, Hq, D], the pools [L, NB, BS, Hkv, D]"
+                                       " and block_tables [S, W]");
+  for (int i = 0; i < 5; ++i)
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("paged_decode_attention: k_cache and v_cache differ");
+  Problem p;
+  p.num_tokens = qd[0];
+  p.num_q_heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_layers = kd[0];
+  p.num_blocks = kd[1];
+  p.block_size = kd[2];
+  p.num_kv_heads = kd[3];
+  p.num_seqs = td[0];
+  p.width = td[1];
+  if (kd[4] != p.head_dim || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
+    return ffi::Error::InvalidArgument("paged_decode_attention: head_dim or head counts do not match");
+  if (context_lens.element_count() != static_cast<size_t>(p.num_seqs) ||
+      query_start_loc.element_count() != static_cast<size_t>(p.num_seqs + 1) ||
+      positions.element_count() != static_cast<size_t>(p.num_tokens) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("paged_decode_attention: context_lens, query_start_loc or positions has the "
+                                       "wrong length");
+  if (q.element_type() != k_cache.element_type() || q.element_type() != v_cache.element_type() ||
+      q.element_type() != out->element_type())
+    return ffi::Error::InvalidArgument("paged_decode_attention: q, the pools and the output need one dtype");
+  if (p.num_blocks <= 0 || p.num_layers <= 0)
+    return ffi::Error::InvalidArgument("paged_decode_attention: empty pool");
+  p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
+  p.block_tables = block_tables.typed_data();
+  p.context_lens = context_lens.typed_data();
+  p.query_start_loc = query_start_loc.typed_data();
+  p.positions = positions.typed_data();
+  p.scale = scale;
+  p.sliding_window = sliding_window;
+  p.soft_cap = soft_cap;
+
+  switch (q.element_type()) {
+    case ffi::DataType::F32:
+      return Run<float>(pool, p, q.typed_data<float>(), k_cache.typed_data<float>(), v_cache.typed_data<float>(),
+                        out->typed_data<float>());
+    case ffi::DataType::BF16:
+      // bfloat16 as its raw bits (ffi.h maps uint16_t to U16, so typed_data<uint16_t> would assert).
+      return Run<uint16_t>(pool, p, q.reinterpret_data<uint16_t>(), k_cache.reinterpret_data<uint16_t>(),
+                           v_cache.reinterpret_data<uint16_t>(), out->reinterpret_data<uint16_t>());
+    default:
+      return ffi::Error::InvalidArgument("paged_decode_attention: dtype must be float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedDecodeAttention, PagedDecodeAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Ret<ffi::AnyBuffer>());        // out

@@ -1,0 +1,211 @@
+"""The native CPU decode-attention kernel (pallas_kernels/cpu_native) against a float64 dense oracle and the engine.
+
+Skips only where the kernel cannot be built (no g++), with the reason; CI has g++, so it runs there.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cpu_native import native
+from pallas_kernels.reference import ragged_paged_attention_reference
+from tests.attention_cases import decode_case, dense_attention_np, prefill_case, tolerance
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
+
+
+def run_native(case, **extra):
+    return native.paged_decode_attention_native(*case.args, **case.kwargs(decode_blocks=case.decode_blocks, **extra))
+
+
+def check(case, **extra):
+    out = np.asarray(run_native(case, **extra).astype(jnp.float32))
+    assert out.shape == case.q.shape and out.dtype == np.float32
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, case.expected(**extra), **tolerance(case.dtype))
+    # Rows no real sequence owns are exactly 0.
+    owned = np.zeros(case.num_tokens, bool)
+    owned[case.token_starts] = True
+    assert not out[~owned].any()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
+def test_ragged_lengths_block_sizes_and_gqa(block_size, heads):
+    num_q_heads, num_kv_heads = heads
+    lens = [1, block_size, block_size + 1, 5 * block_size - 3, 1]
+    check(decode_case(lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, block_size=block_size,
+                      num_padding_seqs=2, num_padding_tokens=3, seed=block_size))
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+def test_head_dims(head_dim):
+    check(decode_case([3, 33, 100], head_dim=head_dim, num_q_heads=6, num_kv_heads=2, seed=head_dim))
+
+
+def test_bfloat16():
+    check(decode_case([1, 17, 70], dtype=jnp.bfloat16, num_q_heads=6, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("extra", [dict(sliding_window=1), dict(sliding_window=7), dict(sliding_window=40),
+                                   dict(soft_cap=2.5), dict(sliding_window=9, soft_cap=1.5)],
+                         ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_sliding_window_and_soft_cap(extra):
+    check(decode_case([1, 8, 23, 64], num_q_heads=6, num_kv_heads=2, block_size=8, num_padding_seqs=1), **extra)
+
+
+def test_layer_index_and_one_sequence_of_max_length():
+    check(decode_case([512], num_layers=4, layer=3, block_size=16))
+    check(decode_case([512], num_layers=4, layer=0, block_size=16))
+
+
+def test_matches_reference_with_random_pool_values():
+    case = decode_case([5, 31, 64, 2], poison=False, num_q_heads=6, num_kv_heads=3, block_size=8, seed=7)
+    kw = case.kwargs(decode_blocks=case.decode_blocks)
+    want = ragged_paged_attention_reference(*case.args, **kw)
+    np.testing.assert_allclose(np.asarray(run_native(case)), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_out_of_range_block_ids_are_clipped_not_read_out_of_bounds():
+    case = decode_case([20], block_size=8, poison=False)
+    num_blocks = case.k_cache.shape[1]
+    kw = case.kwargs(decode_blocks=4)
+
+    def with_table(**entries):
+        tables = case.block_tables
+        for index, value in entries.items():
+            tables = tables.at[0, int(index[1:])].set(value)
+        args = list(case.args)
+        args[4] = tables
+        return args
+
+    # Too large: clipped to NB - 1, as jnp indexing (the reference) does.
+    out = native.paged_decode_attention_native(*with_table(b1=10_000), **kw)
+    want = ragged_paged_attention_reference(*with_table(b1=10_000), **kw)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # Negative: clipped to 0 (jnp would wrap around; the kernel never reads before the pool).
+    out = native.paged_decode_attention_native(*with_table(b2=-5, b1=num_blocks + 3), **kw)
+    want = native.paged_decode_attention_native(*with_table(b2=0, b1=num_blocks - 1), **kw)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
+def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
+    num_layers = 3
+    c = decode_case([9, 40, 17, 1], num_layers=num_layers, layer=0, block_size=8, num_q_heads=6, num_kv_heads=2,
+                    num_padding_seqs=1)
+    # Layer l holds layer 0's values transformed (NaN poison stays NaN): k * (1 + l / 2), v + l.
+    k = jnp.stack([c.k_cache[0] * (1 + i / 2) for i in range(num_layers)])
+    v = jnp.stack([c.v_cache[0] + i for i in range(num_layers)])
+
+    @jax.jit
+    def all_layers(q, k, v, tables, lens, qsl, pos):
+        def body(i, acc):
+            out = native.paged_decode_attention_native(q, k, v, i, tables, lens, qsl, pos, scale=c.scale,
+                                                       decode_blocks=c.decode_blocks)
+            return acc.at[i].set(out)
+        return jax.lax.fori_loop(0, num_layers, body, jnp.zeros((num_layers, *q.shape), q.dtype))
+
+    args = (c.q, k, v, c.block_tables, c.context_lens, c.query_start_loc, c.positions)
+    out = np.asarray(all_layers(*args))
+    q = np.asarray(c.q, np.float64)
+    for i in range(num_layers):
+        want = np.zeros_like(q)
+        for start, kd, vd in zip(c.token_starts, c.k_dense, c.v_dense, strict=True):
+            want[start:start + 1] = dense_attention_np(q[start:start + 1], kd * (1 + i / 2), vd + i, scale=c.scale)
+        np.testing.assert_allclose(out[i], want, **tolerance(c.dtype))
+    hlo = all_layers.lower(*args).compile().as_text()
+    assert native.TARGET in hlo
+    pool = ",".join(map(str, k.shape))
+    assert f"f32[{pool}]" in hlo
+    assert not re.search(rf"f32\[{pool}\]\S* copy\(", hlo), "the pool is copied around the custom call"
+
+
+def test_auto_dispatch_uses_reference_for_prefill_and_float16():
+    case = prefill_case([(20, 20), (33, 5)], block_size=8)
+    fn = functools.partial(native.native_decode_else_reference)
+    out = fn(*case.args, **case.kwargs())
+    np.testing.assert_allclose(np.asarray(out)[case.valid_tokens], case.expected()[case.valid_tokens],
+                               **tolerance(case.dtype))
+    half = decode_case([5, 17], dtype=jnp.float16)
+    out = fn(*half.args, **half.kwargs(decode_blocks=half.decode_blocks))
+    np.testing.assert_allclose(np.asarray(out, np.float32), half.expected(), rtol=2e-2, atol=2e-2)
+    jaxpr = str(jax.make_jaxpr(functools.partial(fn, **case.kwargs()))(*case.args))
+    assert native.TARGET not in jaxpr
+    dec = decode_case([5, 17])
+    jaxpr = str(jax.make_jaxpr(functools.partial(fn, **dec.kwargs(decode_blocks=dec.decode_blocks)))(*dec.args))
+    assert native.TARGET in jaxpr
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(dtype=jnp.float16), "float32 or bfloat16"),
+    (dict(tile_size=16), "decode batches only"),
+    (dict(decode_blocks=None), "decode batches only"),
+    (dict(k_dtype=jnp.bfloat16), "one dtype"),
+    (dict(q_heads=3), "multiple of Hkv"),
+    (dict(float_tables=True), "block_tables must be int32"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(short_positions=True), "positions"),
+])
+def test_bad_input_raises_value_error(change, message):
+    case = decode_case([5, 17], dtype=change.pop("dtype", jnp.float32))
+    q, k, v, layer, tables, lens, qsl, pos = case.args
+    kw = case.kwargs(decode_blocks=case.decode_blocks)
+    if "tile_size" in change:
+        kw["tile_size"] = change.pop("tile_size")
+    if "decode_blocks" in change:
+        kw["decode_blocks"] = change.pop("decode_blocks")
+    if "sliding_window" in change:
+        kw["sliding_window"] = change.pop("sliding_window")
+    if change.pop("k_dtype", None) is not None:
+        k = k.astype(jnp.bfloat16)
+    if (heads := change.pop("q_heads", None)) is not None:
+        q = q[:, :heads]
+    if change.pop("float_tables", False):
+        tables = tables.astype(jnp.float32)
+    if change.pop("short_positions", False):
+        pos = pos[:-1]
+    with pytest.raises(ValueError, match=message):
+        native.paged_decode_attention_native(q, k, v, layer, tables, lens, qsl, pos, **kw)
+
+
+def test_engine_native_backend_gives_the_reference_tokens():
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.engine_setup import attention_fn
+    from tests.tiny import random_params, random_prompts, tiny_config
+
+    config = tiny_config(hidden=48, heads=6, kv_heads=2, head_dim=16, layers=2)
+    params = random_params(config)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 3, 30, seed=9)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40,
+                precompile=False, show_progress=False)
+    want = LLM.from_params(config, params, None, attention_backend="reference", **opts).generate(prompts, sp,
+                                                                                                use_tqdm=False)
+    got = LLM.from_params(config, params, None, attention_backend="native", **opts).generate(prompts, sp,
+                                                                                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert attention_fn("auto").func is native.native_decode_else_reference  # auto on CPU: native for decodes
+
+
+def test_unavailable_kernel_falls_back_on_auto_and_names_the_reason_on_native(monkeypatch):
+    from jaxpaged.engine_setup import attention_fn
+
+    monkeypatch.setitem(native._state, "ok", False)
+    monkeypatch.setitem(native._state, "reason", "RuntimeError: no C++ compiler (test)")
+    assert attention_fn("auto") is ragged_paged_attention_reference
+    with pytest.raises(ValueError, match="native.*unavailable: RuntimeError: no C\\+\\+ compiler"):
+        attention_fn("native")
+
+
+def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAXPAGED_CXX", "no-such-compiler-jaxpaged")
+    monkeypatch.setenv("JAXPAGED_NATIVE_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no-such-compiler-jaxpaged"):
+        native._build()
