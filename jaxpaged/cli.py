@@ -12,6 +12,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options every command shares (the names of EngineConfig's fields)."""
     p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: SmolLM2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="K/V pool dtype; auto: --dtype, but float32 on CPU for 16-bit dtypes")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", default=None, help="KV pool size on CPU, e.g. 1GiB")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -26,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                kv_cache_memory=args.kv_cache_memory,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, swap_space=args.swap_space,

@@ -79,7 +79,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks; 0 disables swapping
     preemption_mode: str = "recompute"  # "recompute" | "swap"
-    cache_dtype: str = "auto"  # "auto" = the model dtype
+    cache_dtype: str = "auto"  # "auto": the model dtype, but float32 on CPU for 16-bit models (engine_setup)
 
     def __post_init__(self):
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
@@ -95,6 +95,9 @@ class CacheConfig:
             raise ValueError(f"swap_space={self.swap_space} must be >= 0 (GiB)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        if self.cache_dtype != "auto" and self.cache_dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported; use auto or one of "
+                             f"{', '.join(SUPPORTED_DTYPES)}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
 

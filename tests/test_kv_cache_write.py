@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -66,3 +67,49 @@ def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
     runner.write_blocks([9], blocks, -blocks)
     np.testing.assert_array_equal(np.asarray(runner.v_cache[:, 9:10]), -blocks)
     assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == pointers
+
+
+# --- the pool's dtype ------------------------------------------------------------------------------------------------
+
+
+def _tiny_llm(**options):
+    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
+    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
+                           **options)
+
+
+def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
+    """XLA CPU has no 16-bit float scatter: a bfloat16 pool would be converted to float32 and back around every
+    write. kv_cache_dtype='auto' keeps the pool in float32 there, and the step then has no pool-sized convert."""
+    llm = _tiny_llm(dtype="bfloat16")
+    runner = llm.engine.runner
+    assert runner.k_cache.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
+    outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+    dims = ",".join(map(str, runner.k_cache.shape))
+    for key, executable in runner._executables.items():
+        hlo = executable.as_text()
+        assert not [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line], key
+        assert _pool_copies(hlo, runner.k_cache.shape) == [], key
+
+    # The contrast that makes 'auto' necessary: an explicit bfloat16 pool on CPU is converted around the write.
+    explicit = _tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert explicit.engine.runner.k_cache.dtype == jnp.bfloat16
+    explicit.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    hlo = "\n".join(e.as_text() for e in explicit.engine.runner._executables.values())
+    dims = ",".join(map(str, explicit.engine.runner.k_cache.shape))
+    assert [line for line in hlo.splitlines() if f"f32[{dims}]" in line]
+
+
+def test_cache_dtype_resolution_and_bad_values():
+    from jaxpaged.engine_setup import resolve_cache_dtype
+
+    assert resolve_cache_dtype("auto", "bfloat16", "cpu") == jnp.float32
+    assert resolve_cache_dtype("auto", "float16", "cpu") == jnp.float32
+    assert resolve_cache_dtype("auto", "bfloat16", "gpu") == jnp.bfloat16
+    assert resolve_cache_dtype("auto", "float32", "tpu") == jnp.float32
+    assert resolve_cache_dtype("bfloat16", "float32", "cpu") == jnp.bfloat16
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
+        _tiny_llm(kv_cache_dtype="int8")

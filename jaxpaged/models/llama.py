@@ -47,6 +47,11 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32 (as GPU and TPU matrix units do for 16-bit inputs), returned in x's dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # As Hugging Face does: normalise in float32, cast back, then scale.
     xf = x.astype(jnp.float32)
@@ -104,7 +109,7 @@ def forward(
         h, k_cache, v_cache = carry
         p = jax.tree.map(lambda x: x[i], layers)
         x = _rms_norm(h, p["attn_norm"], config.rms_norm_eps)
-        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        q, k, v = _matmul(x, p["wq"]), _matmul(x, p["wk"]), _matmul(x, p["wv"])
         if config.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         q = _rope(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
@@ -114,9 +119,9 @@ def forward(
         attn = attention_fn(q, k_cache, v_cache, i, batch["block_tables"], batch["context_lens"],
                             batch["query_start_loc"], positions, scale=scale, tile_size=tile_size,
                             sliding_window=config.sliding_window)
-        h = h + attn.reshape(num_tokens, num_heads * head_dim) @ p["wo"]
+        h = h + _matmul(attn.reshape(num_tokens, num_heads * head_dim), p["wo"])
         x = _rms_norm(h, p["mlp_norm"], config.rms_norm_eps)
-        h = h + (jax.nn.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+        h = h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"])
         return h, k_cache, v_cache
 
     h, k_cache, v_cache = jax.lax.fori_loop(0, config.num_layers, layer_step, (h, k_cache, v_cache))

@@ -203,11 +203,17 @@ def paged_decode_attention_native(
 def native_decode_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: native for decode batches, the pure-JAX reference for prefill.
 
-    strict=False ('auto') falls back to the reference for dtypes the kernel lacks; strict=True ('native') raises."""
+    strict=False ('auto') falls back to the reference for dtypes the kernel lacks; strict=True ('native') raises.
+    Queries of another dtype than the pool's are cast to it (and the output back)."""
     from pallas_kernels.reference import ragged_paged_attention_reference
 
     decode = kwargs.get("tile_size", 1) == 1 and kwargs.get("decode_blocks") is not None
-    if decode and (strict or np.dtype(args[0].dtype) in DTYPES):
+    q, pool = args[0], args[1]
+    if decode and q.dtype != pool.dtype and np.dtype(pool.dtype) in DTYPES:
+        # e.g. a bfloat16 model over a float32 pool (the engine's CPU default): queries in the pool's dtype
+        out = paged_decode_attention_native(q.astype(pool.dtype), *args[1:], **kwargs)
+        return out.astype(q.dtype)
+    if decode and (strict or np.dtype(q.dtype) in DTYPES):
         return paged_decode_attention_native(*args, **kwargs)
     return ragged_paged_attention_reference(*args, **kwargs)
 
