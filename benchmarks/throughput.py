@@ -5,6 +5,7 @@ Both run in this one process, one after the other. Prints a table and writes ben
 
     python benchmarks/throughput.py                 # default model, HF at batch 16 and 64
     python benchmarks/throughput.py --skip-hf       # jaxpaged only
+    python benchmarks/throughput.py --dtype bfloat16 --out benchmarks/results/throughput_bf16.json   # both in bf16
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run_jaxpaged(args, prompts, rss: PeakRSS) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     utilizations = []
@@ -62,7 +63,7 @@ def run_jaxpaged(args, prompts, rss: PeakRSS) -> dict:
     engine.step = step
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     s = llm.stats()
-    return {"system": f"jaxpaged (max_num_seqs={args.max_num_seqs}, block {args.block_size})",
+    return {"system": f"jaxpaged (max_num_seqs={args.max_num_seqs}, block {args.block_size}, {args.dtype})",
             "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
             "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": sum(utilizations) / len(utilizations),
             "steps": s["steps"], "preemptions": s["preemptions"], "startup_s": startup,
@@ -77,11 +78,12 @@ def run_hf(args, prompts, batch_size: int, rss: PeakRSS) -> dict:
 
     torch.set_num_threads(os.cpu_count() or 2)
     path = args.model or default_model_path()
+    dtype = getattr(torch, args.dtype)
     if path.endswith(".gguf"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
     else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     rss.reset()
@@ -97,7 +99,7 @@ def run_hf(args, prompts, batch_size: int, rss: PeakRSS) -> dict:
                                  min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
         generated += (out.shape[1] - width) * len(chunk)
     elapsed = time.perf_counter() - t0
-    return {"system": f"HF transformers generate (static batch {batch_size}, left padding)",
+    return {"system": f"HF transformers generate (static batch {batch_size}, left padding, {args.dtype})",
             "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
             "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": None}
 
@@ -109,6 +111,7 @@ def main():
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems' dtype")
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -135,7 +138,7 @@ def main():
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"rows": rows, "ratio_vs_best_hf": rows[0]["tokens_per_s"] / best_hf if best_hf else None,
-                   "machine": f"{os.cpu_count()} CPU cores"}, f, indent=2)
+                   "dtype": args.dtype, "machine": f"{os.cpu_count()} CPU cores"}, f, indent=2)
     print(f"wrote {args.out}")
 
 
