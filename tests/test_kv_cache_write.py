@@ -18,20 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams
-from tests.tiny import random_params, random_prompts, tiny_config
+from jaxpaged import SamplingParams
+from tests.hlo_checks import pool_copies
+from tests.tiny import random_prompts, tiny_llm
 
 
 @pytest.fixture(scope="module")
 def llm():
-    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
-    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False)
-
-
-def _pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
-    dims = ",".join(map(str, pool_shape))
-    return [line.strip() for line in hlo.splitlines() if re.search(rf"\[{dims}\]", line) and " copy(" in line]
+    return tiny_llm()
 
 
 def test_every_step_shape_writes_the_pool_in_place(llm):
@@ -46,7 +40,7 @@ def test_every_step_shape_writes_the_pool_in_place(llm):
         hlo = executable.as_text()
         aliased = {int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}", hlo.splitlines()[0])}
         assert pool_params <= aliased, (key, hlo.splitlines()[0][:200])
-        assert _pool_copies(hlo, runner.k_cache.shape) == [], key
+        assert pool_copies(hlo, runner.k_cache.shape) == [], key
 
 
 def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
@@ -72,17 +66,10 @@ def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
 # --- the pool's dtype ------------------------------------------------------------------------------------------------
 
 
-def _tiny_llm(**options):
-    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
-    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
-                           **options)
-
-
 def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
     """XLA CPU has no 16-bit float scatter: a bfloat16 pool would be converted to float32 and back around every
     write. kv_cache_dtype='auto' keeps the pool in float32 there, and the step then has no pool-sized convert."""
-    llm = _tiny_llm(dtype="bfloat16")
+    llm = tiny_llm(dtype="bfloat16")
     runner = llm.engine.runner
     assert runner.k_cache.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
     outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
@@ -92,10 +79,10 @@ def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
     for key, executable in runner._executables.items():
         hlo = executable.as_text()
         assert not [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line], key
-        assert _pool_copies(hlo, runner.k_cache.shape) == [], key
+        assert pool_copies(hlo, runner.k_cache.shape) == [], key
 
     # The contrast that makes 'auto' necessary: an explicit bfloat16 pool on CPU is converted around the write.
-    explicit = _tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16")
+    explicit = tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16")
     assert explicit.engine.runner.k_cache.dtype == jnp.bfloat16
     explicit.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
     hlo = "\n".join(e.as_text() for e in explicit.engine.runner._executables.values())
@@ -112,4 +99,4 @@ def test_cache_dtype_resolution_and_bad_values():
     assert resolve_cache_dtype("auto", "float32", "tpu") == jnp.float32
     assert resolve_cache_dtype("bfloat16", "float32", "cpu") == jnp.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
-        _tiny_llm(kv_cache_dtype="int8")
+        tiny_llm(kv_cache_dtype="int8")

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from jax.experimental.layout import Format
 
-from jaxpaged import LLM, SamplingParams, engine_setup, model_runner
+from jaxpaged import SamplingParams, engine_setup, model_runner
 from jaxpaged.model_runner import (
     ROW_MAJOR_POOL,
     _copy_blocks,
@@ -39,7 +39,8 @@ from jaxpaged.model_runner import (
     pool_format,
 )
 from pallas_kernels.attention import paged_attention
-from tests.tiny import random_params, random_prompts, tiny_config
+from tests.hlo_checks import computations_with, pool_copies
+from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 # SmolLM2-135M's attention shape (3 kv heads of 64, GQA 3) on 2 layers. A pool of 2048 blocks of 16 tokens (64 MiB
 # each, row-major): XLA would prefetch a pool of a few MiB into VMEM (an `S(1)` copy), never one of the engine's size.
@@ -50,25 +51,6 @@ STEP_SHAPES = {  # (tokens, sequences, block-table width, tile, decode_blocks), 
     "prefill": (64, 4, 4, 16, None),
 }
 TPU_KERNEL = 'custom_call_target="tpu_custom_call"'
-
-
-def pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
-    """HLO instructions that copy a pool-shaped array (synchronous or asynchronous copies)."""
-    dims = ",".join(map(str, pool_shape))
-    return [line.strip()[:160] for line in hlo.splitlines()
-            if re.search(rf"\[{dims}\]", line) and re.search(r" copy(-start)?\(", line)]
-
-
-def computations_with(hlo: str, needle: str) -> list[str]:
-    """Names of the HLO computations with an instruction containing `needle`."""
-    names, current = [], None
-    for line in hlo.splitlines():
-        header = re.match(r"(?:ENTRY )?%(\S+) ", line)
-        if header:
-            current = header.group(1)
-        elif needle in line and current not in names:
-            names.append(current)
-    return names
 
 
 # --- TPU, compile only (libtpu) -------------------------------------------------------------------------------------
@@ -165,13 +147,6 @@ def test_block_bytes_are_the_logical_bytes_on_cpu():
     assert pool_block_bytes(config, 16, jnp.float32, row_major_cpu) == logical
 
 
-def _tiny_llm(**options):
-    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
-    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
-                           **options)
-
-
 def _generate(llm):
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 5, 30, seed=4)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -179,7 +154,7 @@ def _generate(llm):
 
 
 def test_cpu_engine_keeps_the_default_pool_layout():
-    llm = _tiny_llm()
+    llm = tiny_llm()
     runner = llm.engine.runner
     assert runner.pool_format is None
     assert runner.k_cache.format == jnp.zeros(runner.k_cache.shape, runner.k_cache.dtype).format
@@ -191,14 +166,14 @@ def test_cpu_engine_keeps_the_default_pool_layout():
 def test_the_explicit_pool_format_path_runs_on_cpu(monkeypatch):
     """The TPU code path (pool allocated in a format, step / copy / write compiled with it in and out) with a CPU
     row-major format: same tokens as the default path, the pool keeps its format and buffers, blocks copy and swap."""
-    expected = _generate(_tiny_llm())
+    expected = _generate(tiny_llm())
 
     def row_major(device):
         return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
     monkeypatch.setattr(model_runner, "pool_format", row_major)
     monkeypatch.setattr(engine_setup, "pool_format", row_major)
-    llm = _tiny_llm()
+    llm = tiny_llm()
     runner = llm.engine.runner
     assert runner.pool_format is not None
     pointer = runner.k_cache.unsafe_buffer_pointer()

@@ -37,3 +37,13 @@ def random_params(c: ModelConfig, seed: int = 0) -> dict:
 def random_prompts(n: int, lo: int, hi: int, vocab: int = 96, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(2, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def tiny_llm(**options):
+    """An LLM over a 2-layer tiny model with a 48-block pool of 8-token blocks, compiled lazily."""
+    from jaxpaged import LLM
+
+    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
+    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
+                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
+                           **options)
