@@ -235,17 +235,10 @@ def test_kernel_lowers_for_cuda_without_a_gpu(heads, tile_size, num_tokens, num_
 
 
 def test_engine_with_the_pallas_backend_gives_the_reference_tokens():
-    from jaxpaged import LLM, SamplingParams
-    from tests.tiny import random_params, random_prompts, tiny_config
+    from tests.tiny import greedy_tokens, random_params, random_prompts, tiny_config
 
     config = tiny_config(hidden=48, heads=6, kv_heads=2, head_dim=16, layers=1)
     params = random_params(config)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 3, 20, seed=9)]
-    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40,
-                precompile=False, show_progress=False)
-    want = LLM.from_params(config, params, None, attention_backend="reference", **opts).generate(prompts, sp,
-                                                                                                use_tqdm=False)
-    got = LLM.from_params(config, params, None, attention_backend="pallas", **opts).generate(prompts, sp,
-                                                                                            use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    prompts = random_prompts(3, 3, 20, seed=9)
+    assert (greedy_tokens(config, params, prompts, attention_backend="pallas", max_tokens=6)
+            == greedy_tokens(config, params, prompts, attention_backend="reference", max_tokens=6))

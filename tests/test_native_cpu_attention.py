@@ -176,21 +176,14 @@ def test_bad_input_raises_value_error(change, message):
 
 
 def test_engine_native_backend_gives_the_reference_tokens():
-    from jaxpaged import LLM, SamplingParams
     from jaxpaged.engine_setup import attention_fn
-    from tests.tiny import random_params, random_prompts, tiny_config
+    from tests.tiny import greedy_tokens, random_params, random_prompts, tiny_config
 
     config = tiny_config(hidden=48, heads=6, kv_heads=2, head_dim=16, layers=2)
     params = random_params(config)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 3, 30, seed=9)]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40,
-                precompile=False, show_progress=False)
-    want = LLM.from_params(config, params, None, attention_backend="reference", **opts).generate(prompts, sp,
-                                                                                                use_tqdm=False)
-    got = LLM.from_params(config, params, None, attention_backend="native", **opts).generate(prompts, sp,
-                                                                                            use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    prompts = random_prompts(4, 3, 30, seed=9)
+    assert (greedy_tokens(config, params, prompts, attention_backend="native", max_tokens=12)
+            == greedy_tokens(config, params, prompts, attention_backend="reference", max_tokens=12))
     assert attention_fn("auto").func is native.native_decode_else_reference  # auto on CPU: native for decodes
 
 

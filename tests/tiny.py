@@ -47,3 +47,16 @@ def tiny_llm(**options):
     return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
                            max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
                            **options)
+
+
+def greedy_tokens(config: ModelConfig, params: dict, prompts: list[list[int]], *, attention_backend: str,
+                  max_tokens: int) -> list[list[int]]:
+    """Greedy output tokens of each prompt through an engine with the given attention backend (8-token blocks)."""
+    from jaxpaged import LLM, SamplingParams
+
+    llm = LLM.from_params(config, params, None, attention_backend=attention_backend, max_num_seqs=4,
+                          max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40, precompile=False,
+                          show_progress=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
