@@ -16,6 +16,9 @@ and does no 1/sqrt(d) scaling inside, so its q is pre-scaled (inside the timed c
     python benchmarks/kernel.py                 # the full grid -> benchmarks/results/kernel.json
     python benchmarks/kernel.py --smoke         # tiny sizes on any machine: the reference, and the kernels in
                                                 # interpret mode -> benchmarks/results/kernel_smoke.json
+    python benchmarks/kernel.py --cpu           # CPU decode: the reference against the native kernel
+                                                # (pallas_kernels/cpu_native) at SmolLM2's shapes, float32
+                                                # -> benchmarks/results/kernel_cpu.json
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ logger = logging.getLogger("benchmarks.kernel")
 
 FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_heads=32, kv_heads=8, head_dim=128,
             mixed=dict(prefills=4, prefill_context=2048, chunk=512, decodes=60, decode_context=2048))
+# SmolLM2-135M's heads; 64 sequences of 160 / 256 tokens (640 / 1024 blocks in use), the throughput workload's range
+CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64, mixed=None)
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
 
@@ -96,18 +101,28 @@ def time_call(fn, args, *, warmup: int, samples: int, reps: int) -> float:
 
 
 def copy_bandwidth(num_bytes: int, **timing) -> float:
-    """Bytes per second of a read + write of one large array on the default device."""
+    """Bytes per second of a read + write of one large array on the default device (on CPU: numpy's copy, which
+    reaches memory bandwidth where XLA CPU's elementwise loop does not)."""
+    if jax.default_backend() == "cpu":
+        a = np.ones(num_bytes // 4, np.float32)
+        b = np.empty_like(a)
+        return 2 * a.nbytes / time_call(lambda: np.copyto(b, a), (), **timing)
     x = jnp.ones(num_bytes // 4, jnp.float32)
     seconds = time_call(jax.jit(lambda a: a + 1.0), (x,), **timing)
     return 2 * x.nbytes / seconds
 
 
-def implementations(batch: dict, *, decode: bool, interpret: bool) -> dict:
-    """name -> (jitted fn, args); the bundled kernel only for decode batches."""
+def implementations(batch: dict, *, decode: bool, interpret: bool, cpu: bool = False) -> dict:
+    """name -> (jitted fn, args); the bundled kernel only for decode batches; with cpu, the reference and native."""
     common = dict(scale=batch["scale"], tile_size=batch["tile"])
     args = (batch["q"], batch["k_cache"], batch["v_cache"], jnp.int32(0), batch["block_tables"],
             batch["context_lens"], batch["query_start_loc"], batch["positions"])
     flat = dict(decode_blocks=batch["decode_blocks"]) if decode else {}
+    if cpu:
+        from pallas_kernels.cpu_native import paged_decode_attention_native
+
+        return {name: (jax.jit(functools.partial(fn, **common, **flat)), args) for name, fn in
+                (("reference", ragged_paged_attention_reference), ("native_cpu", paged_decode_attention_native))}
     impls = {
         "reference": (jax.jit(functools.partial(ragged_paged_attention_reference, **common, **flat)), args),
         "pallas_gpu": (jax.jit(functools.partial(ragged_paged_attention_gpu, **common, **flat,
@@ -134,10 +149,11 @@ def implementations(batch: dict, *, decode: bool, interpret: bool) -> dict:
     return impls
 
 
-def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: float, timing: dict) -> list[dict]:
+def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: float, timing: dict,
+             cpu: bool = False) -> list[dict]:
     rows, outputs = [], {}
     nbytes = min_bytes(batch)
-    for impl, (fn, args) in implementations(batch, decode=decode, interpret=interpret).items():
+    for impl, (fn, args) in implementations(batch, decode=decode, interpret=interpret, cpu=cpu).items():
         row = {"case": name, "impl": impl, "bytes": nbytes}
         try:
             outputs[impl] = jax.block_until_ready(fn(*args))
@@ -160,6 +176,7 @@ def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; kernels in interpret mode; runs on CPU")
+    ap.add_argument("--cpu", action="store_true", help="CPU decode: reference vs the native kernel, SmolLM2 shapes")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--reps", type=int, default=10)
@@ -170,16 +187,17 @@ def main():
 
     device = jax.devices()[0]
     on_gpu = device.platform == "gpu"
-    if not on_gpu and not args.smoke:
-        raise SystemExit(f"no GPU here ({device.platform}); the real run needs one. Use --smoke to check the script.")
-    cfg = SMOKE if args.smoke else FULL
+    if not on_gpu and not (args.smoke or args.cpu):
+        raise SystemExit(f"no GPU here ({device.platform}); the real run needs one. Use --smoke to check the script, "
+                         "--cpu for the CPU kernels.")
+    cfg = SMOKE if args.smoke else CPU if args.cpu else FULL
     interpret = not on_gpu
     timing = dict(warmup=1, samples=3, reps=1) if args.smoke else dict(warmup=args.warmup, samples=args.samples,
                                                                        reps=args.reps)
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype("float32" if args.cpu else args.dtype)
     shape = dict(block_size=cfg["block_size"], q_heads=cfg["q_heads"], kv_heads=cfg["kv_heads"],
                  head_dim=cfg["head_dim"], dtype=dtype)
-    copy_bw = copy_bandwidth((1 << 30) if on_gpu else (1 << 24), **timing)
+    copy_bw = copy_bandwidth((1 << 30) if on_gpu else (1 << 28) if args.cpu else (1 << 24), **timing)
     logger.info("device %s: copy bandwidth %.0f GB/s", device.device_kind, copy_bw / 1e9)
 
     rows = []
@@ -187,13 +205,14 @@ def main():
         for ctx in cfg["contexts"]:
             batch = make_batch([(ctx, 1)] * batch_size, tile=1, **shape)
             rows += run_case(f"decode b={batch_size} ctx={ctx}", batch, decode=True, interpret=interpret,
-                             copy_bw=copy_bw, timing=timing)
+                             copy_bw=copy_bw, timing=timing, cpu=args.cpu)
             del batch
     m = cfg["mixed"]
-    seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
-    mixed = make_batch(seqs, tile=16, **shape)
-    rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed, decode=False,
-                     interpret=interpret, copy_bw=copy_bw, timing=timing)
+    if m:  # the native CPU kernel is decode-only
+        seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
+        mixed = make_batch(seqs, tile=16, **shape)
+        rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,
+                         decode=False, interpret=interpret, copy_bw=copy_bw, timing=timing)
 
     print(f"\n{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; {cfg['q_heads']} q / {cfg['kv_heads']} "
           f"kv heads, head_dim {cfg['head_dim']}, block {cfg['block_size']}, {dtype.name}"
@@ -201,7 +220,7 @@ def main():
     print_table(rows, [("case", "case", ""), ("impl", "implementation", ""), ("us", "us/call", ".1f"),
                        ("gb_s", "GB/s", ".0f"), ("of_copy", "of copy bw", ".0%"), ("max_err", "max |diff| vs ref",
                                                                                       ".2e"), ("error", "error", "")])
-    out = args.out or f"benchmarks/results/kernel{'_smoke' if args.smoke else ''}.json"
+    out = args.out or f"benchmarks/results/kernel{'_smoke' if args.smoke else '_cpu' if args.cpu else ''}.json"
     write_json(out, {"machine": f"{device.device_kind} ({device.platform}), jax {jax.__version__}",
                      "smoke": args.smoke, "dtype": dtype.name, "config": cfg, "copy_bandwidth_gb_s": copy_bw / 1e9,
                      "timing": timing, "rows": rows})

@@ -78,8 +78,9 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype
     """The K/V pool's dtype: `requested`, or for "auto" the model dtype, except float32 on CPU for 16-bit floats.
 
     XLA CPU has no bfloat16/float16 scatter: it converts the whole pool to float32 and back around every K/V write,
-    two copies of the pool per layer per step (a bf16 decode step of SmolLM2 took 7.4 s instead of 86 ms). A float32
-    pool costs twice the bytes per block and keeps the write in place; the weights stay in `dtype`.
+    two copies of the pool per layer per step (a SmolLM2 decode step of 16 sequences: 6.0 s instead of 0.39 s,
+    benchmarks/profile_steps.py in README). A float32 pool costs twice the bytes per block and keeps the write in
+    place; the weights stay in `dtype`.
     """
     model_dtype = jnp.dtype(model_dtype)
     if requested != "auto":
