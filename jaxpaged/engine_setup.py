@@ -158,8 +158,8 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
 
     dtype = jnp.dtype(config.dtype)
     params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
-    # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
     cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
+    # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
     block_bytes = pool_block_bytes(model_config, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -178,7 +178,8 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=cache.block_size,
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
-                         attention_fn=attention_fn(config.attention_backend), cache_dtype=cache_dtype)
+                         attention_fn=attention_fn(config.attention_backend), cache_dtype=cache_dtype,
+                         block_bytes=block_bytes)
     return runner, cache, sched, max_model_len
 
 

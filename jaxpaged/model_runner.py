@@ -191,7 +191,7 @@ def lower_step(step_fn, params, k_cache, v_cache, batch: Batch):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, *, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attention_fn, cache_dtype):
+                 max_num_seqs: int, max_num_batched_tokens: int, attention_fn, cache_dtype, block_bytes: int):
         self.config = config
         self.params = params
         self.block_size = block_size
@@ -199,8 +199,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.pool_format = pool_format(jax.devices()[0])  # None off TPU
-        # One block of K and V, all layers: in device memory (tile padding included) and swapped out to the host.
-        self.block_bytes = pool_block_bytes(config, block_size, cache_dtype, self.pool_format)
+        # One block of K and V, all layers: in device memory (`pool_block_bytes` of the pool format, tile padding
+        # included, as the KV budget counted it) and swapped out to the host (logical bytes).
+        self.block_bytes = block_bytes
         self.host_block_bytes = pool_block_bytes(config, block_size, cache_dtype, None)
         # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
         self.k_cache = zeros_pool(shape, cache_dtype, self.pool_format)  # [L, NB, BS, Hkv, D]

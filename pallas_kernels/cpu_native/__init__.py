@@ -4,9 +4,8 @@ from pallas_kernels.cpu_native.native import (
     available,
     native_decode_else_reference,
     paged_decode_attention_native,
-    supports,
     unavailable_reason,
 )
 
-__all__ = ["available", "native_decode_else_reference", "paged_decode_attention_native", "supports",
+__all__ = ["available", "native_decode_else_reference", "paged_decode_attention_native",
            "unavailable_reason"]

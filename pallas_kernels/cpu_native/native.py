@@ -130,11 +130,6 @@ def unavailable_reason() -> str:
     return _state["reason"]
 
 
-def supports(dtype, *, tile_size: int = 1, decode_blocks: int | None = None) -> bool:
-    """Whether a call with these static properties can run natively (a decode batch of a supported dtype)."""
-    return tile_size == 1 and decode_blocks is not None and np.dtype(dtype) in DTYPES
-
-
 def _int32(name: str, x, ndim: int) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -209,14 +204,12 @@ def native_decode_else_reference(*args, strict: bool = False, **kwargs) -> jax.A
 
     decode = kwargs.get("tile_size", 1) == 1 and kwargs.get("decode_blocks") is not None
     q, pool = args[0], args[1]
-    if decode and q.dtype != pool.dtype and np.dtype(pool.dtype) in DTYPES:
-        # e.g. a bfloat16 model over a float32 pool (the engine's CPU default): queries in the pool's dtype
-        out = paged_decode_attention_native(q.astype(pool.dtype), *args[1:], **kwargs)
-        return out.astype(q.dtype)
-    if decode and (strict or np.dtype(q.dtype) in DTYPES):
-        return paged_decode_attention_native(*args, **kwargs)
+    if decode and (strict or np.dtype(pool.dtype) in DTYPES):
+        # Queries in the pool's dtype (e.g. a bfloat16 model over the engine's float32 CPU pool); with strict, an
+        # unsupported dtype is the kernel's ValueError.
+        return paged_decode_attention_native(q.astype(pool.dtype), *args[1:], **kwargs).astype(q.dtype)
     return ragged_paged_attention_reference(*args, **kwargs)
 
 
-__all__ = ["available", "unavailable_reason", "supports", "paged_decode_attention_native",
+__all__ = ["available", "unavailable_reason", "paged_decode_attention_native",
            "native_decode_else_reference", "cache_dir"]
