@@ -39,24 +39,23 @@ def random_prompts(n: int, lo: int, hi: int, vocab: int = 96, seed: int = 0) -> 
     return [rng.integers(2, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-def tiny_llm(**options):
-    """An LLM over a 2-layer tiny model with a 48-block pool of 8-token blocks, compiled lazily."""
+def tiny_llm(config: ModelConfig | None = None, params: dict | None = None, **options):
+    """An LLM over a tiny model (default: 2 layers, random weights) with a 48-block pool of 8-token blocks, compiled
+    lazily; options are engine options."""
     from jaxpaged import LLM
 
-    config = tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
-    return LLM.from_params(config, random_params(config), None, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=64, block_size=8, num_blocks=48, precompile=False, show_progress=False,
-                           **options)
+    config = config or tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
+    params = params if params is not None else random_params(config)
+    return LLM.from_params(config, params, None, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                           block_size=8, num_blocks=48, precompile=False, show_progress=False, **options)
 
 
 def greedy_tokens(config: ModelConfig, params: dict, prompts: list[list[int]], *, attention_backend: str,
                   max_tokens: int) -> list[list[int]]:
-    """Greedy output tokens of each prompt through an engine with the given attention backend (8-token blocks)."""
-    from jaxpaged import LLM, SamplingParams
+    """Greedy output tokens of each prompt through a `tiny_llm` engine with the given attention backend."""
+    from jaxpaged import SamplingParams
 
-    llm = LLM.from_params(config, params, None, attention_backend=attention_backend, max_num_seqs=4,
-                          max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40, precompile=False,
-                          show_progress=False)
+    llm = tiny_llm(config, params, attention_backend=attention_backend)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
