@@ -216,7 +216,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests allowed to wait for a slot; more are answered 429")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     for name in ("max_body_bytes", "max_waiting"):
@@ -237,9 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = args.served_model_name or [default_model_name(args.model)]
     try:
-        engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, seed=args.seed,
-                                          **engine_options(args))
-    except (ValueError, FileNotFoundError) as e:
+        engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, **engine_options(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     app = build_app(engine, names, args.api_key, args.max_body_bytes)

@@ -10,7 +10,14 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, ModelConfig, SchedulerConfig, parse_bytes
+from jaxpaged.config import (
+    SUPPORTED_BLOCK_SIZES,
+    SUPPORTED_DTYPES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    parse_bytes,
+)
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
@@ -19,39 +26,51 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
 DEFAULT_CPU_KV_MEMORY = "1GiB"
 
 
+def _option(default, help: str, choices: tuple | None = None):
+    """An engine option: its default, the help its CLI flag shows and the values it takes (jaxpaged/cli.py makes
+    every flag from these, so options and flags cannot drift apart)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Every engine option, with vLLM's names where it has one."""
+    """Every engine option, with vLLM's names where it has one. Checked when built, before any model is loaded."""
 
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # "auto": `dtype`, except float32 on CPU for 16-bit dtypes (resolve_cache_dtype)
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # CPU default: 1GiB
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    swap_space: float = 0.0
-    preemption_mode: str = "recompute"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    seed: int = 0
-    precompile: bool = True
-    show_progress: bool = True
-    compilation_cache_dir: str | None = None  # None: $JAXPAGED_COMPILATION_CACHE or ~/.cache/jaxpaged/xla
+    dtype: str = _option("float32", "weights and activations (matmuls accumulate in float32)", SUPPORTED_DTYPES)
+    kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes",
+                                  ("auto", *SUPPORTED_DTYPES))
+    block_size: int = _option(16, "tokens per KV block", SUPPORTED_BLOCK_SIZES)
+    kv_cache_memory: int | str | None = _option(None, f"bytes of K+V for the pool, e.g. 2GiB (CPU default: "
+                                                      f"{DEFAULT_CPU_KV_MEMORY})")
+    gpu_memory_utilization: float = _option(0.9, "GPU/TPU: fraction of device memory for weights, activations "
+                                                 "and the pool")
+    num_blocks: int | None = _option(None, "force the pool's size in blocks (overrides both memory budgets)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of equal prompt prefixes")
+    swap_space: float = _option(0.0, "GiB of host memory for swapped-out blocks")
+    preemption_mode: str = _option("recompute", "what preemption does with a request's blocks",
+                                   ("recompute", "swap"))
+    max_num_seqs: int = _option(64, "sequences per step")
+    max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
+    max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
+    attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
+    seed: int = _option(0, "seeds the per-request seeds of requests that give none")
+    precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
+    show_progress: bool = _option(True, "progress bars for start-up compilation")
+    compilation_cache_dir: str | None = _option(None, "persistent XLA cache (default: $JAXPAGED_COMPILATION_CACHE "
+                                                      "or ~/.cache/jaxpaged/xla)")
     # "paged" allocates a block when the last one fills; "contiguous" reserves max_model_len slots per request up
     # front, the scheme of systems before PagedAttention (for the memory-waste benchmark)
-    kv_allocation: str = "paged"
+    kv_allocation: str = _option("paged", "paged, or contiguous (reserve max_model_len per request; benchmarks)",
+                                 ("paged", "contiguous"))
 
     def __post_init__(self):
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-        if self.kv_allocation not in ("paged", "contiguous"):
-            raise ValueError(f"kv_allocation={self.kv_allocation!r}; use 'paged' or 'contiguous'")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}; use one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
+        for f in dataclasses.fields(self):
+            _check_option(f.name, getattr(self, f.name), f.type, f.metadata["choices"])
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
+        self.cache_config()
+        self.scheduler_config(self.max_model_len)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -62,6 +81,19 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len)
+
+
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}
+
+
+def _check_option(name: str, value, annotation: str, choices: tuple | None) -> None:
+    """Type and choice of one option, from its annotation ("int | None", "float", ...)."""
+    allowed = [_TYPES[t.strip()] for t in annotation.split("|")]
+    flat = tuple(t for a in allowed for t in (a if isinstance(a, tuple) else (a,)))
+    if (isinstance(value, bool) and bool not in flat) or not isinstance(value, flat):
+        raise TypeError(f"{name}={value!r} must be {annotation}, not {type(value).__name__}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(str, choices))}")
 
 
 def enable_compilation_cache(directory: str | None) -> str:

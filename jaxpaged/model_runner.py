@@ -308,6 +308,10 @@ class ModelRunner:
         result, self.k_cache, self.v_cache = step(self.params, self.k_cache, self.v_cache, batch.device_dict())
         return jax.tree.map(np.asarray, result)
 
+    def pool_alive(self) -> bool:
+        """False once a donated pool buffer is gone (a step that raised after taking it)."""
+        return not (self.k_cache.is_deleted() or self.v_cache.is_deleted())
+
     # ---- block copies -------------------------------------------------------------------------------------------
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

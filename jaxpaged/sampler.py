@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20  # top-k logprobs are computed at this fixed width, so a request's `logprobs` never changes a shape
+from jaxpaged.sampling_params import MAX_LOGPROBS
+
 MAX_BANNED = 8  # EOS / stop token ids masked while a request is below its min_tokens
 
 

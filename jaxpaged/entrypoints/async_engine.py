@@ -47,7 +47,7 @@ class RequestAbortedError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed with an internal error; the requests in it were aborted (HTTP 500)."""
+    """This request failed inside the engine (its step or its output processing); other requests go on (HTTP 500)."""
 
 
 @dataclasses.dataclass
@@ -340,19 +340,16 @@ class AsyncEngine:
         """Runs one engine step and appends what its readers should get to `deliveries`; returns whether it
         progressed."""
         steps_before = self.engine.counters["steps"]
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting its %d requests", len(self.engine.requests))
-            self.metrics.step_errors.inc()
-            error = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-                self._token_times.pop(request_id, None)
-                deliveries.append((request_id, error))
-            return True
+        # Anything that escapes step() (EngineDeadError: the pool is gone; or a bug in the host bookkeeping) ends
+        # the loop: /health answers 503 and new requests are refused, rather than serving on a broken engine.
+        outputs = self.engine.step()
         now = time.monotonic()
         for out in outputs:
+            if out.error is not None:  # this request failed inside the step; the others went on
+                self.metrics.step_errors.inc()
+                self._token_times.pop(out.request_id, None)
+                deliveries.append((out.request_id, EngineStepError(f"internal engine error: {out.error}")))
+                continue
             self._observe(out, now)
             deliveries.append((out.request_id, out))
         return self.engine.counters["steps"] != steps_before or bool(outputs)

@@ -7,15 +7,12 @@ neutral value, with a 400 that names the field.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpaged.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # the engine's top-k logprob limit
-MAX_N = 128
-MAX_STOP_STRINGS = 16
+from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -36,7 +33,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # allow_inf_nan: "1e999" and "Infinity" parse as inf; no float field of the API means that
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -81,11 +79,6 @@ class _SamplingRequest(_Body):
         if self.logit_bias:
             raise OpenAIError("logit_bias is not supported by this server", param="logit_bias",
                               code="unsupported_parameter")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise OpenAIError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-        if any(not s for s in stops):
-            raise OpenAIError("stop strings must be non-empty", param="stop")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -102,8 +95,9 @@ class _SamplingRequest(_Body):
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens)
-        except ValueError as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
-            raise OpenAIError(str(e), param=str(e).split("=", 1)[0] or None) from e
+        except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
+            field = re.match(r"[a-z_]+", str(e))
+            raise OpenAIError(str(e), param=field.group(0) if field else None) from e
 
 
 class CompletionRequest(_SamplingRequest):
