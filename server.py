@@ -162,11 +162,11 @@ async def stats(request: web.Request) -> web.Response:
 
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = 4 * 2**20) -> web.Application:
+              max_body_bytes: int = 4 * 2**20, max_prompts_per_request: int = 64) -> web.Application:
     middlewares = [errors_as_json] + ([require_api_key(api_key)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[ENGINE] = engine
-    app[SERVING] = OpenAIServing(engine, model_names)
+    app[SERVING] = OpenAIServing(engine, model_names, max_prompts_per_request)
     app[MAX_BODY] = max_body_bytes
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -214,11 +214,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted (413)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for a slot; more are answered 429")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one completions request may hold (400 beyond it)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    for name in ("max_body_bytes", "max_waiting"):
+    for name in ("max_body_bytes", "max_waiting", "max_prompts_per_request"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_app(engine, names, args.api_key, args.max_body_bytes)
+    app = build_app(engine, names, args.api_key, args.max_body_bytes, args.max_prompts_per_request)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace))
     except OSError as e:  # e.g. the port is taken

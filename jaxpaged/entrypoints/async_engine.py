@@ -52,11 +52,11 @@ class EngineStepError(RuntimeError):
 
 @dataclasses.dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int] | dict
-    params: SamplingParams
+    """Requests that are queued together or not at all (the prompts of one API call)."""
+
+    requests: list[tuple[str, str | list[int] | dict, SamplingParams]]  # (request id, prompt, params)
     arrival_time: float
-    done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has it
+    done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has them
 
 
 @dataclasses.dataclass
@@ -187,34 +187,53 @@ class AsyncEngine:
                           params: SamplingParams | None = None) -> RequestStream:
         """Hands a request to the engine and waits until the engine has queued it.
 
-        Raises ValueError (bad input, from `Engine.add_request`), EngineOverloadedError (the waiting queue is full)
-        or EngineStoppedError (shutting down). On success the returned stream yields the request's outputs.
+        Raises ValueError / TypeError (bad input, from `Engine.make_request`), EngineOverloadedError (the waiting
+        queue is full) or EngineStoppedError (shutting down). On success the returned stream yields the request's
+        outputs.
+        """
+        (stream,) = await self.add_requests([(request_id, prompt, params)])
+        return stream
+
+    async def add_requests(self, requests: list[tuple[str, str | list[int] | dict, SamplingParams | None]]
+                           ) -> list[RequestStream]:
+        """Queues several requests in one engine iteration, all or none (the prompts of one API call).
+
+        More requests than `max_waiting` can never be queued at once: ValueError, not EngineOverloadedError.
         """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        ids = [rid for rid, _, _ in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be distinct")
+        if len(requests) > self.max_waiting:
+            raise ValueError(f"{len(requests)} prompts in one request can never be queued: at most "
+                             f"max_waiting={self.max_waiting} requests may wait")
+        streams = [RequestStream(self, rid, loop) for rid in ids]
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._error is not None or not self._accepting:
                 raise EngineStoppedError("the engine is shutting down and takes no new requests")
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+            for rid in ids:
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already in use")
             waiting = self._pending_adds + self._snapshot["num_waiting"]
-            if waiting >= self.max_waiting:
+            if waiting + len(requests) > self.max_waiting:
                 self.metrics.rejected.inc()
                 raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
                                             f"(max_waiting={self.max_waiting}); retry later")
-            self._streams[request_id] = stream
-            self._pending_adds += 1
-            self._commands.append(_Add(request_id, prompt, params or SamplingParams(), time.monotonic(), done))
+            self._streams.update(zip(ids, streams, strict=True))
+            self._pending_adds += len(requests)
+            self._commands.append(_Add([(rid, prompt, params or SamplingParams()) for rid, prompt, params in requests],
+                                       time.monotonic(), done))
             self._cond.notify()
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             rejected = done.done() and not done.cancelled() and done.exception() is not None
-            stream._closed = True
-            self._forget(request_id, abort=not rejected)  # cancelled mid-add: the engine may hold it
+            for stream in streams:
+                stream._closed = True
+                self._forget(stream.request_id, abort=not rejected)  # cancelled mid-add: the engine may hold it
             raise
-        return stream
+        return streams
 
     async def generate(self, request_id: str, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -320,19 +339,23 @@ class AsyncEngine:
                 if cmd.error is not None:
                     deliveries.append((cmd.request_id, cmd.error))
                 continue
-            added = False
+            added = []
             if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
-                    added = True
-                except Exception as e:  # bad input: the caller gets it, the loop goes on
+                    made = [self.engine.make_request(rid, prompt, params, arrival_time=cmd.arrival_time)
+                            for rid, prompt, params in cmd.requests]
+                    for req in made:
+                        self.engine.enqueue(req)
+                    added = [rid for rid, _, _ in cmd.requests]
+                except Exception as e:  # bad input: the caller gets it, nothing is queued, the loop goes on
                     cmd.done.set_exception(e)
             with self._cond:
-                # From pending to waiting at once, so the max_waiting count never sees it twice or not at all.
-                self._pending_adds -= 1
-                self._snapshot["num_waiting"] += added
+                # From pending to waiting at once, so the max_waiting count never sees them twice or not at all.
+                self._pending_adds -= len(cmd.requests)
+                self._snapshot["num_waiting"] += len(added)
             if added:
-                self._token_times[cmd.request_id] = (cmd.arrival_time, 0)
+                for rid in added:
+                    self._token_times[rid] = (cmd.arrival_time, 0)
                 cmd.done.set_result(None)
         return deliveries
 

@@ -48,9 +48,10 @@ class _ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+    def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompts_per_request: int = 64):
         if not model_names:
             raise ValueError("model_names must name at least one model")
+        self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
         self.created = int(time.time())
@@ -83,6 +84,9 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest) -> dict | ChunkStream:
         model = self._check_model(body.model)
         prompts = []
+        if len(body.prompts()) > self.max_prompts_per_request:
+            raise OpenAIError(f"prompt holds {len(body.prompts())} prompts; at most {self.max_prompts_per_request} "
+                              "are allowed in one request", param="prompt")
         for p in body.prompts():
             if isinstance(p, str):
                 prompts.append(_Prompt(p, self._encode(p)))
@@ -233,16 +237,14 @@ class OpenAIServing:
         return _Context(request_id, model, int(time.time()), n, prompts, streams, self)
 
     async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
-        streams: list[RequestStream] = []
+        """Queues every prompt of the request in one engine iteration, or none of them."""
+        rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
         try:
-            for k, p in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{k}"
-                streams.append(await self.engine.add_request(
-                    rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
+            return await self.engine.add_requests(
+                [(rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params)
+                 for rid, p in zip(rids, prompts, strict=True)])
         except BaseException as e:
-            for s in streams:
-                await s.aclose()
-            if isinstance(e, ValueError):
+            if isinstance(e, (ValueError, TypeError)):
                 raise OpenAIError(str(e), param="prompt" if len(prompts) > 1 or prompts[0].text else None) from e
             if isinstance(e, EngineOverloadedError):
                 raise OpenAIError(str(e), status=429, type="server_overloaded",
@@ -250,7 +252,6 @@ class OpenAIServing:
             if isinstance(e, EngineStoppedError):
                 raise OpenAIError(str(e), status=503, type="service_unavailable", code="shutting_down") from e
             raise
-        return streams
 
     def _prompt_text(self, p: _Prompt) -> str:
         if p.text is not None:
