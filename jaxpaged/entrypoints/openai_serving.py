@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -245,7 +246,11 @@ class OpenAIServing:
                  for rid, p in zip(rids, prompts, strict=True)])
         except BaseException as e:
             if isinstance(e, (ValueError, TypeError)):
-                raise OpenAIError(str(e), param="prompt" if len(prompts) > 1 or prompts[0].text else None) from e
+                # The engine's checks start with the field they are about ("stop_token_ids must be in ...").
+                field = re.match(r"([a-z_]+)\b", str(e))
+                param = field.group(1) if field and field.group(1) in CompletionRequest.model_fields else \
+                    ("prompt" if len(prompts) > 1 or prompts[0].text else None)
+                raise OpenAIError(str(e), param=param) from e
             if isinstance(e, EngineOverloadedError):
                 raise OpenAIError(str(e), status=429, type="server_overloaded",
                                   code="too_many_waiting_requests") from e
