@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 
-from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine import Engine
@@ -118,13 +118,24 @@ class LLM:
                 self.engine.abort_request(rid)
         return [done[rid] for rid in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Beam search per prompt; each output's `outputs` are the beam_width hypotheses, best first."""
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search per prompt, returned as vLLM does: each output's `sequences` are the beam_width hypotheses,
+        best first, with the prompt's tokens and text included."""
         prompts = _as_list(prompts)
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
         self._add_all([self.engine.make_beam_request(rid, prompt, params)
                        for rid, prompt in zip(ids, prompts, strict=True)])
-        return self._run(ids, use_tqdm)
+        return [self._beam_output(out) for out in self._run(ids, use_tqdm)]
+
+    def _beam_output(self, out: RequestOutput) -> BeamSearchOutput:
+        def text(tokens: list[int]) -> str | None:
+            return None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+        return BeamSearchOutput([
+            BeamSearchSequence(tokens=out.prompt_token_ids + o.token_ids, logprobs=[], cum_logprob=o.cumulative_logprob,
+                               text=text(out.prompt_token_ids + o.token_ids), finish_reason=o.finish_reason,
+                               stop_reason=o.stop_reason)
+            for o in out.outputs])
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
