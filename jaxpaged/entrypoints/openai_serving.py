@@ -318,20 +318,29 @@ class _Context:
                 async for out in self.streams[0]:
                     yield 0, out
                 return
-            queue: asyncio.Queue = asyncio.Queue()
+            # The newest unread item per prompt: outputs are cumulative, so a newer one replaces an older one and a
+            # consumer that stops reading (a client that does not read its stream) holds one output per prompt.
+            unread: dict[int, RequestOutput | BaseException] = {}
+            wakeup = asyncio.Event()
 
             async def pump(k: int, stream: RequestStream):
                 try:
                     async for out in stream:
-                        queue.put_nowait((k, out))
+                        unread[k] = out
+                        wakeup.set()
                 except Exception as e:
-                    queue.put_nowait((k, e))
+                    unread[k] = e
+                    wakeup.set()
 
             tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(self.streams)]
             try:
                 remaining = len(self.streams)
                 while remaining:
-                    k, item = await queue.get()
+                    while not unread:
+                        wakeup.clear()
+                        await wakeup.wait()
+                    k = next(iter(unread))
+                    item = unread.pop(k)
                     if isinstance(item, BaseException):
                         raise item
                     remaining -= item.finished
