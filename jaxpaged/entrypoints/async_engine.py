@@ -65,26 +65,30 @@ class _Abort:
     error: BaseException | None = None  # handed to the reader when it is still listening
 
 
-_CLOSED = object()  # queued by aclose() so that a pending __anext__ returns
-
-
 class RequestStream:
     """The outputs of one request, an async iterator of cumulative `RequestOutput`s ending with a finished one.
 
-    When the reader falls behind it gets only the newest output (each one holds all text so far). Leaving early
-    (`aclose()`, `break` inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
+    It holds at most one unread item: each output carries all text and tokens so far, so a newer one replaces an
+    unread older one, and a reader that falls behind (or stops reading) costs one output's memory, not one per
+    step. A terminal item (the finished output, or an error) is never replaced. Leaving early (`aclose()`, `break`
+    inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()  # RequestOutput | BaseException | _CLOSED
+        self._unread: RequestOutput | BaseException | None = None
+        self._wakeup = asyncio.Event()
         self.finished = False
         self._closed = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop, from the engine thread
-        self._queue.put_nowait(item)
+        unread = self._unread
+        if isinstance(unread, BaseException) or (unread is not None and unread.finished):
+            return  # e.g. the shutdown's error after a finished output the reader has not taken yet
+        self._unread = item
+        self._wakeup.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -93,14 +97,15 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
-            while not self._queue.empty() and not isinstance(item, BaseException) and item is not _CLOSED:
-                item = self._queue.get_nowait()
+            while self._unread is None and not self._closed:
+                self._wakeup.clear()
+                await self._wakeup.wait()
         except BaseException:  # cancelled while waiting: nobody will read this request any more
             await self.aclose()
             raise
-        if item is _CLOSED or self._closed:
+        if self._closed:
             raise StopAsyncIteration
+        item, self._unread = self._unread, None
         if isinstance(item, BaseException):
             self.finished = True
             self._engine._forget(self.request_id, abort=False)
@@ -114,7 +119,8 @@ class RequestStream:
         if not self._closed:
             self._closed = True
             self._engine._forget(self.request_id, abort=not self.finished)
-            self._queue.put_nowait(_CLOSED)  # wakes a reader waiting in another task
+            self._unread = None
+            self._wakeup.set()  # wakes a reader waiting in another task
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -285,17 +291,37 @@ class AsyncEngine:
         deadline = time.monotonic() + grace_s
         while self.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.fail_in_flight(EngineStoppedError(f"the engine shut down before this request finished "
+                                               f"(grace period of {grace_s:g} s)"))
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Aborts whatever is left and joins the loop thread (blocking)."""
+    def fail_in_flight(self, error: BaseException) -> int:
+        """Ends every request that still has a reader: the engine aborts it, and its reader gets `error` on its
+        next read, without waiting for the engine's current step (which may take seconds). Thread-safe; returns
+        how many requests it ended."""
+        with self._cond:
+            streams = list(self._streams.values())
+            self._commands.extend(_Abort(s.request_id) for s in streams)
+            self._cond.notify()
+        for s in streams:
+            try:
+                s._loop.call_soon_threadsafe(s._put, error)
+            except RuntimeError:  # the reader's event loop is closed
+                pass
+        return len(streams)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Aborts whatever is left and joins the loop thread (blocking); returns whether it stopped in time (it
+        finishes its current step first)."""
         with self._cond:
             self._accepting = False
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            logger.warning("the engine thread did not stop within %.0f s", timeout)
+            logger.warning("the engine thread did not stop within %g s", timeout)
+            return False
+        return True
 
     # ---- the loop thread ----------------------------------------------------------------------------------------
 

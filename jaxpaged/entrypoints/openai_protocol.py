@@ -208,13 +208,15 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return OpenAIError(f"the request body is not valid JSON: {err['msg']}")
-    if err["type"] == "model_type":
+    if err["type"] == "model_type" and not err["loc"]:
         return OpenAIError("the request body must be a JSON object")
     # Union members appear in loc as their type names ("str", "list[int]"); the field path is what users need.
     loc = [str(x) for x in err["loc"] if isinstance(x, int) or ("[" not in str(x) and str(x) not in _TYPE_NAMES)]
     param = ".".join(loc) or None
     if err["type"] == "missing":
         return OpenAIError(f"'{param}' is a required property", param=param)
+    if err["type"] == "model_type":  # a field that must be an object, e.g. "stream_options": 5
+        return OpenAIError(f"'{param}' must be a JSON object", param=param)
     union = sum(1 for x in e.errors(include_url=False) if x["loc"][:1] == err["loc"][:1]) > 1
     message = f"invalid type for '{param}'" if union else f"'{param}': {err['msg']}"
     return OpenAIError(message, param=param)
