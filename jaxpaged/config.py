@@ -9,7 +9,10 @@ import dataclasses
 import re
 from typing import Any
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
+
+# Model and pool dtype option names. The Pallas and native kernels take a subset (pallas_kernels.validation.
+# KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

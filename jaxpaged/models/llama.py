@@ -11,14 +11,13 @@ stacking per-layer outputs would copy the whole pool every step (see shared/PALL
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
-from pallas_kernels.reference import write_kv_reference
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -67,46 +66,21 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-AttentionFn = Callable[..., jax.Array]
-
-
-def forward(
-    params: dict,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    batch: dict[str, jax.Array],
-    *,
-    config: ModelConfig,
-    attention_fn: AttentionFn,
-    tile_size: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the step's tokens through the decoder.
-
-    batch:
-      token_ids       [T] int32
-      positions       [T] int32   -1 for padding tokens
-      slot_mapping    [T] int32   flat pool slot of each token's K/V (padding -> slot in the null block 0)
-      block_tables    [S, W] int32
-      context_lens    [S] int32
-      query_start_loc [S + 1] int32
-      logits_indices  [S] int32   the token whose hidden state feeds each sequence's next-token logits
-    k_cache, v_cache  [L, NB, BS, Hkv, D]
-    Returns (logits [S, V] float32, k_cache, v_cache).
-    """
-    dtype = params["embed"].dtype
+def forward(params: dict, token_ids: jax.Array, kv_pool: KVPool, md: AttentionMetadata, attn: AttentionBackend, *,
+            config: ModelConfig) -> tuple[jax.Array, KVPool]:
+    """Runs the step's T tokens (token_ids [T] int32) through the decoder; returns (hidden [T, H], kv_pool)."""
     num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    positions = batch["positions"]
+    positions = md.positions
     num_tokens = positions.shape[0]
 
-    h = params["embed"][batch["token_ids"]]  # [T, H]
+    h = params["embed"][token_ids]  # [T, H]
     inv_freq = jnp.asarray(rope_inv_freq(config))
     angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    scale = 1.0 / math.sqrt(head_dim)
     layers = params["layers"]
 
     def layer_step(i, carry):
-        h, k_cache, v_cache = carry
+        h, kv_pool = carry
         p = jax.tree.map(lambda x: x[i], layers)
         x = _rms_norm(h, p["attn_norm"], config.rms_norm_eps)
         q, k, v = _matmul(x, p["wq"]), _matmul(x, p["wk"]), _matmul(x, p["wv"])
@@ -115,18 +89,17 @@ def forward(
         q = _rope(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
         k = _rope(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
         v = v.reshape(num_tokens, num_kv_heads, head_dim)
-        k_cache, v_cache = write_kv_reference(k_cache, v_cache, i, k, v, batch["slot_mapping"])
-        attn = attention_fn(q, k_cache, v_cache, i, batch["block_tables"], batch["context_lens"],
-                            batch["query_start_loc"], positions, scale=scale, tile_size=tile_size,
-                            sliding_window=config.sliding_window)
-        h = h + _matmul(attn.reshape(num_tokens, num_heads * head_dim), p["wo"])
+        out, kv_pool = attn(q, k, v, kv_pool, i, md, sliding_window=config.sliding_window)
+        h = h + _matmul(out.reshape(num_tokens, num_heads * head_dim), p["wo"])
         x = _rms_norm(h, p["mlp_norm"], config.rms_norm_eps)
         h = h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"])
-        return h, k_cache, v_cache
+        return h, kv_pool
 
-    h, k_cache, v_cache = jax.lax.fori_loop(0, config.num_layers, layer_step, (h, k_cache, v_cache))
-    # The LM head runs only on the rows that need logits: one per sequence, not one per token.
-    h = _rms_norm(h[batch["logits_indices"]], params["final_norm"], config.rms_norm_eps)  # [S, H]
+    return jax.lax.fori_loop(0, config.num_layers, layer_step, (h, kv_pool))
+
+
+def logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """hidden [S, H] (the rows that need logits) -> logits [S, V] float32."""
+    h = _rms_norm(hidden, params["final_norm"], config.rms_norm_eps)
     lm_head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-    logits = jnp.dot(h.astype(dtype), lm_head, preferred_element_type=jnp.float32)
-    return logits, k_cache, v_cache
+    return jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
