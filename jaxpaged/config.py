@@ -36,7 +36,7 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     vocab_size: int
     hidden_size: int
@@ -53,6 +53,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     sliding_window: int | None = None  # Mistral: each token sees the last `sliding_window` positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

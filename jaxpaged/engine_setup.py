@@ -8,10 +8,12 @@ import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
-from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, ModelConfig, SchedulerConfig, parse_bytes
+from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
+from jaxpaged.models.contract import check_model
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype
     return model_dtype
 
 
-def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
+def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     device = jax.devices()[0]
@@ -114,8 +116,21 @@ def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
     return budget
 
 
-def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
-    """Sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
+    every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype."""
+    check_model(model)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def cast(x):
+        return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
+
+    return graphdef, nnx.merge_state(jax.tree.map(cast, params), jax.tree.map(jnp.asarray, rest))
+
+
+def build_runner(model: nnx.Module, config: EngineConfig):
+    """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+    model_config = model.config
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:
@@ -125,14 +140,14 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     enable_compilation_cache(config.compilation_cache_dir)
 
     dtype = jnp.dtype(config.dtype)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    graphdef, state = split_model(model, dtype)
     cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
     # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
     block_bytes = pool_block_bytes(model_config, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
-        num_blocks = _kv_budget_bytes(cache, params, block_bytes) // block_bytes
+        num_blocks = _kv_budget_bytes(cache, block_bytes) // block_bytes
     usable = num_blocks - 1  # block 0 is the null block that padding writes into
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if usable < blocks_per_seq:
@@ -145,7 +160,7 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
                 usable / blocks_per_seq, max_model_len)
     attn = attention_backend(config.attention_backend)
     attn.check_dtypes(dtype, cache_dtype)
-    runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=cache.block_size,
+    runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
                          attn=attn, cache_dtype=cache_dtype,

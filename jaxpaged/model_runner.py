@@ -24,12 +24,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental.layout import Format, Layout
 
 from jaxpaged import sampler
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
-from jaxpaged.config import ModelConfig
-from jaxpaged.models import llama
+from jaxpaged.models.contract import ModelSpec
 from jaxpaged.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.scheduler import PREFILL_TILE, SchedulerOutput, round_up
 
@@ -66,11 +66,12 @@ class Batch:
         return self.attn.shape_key
 
 
-def _step(params, kv_pool: KVPool, token_ids, md: AttentionMetadata, sm: SamplingMetadata, *, config: ModelConfig,
-          attn: AttentionBackend) -> tuple[SamplerOutput, KVPool]:
-    hidden, kv_pool = llama.forward(params, token_ids, kv_pool, md, attn, config=config)  # [T, H]
+def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, sm: SamplingMetadata, *,
+          graphdef: nnx.GraphDef, attn: AttentionBackend) -> tuple[SamplerOutput, KVPool]:
+    model = nnx.merge(graphdef, state)  # inside the trace: the module's arrays are the step's arguments
+    hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
     # The LM head runs only on the rows that need logits: one per sequence, not one per token.
-    logits = llama.logits(params, hidden[md.logits_indices], config=config)  # [S, V] f32
+    logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
     return sampler.sample(logits, sm), kv_pool
 
 
@@ -101,13 +102,14 @@ def pool_format(device: jax.Device) -> Format | None:
     return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
 
-def jit_step(config: ModelConfig, attn: AttentionBackend, fmt: Format | None):
-    """The jitted step: (params, kv_pool, token_ids, attn_md, sampling_md) -> (SamplerOutput, kv_pool).
+def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | None):
+    """The jitted step: (state, kv_pool, token_ids, attn_md, sampling_md) -> (SamplerOutput, kv_pool), for the model
+    `graphdef` (from `nnx.split` at load) and the attention backend `attn`.
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
     outputs live on its device.
     """
-    step = functools.partial(_step, config=config, attn=attn)
+    step = functools.partial(_step, graphdef=graphdef, attn=attn)
     if fmt is None:
         return jax.jit(step, donate_argnums=(1,))
     device = fmt.sharding
@@ -139,7 +141,7 @@ def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | None) -> KVPool:
     return KVPool(zeros(), zeros())
 
 
-def pool_block_bytes(config: ModelConfig, block_size: int, dtype, fmt: Format | None) -> int:
+def pool_block_bytes(config: ModelSpec, block_size: int, dtype, fmt: Format | None) -> int:
     """Device bytes of one block of the K and V pools together, all layers.
 
     Default layout: the logical 2 * L * BS * Hkv * D * itemsize. With a format: XLA's own count, the output bytes
@@ -178,11 +180,16 @@ def lower_step(step_fn, params, kv_pool: KVPool, batch: Batch):
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params: dict, *, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attn: AttentionBackend, cache_dtype,
-                 block_bytes: int):
+    """Device state (the model's split state, the KV pool, compiled steps) and the host batch building.
+
+    graphdef, state: the model split once at load (`nnx.split`); `config` its `ModelSpec` fields (pool shape)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, config: ModelSpec, *, num_blocks: int,
+                 block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 attn: AttentionBackend, cache_dtype, block_bytes: int):
         self.config = config
-        self.params = params
+        self.graphdef = graphdef
+        self.params = state
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -201,7 +208,7 @@ class ModelRunner:
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
-        self._step_fn = jit_step(config, attn, self.pool_format)
+        self._step_fn = jit_step(graphdef, attn, self.pool_format)
         self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3)
         self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step

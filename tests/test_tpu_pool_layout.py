@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.layout import Format
 
 from jaxpaged import SamplingParams, engine_setup, model_runner
@@ -38,6 +39,7 @@ from jaxpaged.model_runner import (
     pool_block_bytes,
     pool_format,
 )
+from jaxpaged.models import llama
 from pallas_kernels.attention import paged_attention
 from tests.hlo_checks import computations_with, pool_copies
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
@@ -72,14 +74,15 @@ def compile_tpu_step(device, fmt: Format | None, shape: tuple) -> tuple[str, tup
     def abstract(x, where=sharding):
         return jax.ShapeDtypeStruct(np.shape(x), jnp.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=where)
 
-    params = jax.tree.map(abstract, random_params(config))  # bfloat16, as build_runner casts them
+    graphdef, state = nnx.split(llama.from_params(config, random_params(config)))
+    state = jax.tree.map(abstract, state)  # bfloat16, as build_runner casts them
     pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     pool = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16, sharding=fmt or sharding)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), dummy_batch(*shape))
     # What attention_backend("auto") gives on a TPU.
     attn = PagedAttention("pallas_tpu", functools.partial(paged_attention, implementation="pallas_tpu"))
-    step_fn = jit_step(config, attn, fmt)
-    return lower_step(step_fn, params, KVPool(pool, pool), batch).compile().as_text(), pool_shape
+    step_fn = jit_step(graphdef, attn, fmt)
+    return lower_step(step_fn, state, KVPool(pool, pool), batch).compile().as_text(), pool_shape
 
 
 @pytest.mark.parametrize("shape", list(STEP_SHAPES), ids=list(STEP_SHAPES))

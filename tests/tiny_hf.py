@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face models on disk (config + safetensors + tokenizer), and GGUF copies of them,
 for tests that load models by path and compare against transformers on the same files.
 
-    path = make_tiny_hf_model(tmp_path, "llama")     # also "llama_tied", "llama3", "qwen2", "mistral"
+    path = make_tiny_hf_model(tmp_path, "llama")     # also "llama_tied", "llama3", "qwen2", "qwen3", "mistral"
     transformers.AutoModelForCausalLM.from_pretrained(path)  and  jaxpaged.loader.load_model(path)
 
 Every kind shares one tokenizer: byte-level BPE trained here on a fixed text, TINY_VOCAB = 384 tokens (ids 0-2 are
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 TINY_VOCAB = 384
-KINDS = ("llama", "llama_tied", "llama3", "qwen2", "mistral")
+KINDS = ("llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID = 1, 2
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -80,8 +80,11 @@ def tiny_hf_config(kind: str = "llama", **overrides):
         common["tie_word_embeddings"] = True
     if kind == "mistral":
         common["sliding_window"] = 4096  # longer than max_position_embeddings: pass e.g. sliding_window=16 to bite
+    if kind == "qwen3":  # Qwen3Config's own default head_dim is 128, not hidden / heads
+        common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
     common.update(overrides)
-    cls = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}.get(kind, transformers.LlamaConfig)
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}.get(kind, transformers.LlamaConfig)
     return cls(**common)
 
 
