@@ -18,7 +18,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
-from jaxpaged.models import llama
+from jaxpaged.models import check_model, llama
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
@@ -62,6 +62,7 @@ class Engine:
         return self
 
     def _setup(self, model: nnx.Module, tokenizer, config: EngineConfig | None) -> None:
+        check_model(model)
         config = config or EngineConfig()
         self.config = config
         self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields

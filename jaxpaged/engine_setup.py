@@ -13,7 +13,6 @@ from flax import nnx
 from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
 from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
-from jaxpaged.models.contract import check_model
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +118,6 @@ def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
 def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
     every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype."""
-    check_model(model)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(x):
