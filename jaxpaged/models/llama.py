@@ -157,19 +157,21 @@ def abstract_model(config: ModelConfig) -> LlamaForCausalLM:
 def param_state(config: ModelConfig, params: dict | nnx.State) -> nnx.State:
     """The module's `nnx.State` holding `params` (a nested dict in `jaxpaged.loader.layout`'s layout, or a State;
     numpy or JAX arrays, kept as they are). Raises ValueError naming a missing, extra or misshapen tensor."""
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    _, state = nnx.split(abstract_model(config))
-    want = nnx.to_pure_dict(state)
-    _check_tree(params, want, "")
-    nnx.replace_by_pure_dict(state, params)
-    return state
+    return _split_with(config, params)[1]
 
 
 def from_params(config: ModelConfig, params: dict | nnx.State) -> LlamaForCausalLM:
     """The module with the given parameters (see `param_state`)."""
-    graphdef, _ = nnx.split(abstract_model(config))
-    return nnx.merge(graphdef, param_state(config, params))
+    return nnx.merge(*_split_with(config, params))
+
+
+def _split_with(config: ModelConfig, params: dict | nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    graphdef, state = nnx.split(abstract_model(config))
+    _check_tree(params, nnx.to_pure_dict(state), "")
+    nnx.replace_by_pure_dict(state, params)
+    return graphdef, state
 
 
 def _check_tree(got: dict, want: dict, where: str) -> None:
