@@ -9,7 +9,10 @@ import dataclasses
 import re
 from typing import Any
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
+
+# Model and pool dtype option names. The Pallas and native kernels take a subset (pallas_kernels.validation.
+# KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -33,7 +36,7 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     vocab_size: int
     hidden_size: int
@@ -50,6 +53,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k, v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE
     sliding_window: int | None = None  # Mistral: each token sees the last `sliding_window` positions
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()

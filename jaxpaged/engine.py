@@ -12,12 +12,14 @@ import logging
 import time
 
 import numpy as np
+from flax import nnx
 
 from jaxpaged.beam_search import BeamSearchParams, BeamState
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
+from jaxpaged.models import check_model, llama
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
@@ -52,14 +54,26 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model_config: ModelConfig, params: dict, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model_config: ModelConfig, params: dict | nnx.State, tokenizer,
+                 config: EngineConfig | None = None):
+        """A Llama-family model from its config and parameters (`jaxpaged.loader`'s layout, a dict or nnx.State)."""
+        self._setup(llama.from_params(model_config, params), tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model: nnx.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
+        """Any nnx module that follows the model contract (`jaxpaged.models.contract`)."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, config)
+        return self
+
+    def _setup(self, model: nnx.Module, tokenizer, config: EngineConfig | None) -> None:
+        check_model(model)
         config = config or EngineConfig()
         self.config = config
-        self.model_config = model_config
+        self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
         self.tokenizer = tokenizer
         t0 = time.perf_counter()
-        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(
-            model_config, params, config)
+        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(model, config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching,
                                           num_cpu_blocks=self._num_cpu_blocks(self.cache_config),
@@ -67,7 +81,7 @@ class Engine:
                                           else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
         self.scheduler.make_children = self._make_children
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}

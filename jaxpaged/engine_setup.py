@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxpaged.config import (
-    SUPPORTED_BLOCK_SIZES,
-    SUPPORTED_DTYPES,
-    CacheConfig,
-    ModelConfig,
-    SchedulerConfig,
-    parse_bytes,
-)
+from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
+from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
 DEFAULT_CPU_KV_MEMORY = "1GiB"
 
 
@@ -126,38 +119,7 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype
     return model_dtype
 
 
-def attention_fn(backend: str):
-    """The paged-attention implementation: Pallas on GPU and TPU; on CPU ('auto') the native decode kernel
-    (pallas_kernels/cpu_native, built with g++ on first use) for decode steps and the pure-JAX reference for
-    prefill, or the reference alone when the native kernel cannot be built (the reason is logged).
-
-    'native' is the CPU path with the native kernel required (an error names why it is unavailable). 'pallas' on
-    CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
-    platform = jax.default_backend()
-    if backend in ("auto", "native") and platform == "cpu":
-        from pallas_kernels import cpu_native
-
-        if cpu_native.available():
-            return functools.partial(cpu_native.native_decode_else_reference, strict=backend == "native")
-        if backend == "native":
-            raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
-        backend = "reference"
-    if backend == "native":
-        raise ValueError(f"attention_backend='native' is the CPU kernel; the platform is {platform!r}")
-    if backend == "auto":
-        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
-    if backend == "reference":
-        from pallas_kernels.reference import ragged_paged_attention_reference
-
-        return ragged_paged_attention_reference
-    from pallas_kernels.attention import paged_attention
-
-    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
-                                                                                          "pallas_interpret")
-    return functools.partial(paged_attention, implementation=implementation)
-
-
-def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
+def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     device = jax.devices()[0]
@@ -178,8 +140,20 @@ def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
     return budget
 
 
-def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
-    """Sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
+    every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def cast(x):
+        return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
+
+    return graphdef, nnx.merge_state(jax.tree.map(cast, params), jax.tree.map(jnp.asarray, rest))
+
+
+def build_runner(model: nnx.Module, config: EngineConfig):
+    """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+    model_config = model.config
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:
@@ -189,14 +163,14 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     enable_compilation_cache(config.compilation_cache_dir)
 
     dtype = jnp.dtype(config.dtype)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    graphdef, state = split_model(model, dtype)
     cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
     # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
     block_bytes = pool_block_bytes(model_config, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
-        num_blocks = _kv_budget_bytes(cache, params, block_bytes) // block_bytes
+        num_blocks = _kv_budget_bytes(cache, block_bytes) // block_bytes
     usable = num_blocks - 1  # block 0 is the null block that padding writes into
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if usable < blocks_per_seq:
@@ -207,10 +181,12 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
-    runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=cache.block_size,
+    attn = attention_backend(config.attention_backend)
+    attn.check_dtypes(dtype, cache_dtype)
+    runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
-                         attention_fn=attention_fn(config.attention_backend), cache_dtype=cache_dtype,
+                         attn=attn, cache_dtype=cache_dtype,
                          block_bytes=block_bytes)
     return runner, cache, sched, max_model_len
 

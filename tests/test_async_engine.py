@@ -262,7 +262,7 @@ def test_a_step_that_lost_its_donated_pool_stops_the_engine():
                                num_blocks=40, precompile=False, show_progress=False))
 
     def execute_and_lose_the_pool(batch):
-        dead.runner.k_cache.delete()
+        dead.runner.kv_pool.k.delete()
         raise RuntimeError("XLA runtime error: out of memory")
 
     dead.runner.execute = execute_and_lose_the_pool

@@ -7,6 +7,8 @@ import itertools
 import logging
 import time
 
+from flax import nnx
+
 from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
@@ -46,6 +48,7 @@ class LLM:
     LLM()                                   the embedded default model (SmolLM2-135M-Instruct)
     LLM(model="dir_or.gguf", block_size=16, max_num_seqs=64, kv_cache_memory="2GiB", dtype="float32")
     LLM.from_params(model_config, params, tokenizer, ...)   an in-memory params pytree (e.g. after fine-tuning)
+    LLM.from_model(module, tokenizer=..., ...)              any flax.nnx module that follows the model contract
     """
 
     def __init__(self, model: str | None = None, **engine_options):
@@ -64,6 +67,16 @@ class LLM:
     def from_params(cls, model_config: ModelConfig, params: dict, tokenizer=None, **engine_options) -> LLM:
         self = cls.__new__(cls)
         self.engine = Engine(model_config, params, tokenizer, _engine_config(engine_options))
+        self._ids = itertools.count()
+        return self
+
+    @classmethod
+    def from_model(cls, model: nnx.Module, tokenizer=None, **engine_options) -> LLM:
+        """Serves your own `nnx.Module`: it follows the contract of `jaxpaged.models.contract` (called as
+        `model(token_ids, kv_pool, md, attn) -> (hidden, kv_pool)`, with `model.logits(hidden)` and a `config`
+        holding the `ModelSpec` fields). Engine options as for `LLM(...)`; `dtype` casts its parameters."""
+        self = cls.__new__(cls)
+        self.engine = Engine.from_model(model, tokenizer, _engine_config(engine_options))
         self._ids = itertools.count()
         return self
 

@@ -2,8 +2,8 @@
 
 llama.cpp writes Mistral and Llama 2/3 as architecture "llama"; Qwen2 is "qwen2". For "llama" its converter
 permutes the rows of attn_q / attn_k (weights and biases) so that each head's rotary pairs sit next to each other
-(interleaved rope); `_unpermute` restores Hugging Face's rotate-half order. Qwen2 uses rotate-half in llama.cpp
-too, so its q/k are stored unpermuted.
+(interleaved rope); `_unpermute` restores Hugging Face's rotate-half order. Qwen2 and Qwen3 ("qwen3", with
+attn_q_norm / attn_k_norm) use rotate-half in llama.cpp too, so their q/k are stored unpermuted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.loader.layout import assemble
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 MAGIC = b"GGUF"
 
 # our name -> GGUF tensor name ("{i}" is the layer)
@@ -23,7 +23,8 @@ _TENSORS = {
     "embed": "token_embd.weight", "final_norm": "output_norm.weight", "lm_head": "output.weight",
     "attn_norm": "blk.{i}.attn_norm.weight", "wq": "blk.{i}.attn_q.weight", "wk": "blk.{i}.attn_k.weight",
     "wv": "blk.{i}.attn_v.weight", "wo": "blk.{i}.attn_output.weight", "bq": "blk.{i}.attn_q.bias",
-    "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias", "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias", "q_norm": "blk.{i}.attn_q_norm.weight",
+    "k_norm": "blk.{i}.attn_k_norm.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight", "w_down": "blk.{i}.ffn_down.weight",
 }
 
@@ -109,6 +110,7 @@ def model_config_from_gguf(reader) -> ModelConfig:
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=key("attention.sliding_window"), bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)), architecture=arch)
 
