@@ -11,6 +11,8 @@ transformers keeps `attn_logit_softcapping` in the config but never applies it, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,8 +130,6 @@ def test_greedy_tokens_match_transformers_generate(case):
 def test_sliding_window_changes_the_answer():
     """The window bites in these configs: with a window longer than the sequence (same layers, same rope bases) the
     last position's logits differ."""
-    import dataclasses
-
     config, params = ours(hf_model("base"))
     ids = jnp.asarray(prompt() * 2, jnp.int32)
     windowed = gemma3.logits(params, gemma3.forward_dense(params, ids, config=config)[-1:], config=config)
@@ -137,3 +137,31 @@ def test_sliding_window_changes_the_answer():
     unwindowed = gemma3.logits(params, gemma3.forward_dense(params, ids, config=unwindowed_config)[-1:],
                                config=unwindowed_config)
     assert np.abs(np.asarray(windowed) - np.asarray(unwindowed)).max() > 1e-2
+
+
+def test_gguf_layer_pattern_follows_llama_cpp():
+    """Absent from the file: llama.cpp's gemma3 default (every 6th layer global), which is transformers' too."""
+    from jaxpaged.loader.gguf_file import _gemma3_layer_types
+
+    want = tuple(transformers.Gemma3TextConfig(num_hidden_layers=18).layer_types)
+    assert _gemma3_layer_types(None, 18) == want
+    assert _gemma3_layer_types(6, 18) == want
+    assert _gemma3_layer_types([True, False, True], 3) == ("sliding_attention", "full_attention", "sliding_attention")
+    with pytest.raises(ValueError, match="sliding_window_pattern"):
+        _gemma3_layer_types([True, False], 3)
+
+
+def test_bad_gemma_config_fields_are_named():
+    config, _ = ours(hf_model("base"))
+    with pytest.raises(ValueError, match="layer_types"):
+        dataclasses.replace(config, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="layer_types.*unknown"):
+        dataclasses.replace(config, layer_types=("local",) * config.num_layers)
+    with pytest.raises(ValueError, match="sliding_window"):
+        dataclasses.replace(config, sliding_window=None)
+    with pytest.raises(ValueError, match="hidden_act"):
+        dataclasses.replace(config, hidden_act="relu")
+    with pytest.raises(ValueError, match="query_pre_attn_scalar"):
+        dataclasses.replace(config, query_pre_attn_scalar=0.0)
+    # a JSON round trip gives a list; the config keeps a tuple so it still compares equal
+    assert dataclasses.replace(config, layer_types=list(config.layer_types)) == config
