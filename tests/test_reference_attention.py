@@ -108,6 +108,24 @@ def test_reference_gemma3_heads_one_kv_head_and_head_dim_256(dtype, window):
                          sliding_window=window)
 
 
+def test_reference_takes_the_window_as_a_traced_value():
+    """A layer loop over interleaved local and global layers (Gemma 3) can index a per-layer window table: the
+    reference takes the window traced, and a window longer than any context is the same as none. (The Pallas and
+    native kernels take it static only: it is a constant of the kernel body or an FFI attribute.)"""
+    case = decode_case(DECODE_LENS, **GEMMA3_HEADS, block_size=BLOCK, width=WIDTH, num_padding_seqs=1, seed=32)
+    windows = jnp.asarray([7, 2**30], jnp.int32)  # [layers] local, global
+
+    @jax.jit
+    def per_layer(windows, *args):
+        return [ragged_paged_attention_reference(*args, **case.kwargs(sliding_window=windows[i],
+                                                                      decode_blocks=case.decode_blocks))
+                for i in range(2)]
+
+    local, global_ = per_layer(windows, *case.args)
+    assert_matches_dense(case, local, sliding_window=7)
+    assert_matches_dense(case, global_)
+
+
 def test_numpy_oracle_agrees_with_dense_causal_attention():
     """The float64 oracle used for windows and soft caps is itself checked against the contract's dense function."""
     rng = np.random.default_rng(0)
