@@ -4,11 +4,15 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (`stream: true` answers with server-sent events),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /stats (the engine's counters as JSON).
-This file is transport only: bodies, auth, status codes and SSE framing. The API's JSON shapes are in
+This file is transport only: bodies, auth, timeouts, status codes and SSE framing. The API's JSON shapes are in
 jaxpaged/entrypoints/openai_protocol.py and openai_serving.py; the engine never sees HTTP.
 
-SIGINT/SIGTERM: stop listening, refuse new requests (503), let in-flight ones finish for --shutdown-grace seconds,
-abort the rest, exit 0. A second signal exits at once.
+With --api-key (or $JAXPAGED_API_KEY, which keeps the key out of `ps`), every route but /health needs
+'Authorization: Bearer KEY'; --metrics-without-auth opens /metrics to a scraper.
+
+SIGINT/SIGTERM: keep listening but answer new API requests 503, let in-flight ones finish; at the end of
+--shutdown-grace, end the streams still running with an error event and `data: [DONE]`, and exit 0 within the
+grace. A second signal exits at once. README.md's "What the server promises" lists every limit and timeout.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxpaged.cli import add_engine_args, engine_options
-from jaxpaged.entrypoints.async_engine import AsyncEngine
+from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from jaxpaged.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,13 +43,53 @@ from jaxpaged.entrypoints.openai_serving import ChunkStream, OpenAIServing
 
 logger = logging.getLogger("jaxpaged.server")
 
+
+class Lifecycle:
+    """How many API requests are in flight, and whether the server is draining them before it exits."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no API request is in flight; False if some still are after `timeout` seconds."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._idle.wait()
+            return True
+        except TimeoutError:
+            return False
+
+
 ENGINE = web.AppKey("engine", AsyncEngine)
 SERVING = web.AppKey("serving", OpenAIServing)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 MAX_BODY = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT = web.AppKey("body_timeout", float)
+WRITE_TIMEOUT = web.AppKey("write_timeout", float)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 429: "server_overloaded",
-                503: "service_unavailable"}
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                429: "server_overloaded", 503: "service_unavailable"}
+
+
+class _BodyTimeout(Exception):
+    """The client sent headers but not the whole body within --body-timeout."""
+
+
+class _ClientNotReading(Exception):
+    """A write to a stream did not complete within --write-timeout: the client stopped reading."""
 
 
 def _error_response(status: int, message: str, type: str | None = None, param: str | None = None,
@@ -60,6 +106,16 @@ async def errors_as_json(request: web.Request, handler):
     except OpenAIError as e:
         headers = {"Retry-After": "1"} if e.status in (429, 503) else None
         return _error_response(e.status, e.message, e.type, e.param, e.code, headers)
+    except _BodyTimeout:
+        # Answer, then close at once: the rest of the body may never come, so the connection cannot be reused
+        # (aiohttp would otherwise wait up to 10 s reading the rest).
+        resp = _error_response(408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s",
+                               code="request_timeout")
+        resp.force_close()
+        await resp.prepare(request)
+        await resp.write_eof()
+        request.protocol.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -72,23 +128,56 @@ async def errors_as_json(request: web.Request, handler):
         return _error_response(500, "internal server error", "server_error")
 
 
-def require_api_key(api_key: str):
+@web.middleware
+async def track_api_requests(request: web.Request, handler):
+    """Counts API requests in flight for the shutdown drain, and answers new ones 503 while draining."""
+    if not request.path.startswith("/v1/"):  # /health, /metrics and /stats answer to the end
+        return await handler(request)
+    lifecycle = request.app[LIFECYCLE]
+    if lifecycle.draining:
+        raise OpenAIError("the server is shutting down and takes no new requests; retry on another replica",
+                          status=503, type="service_unavailable", code="shutting_down")
+    lifecycle.enter()
+    try:
+        return await handler(request)
+    finally:
+        lifecycle.leave()
+
+
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    # While draining, keep-alive clients are told to reconnect (elsewhere) rather than reuse this connection.
+    if request.app[LIFECYCLE].draining:
+        response.force_close()
+        response.headers["Connection"] = "close"  # aiohttp builds the headers before this hook: say it ourselves
+
+
+def require_api_key(api_key: str, open_paths: frozenset[str]):
+    """Every path but `open_paths` needs 'Authorization: Bearer <api_key>' (compared in constant time)."""
     expected = api_key.encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path.startswith("/v1/"):
+        if request.path not in open_paths:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if not header:
                 raise OpenAIError("missing API key: send 'Authorization: Bearer <key>'", status=401,
                                   type="authentication_error", code="missing_api_key")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(_raw_bytes(token.strip()), expected):
                 raise OpenAIError("incorrect API key provided", status=401, type="authentication_error",
                                   code="invalid_api_key")
         return await handler(request)
 
     return check
+
+
+def _raw_bytes(header_value: str) -> bytes:
+    """The header's bytes as sent: aiohttp decodes bytes that are not UTF-8 to lone surrogates, which plain
+    .encode() refuses (that was a 500); they can never equal the key, so any bytes compare safely."""
+    try:
+        return header_value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return header_value.encode("utf-8", "replace")
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -97,10 +186,15 @@ async def _read_body(request: web.Request) -> bytes:
         raise OpenAIError(f"the request body is {request.content_length} bytes; the limit is {limit} bytes",
                           status=413, code="request_too_large")
     try:
-        return await request.read()
+        async with asyncio.timeout(request.app[BODY_TIMEOUT]):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise OpenAIError(f"the request body exceeds the limit of {limit} bytes", status=413,
                           code="request_too_large") from None
+    except TimeoutError:
+        logger.warning("%s sent headers but not the body of %s %s within %g s (--body-timeout); closing",
+                       request.remote, request.method, request.path, request.app[BODY_TIMEOUT])
+        raise _BodyTimeout from None
 
 
 def _sse(obj: dict) -> bytes:
@@ -110,19 +204,35 @@ def _sse(obj: dict) -> bytes:
 async def _respond(request: web.Request, result: dict | ChunkStream) -> web.StreamResponse:
     if isinstance(result, dict):
         return web.json_response(result)
+    timeout = request.app[WRITE_TIMEOUT]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
+
+    async def send(data: bytes | None) -> None:
+        # A write waits only when the socket's buffers are full, i.e. when the client is not reading.
+        try:
+            async with asyncio.timeout(timeout):
+                await (resp.write(data) if data is not None else resp.write_eof())
+        except TimeoutError:
+            raise _ClientNotReading from None
+
     try:
         await resp.prepare(request)
         try:
             async for chunk in result:
-                await resp.write(_sse(chunk))
-        except OpenAIError as e:  # the engine failed mid-stream; headers are out, so say it in the stream
-            await resp.write(_sse(e.body()))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+                await send(_sse(chunk))
+        except OpenAIError as e:  # the engine failed or shut down mid-stream; headers are out: say it in the stream
+            await send(_sse(e.body()))
+        await send(b"data: [DONE]\n\n")
+        await send(None)
     except ConnectionResetError:  # the client went away; closing the stream below aborts the request
         logger.info("client disconnected mid-stream from %s", request.path)
+    except _ClientNotReading:
+        logger.warning("%s did not read its %s stream for %g s (--write-timeout): request aborted, connection "
+                       "closed", request.remote, request.path, timeout)
+        await result.aclose()
+        if request.transport is not None:
+            request.transport.abort()  # drops what is buffered for the client, rather than wait to send it
     finally:
         await result.aclose()
     return resp
@@ -162,12 +272,19 @@ async def stats(request: web.Request) -> web.Response:
 
 
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
-              max_body_bytes: int = 4 * 2**20) -> web.Application:
-    middlewares = [errors_as_json] + ([require_api_key(api_key)] if api_key else [])
+              max_body_bytes: int = 4 * 2**20, *, metrics_without_auth: bool = False,
+              max_prompt_chars: int | None = None, body_timeout: float = 30.0,
+              write_timeout: float = 30.0, max_prompts_per_request: int = 64) -> web.Application:
+    open_paths = frozenset({"/health"} | ({"/metrics"} if metrics_without_auth else set()))
+    middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[ENGINE] = engine
-    app[SERVING] = OpenAIServing(engine, model_names)
+    app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request)
+    app[LIFECYCLE] = Lifecycle()
     app[MAX_BODY] = max_body_bytes
+    app[BODY_TIMEOUT] = body_timeout
+    app[WRITE_TIMEOUT] = write_timeout
+    app.on_response_prepare.append(_close_when_draining)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -178,11 +295,38 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     return app
 
 
-async def serve(app: web.Application, host: str, port: int, grace_s: float) -> None:
-    """Serves until SIGINT/SIGTERM, then drains in-flight requests for up to grace_s and stops the engine."""
-    engine = app[ENGINE]
+class _AiohttpLogger(logging.LoggerAdapter):
+    """aiohttp's server logger, except that a malformed request (garbage on the socket, a broken header) is one
+    WARNING line: it is the client's mistake, and a traceback per port scan would bury the server's own errors."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs):
+        if isinstance(exc_info, HttpProcessingError):
+            self._malformed(args, exc_info)
+        else:
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+    def debug(self, msg, *args, exc_info=None, **kwargs):
+        if isinstance(exc_info, HttpProcessingError):  # aiohttp logs a bad method on a fresh connection as debug
+            self._malformed(args, exc_info)
+        else:
+            super().debug(msg, *args, exc_info=exc_info, **kwargs)
+
+    def _malformed(self, args: tuple, exc: HttpProcessingError) -> None:
+        what = re.sub(r"\s+", " ", str(exc.message or exc)).strip()
+        self.warning("malformed HTTP request from %s answered 400: %s", args[0] if args else "?", what[:200])
+
+
+async def serve(app: web.Application, host: str, port: int, grace_s: float, keepalive_timeout: float) -> None:
+    """Serves until SIGINT/SIGTERM, then drains in-flight requests and stops, all within grace_s."""
+    engine, lifecycle = app[ENGINE], app[LIFECYCLE]
+    # The end of the grace is kept for ending the streams still running and closing connections.
+    reserve = min(1.0, grace_s / 4)
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its request at once.
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=grace_s, access_log=None)
+    # keepalive_timeout: aiohttp closes a connection that has not sent a complete request's headers this long after
+    # it opened or after its previous response, so it is both the idle keep-alive limit and the header timeout.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=reserve / 8, access_log=None,
+                           keepalive_timeout=keepalive_timeout,
+                           logger=_AiohttpLogger(logging.getLogger("aiohttp.server"), {}))
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -192,13 +336,23 @@ async def serve(app: web.Application, host: str, port: int, grace_s: float) -> N
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("shutting down: refusing new requests, %d in flight get up to %.0f s", engine.num_in_flight(),
-                grace_s)
+    deadline = loop.time() + grace_s
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal: leave now
         loop.add_signal_handler(sig, lambda: os._exit(1))
+    # Still listening: new API requests get 503 with an OpenAI error body, not a refused connection.
+    lifecycle.draining = True
     engine.stop_accepting()
-    await runner.cleanup()  # stops listening, waits up to grace_s for handlers, cancels the rest
-    await engine.shutdown(grace_s=0.0)
+    logger.info("shutting down: new requests get 503; %d in flight get up to %g s", lifecycle.in_flight, grace_s)
+    if not await lifecycle.wait_idle(deadline - reserve - loop.time()):
+        # Readers get the error now, not after the engine's current step; streams write it, then [DONE].
+        ended = engine.fail_in_flight(EngineStoppedError(
+            f"the server shut down before this request finished (--shutdown-grace {grace_s:g} s)"))
+        logger.warning("shutdown grace over: ending %d requests still in flight", ended)
+        await lifecycle.wait_idle(deadline - reserve / 2 - loop.time())
+    await runner.cleanup()  # stops listening; cancels what is left (a stream whose client does not read)
+    app[SERVING].close()
+    # If the engine thread is inside a long step it is left behind (a daemon thread): the grace is what counts.
+    await loop.run_in_executor(None, engine.close, max(0.05, deadline - loop.time()))
     logger.info("stopped")
 
 
@@ -208,20 +362,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JAXPAGED_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXPAGED_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                        "$JAXPAGED_API_KEY, else none; the variable keeps the key out of `ps`)")
+    p.add_argument("--metrics-without-auth", action="store_true",
+                   help="with an API key, still answer /metrics without it (for a scraper on a private network)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model path's base name)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body accepted (413)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer string prompts (or chat contents) get 400 without being tokenized (default: "
+                        "max_model_len x the longest token's characters, the most that could fit)")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for a slot; more are answered 429")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one completions request may hold (400 beyond it)")
+    p.add_argument("--keepalive-timeout", type=float, default=5.0,
+                   help="seconds an idle connection stays open; also the time a client has to send a request's "
+                        "headers (from connecting, or from its previous response)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send the request body after its headers (408)")
+    p.add_argument("--write-timeout", type=float, default=30.0,
+                   help="a stream whose client reads nothing for this many seconds is aborted and closed")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
-    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without one")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    for name in ("max_body_bytes", "max_waiting"):
+    for name in ("max_body_bytes", "max_waiting", "max_prompts_per_request"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        p.error("--max-prompt-chars must be >= 1")
+    for name in ("keepalive_timeout", "body_timeout", "write_timeout"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0 seconds")
+    if not args.shutdown_grace >= 0:
+        p.error("--shutdown-grace must be >= 0 seconds")
     return args
 
 
@@ -237,14 +412,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = args.served_model_name or [default_model_name(args.model)]
     try:
-        engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, seed=args.seed,
-                                          **engine_options(args))
-    except (ValueError, FileNotFoundError) as e:
+        engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, **engine_options(args))
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = build_app(engine, names, args.api_key, args.max_body_bytes)
+    app = build_app(engine, names, args.api_key, args.max_body_bytes, metrics_without_auth=args.metrics_without_auth,
+                    max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
+                    write_timeout=args.write_timeout,
+                    max_prompts_per_request=args.max_prompts_per_request)
     try:
-        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace))
+        asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.keepalive_timeout))
     except OSError as e:  # e.g. the port is taken
         print(f"error: {e}", file=sys.stderr)
         engine.close()
@@ -253,4 +430,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is closed and flushed; skip the interpreter's teardown of JAX's runtime, which takes seconds and
+    # would overrun --shutdown-grace.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

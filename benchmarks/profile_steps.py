@@ -68,13 +68,13 @@ def main():
     rows = [{"shape (tokens, seqs, width, tile, flat blocks)": str(k), "steps": n, "total_s": s,
              "ms_per_step": 1000 * s / n} for k, (n, s) in sorted(per_shape.items(), key=lambda kv: -kv[1][1])]
     ceilings = machine_ceilings()
-    print(f"dtype {args.dtype}, pool {llm.engine.runner.k_cache.dtype}: workload wall time {total:.1f} s")
+    print(f"dtype {args.dtype}, pool {llm.engine.runner.kv_pool.dtype}: workload wall time {total:.1f} s")
     for r in rows:
         print(f"{r['shape (tokens, seqs, width, tile, flat blocks)']:<32} {r['steps']:>5} steps "
               f"{r['total_s']:>7.2f} s {r['ms_per_step']:>8.1f} ms/step")
     print(f"numpy copy {ceilings['numpy_copy_GBps']:.1f} GB/s, fp32 matmul {ceilings['numpy_fp32_matmul_GFLOPs']:.0f} "
           "GFLOP/s")
-    write_json(args.out, {"dtype": args.dtype, "pool_dtype": str(llm.engine.runner.k_cache.dtype), "wall_s": total,
+    write_json(args.out, {"dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype), "wall_s": total,
                           "steps": rows, **ceilings})
 
 

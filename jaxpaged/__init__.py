@@ -1,10 +1,11 @@
 """jaxpaged: PagedAttention LLM inference on JAX."""
 
-from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine import Engine
 from jaxpaged.engine_setup import EngineConfig
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "Engine",
+           "EngineConfig", "RequestOutput", "SamplingParams"]

@@ -21,6 +21,25 @@ NEG = -1.0e9
 
 
 @dataclasses.dataclass
+class BeamSearchSequence:
+    """One finished hypothesis, as vLLM returns it: `tokens` include the prompt, and so does `text`."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]]  # per generated token (vLLM's field; left empty: beams keep only their sums)
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) | "length"
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """`LLM.beam_search`'s result for one prompt, vLLM's shape: the beam_width hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclasses.dataclass
 class BeamSearchParams:
     """vLLM's shape: LLM.beam_search(prompts, BeamSearchParams(beam_width=4, max_tokens=32))."""
 

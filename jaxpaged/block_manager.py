@@ -249,6 +249,18 @@ class BlockManager:
         self.seq_tokens.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
 
+    def forget_unwritten(self, seq_id, num_written_tokens: int) -> None:
+        """Before freeing a sequence whose step failed: its blocks past `num_written_tokens` had their prefix
+        hashes registered when their slots were allocated, but their K/V were never written. Blocks that only
+        this sequence holds leave the prefix cache, so no later request can hit them."""
+        table = self.tables.get(seq_id, [])
+        for block in table[num_written_tokens // self.block_size:]:
+            if self.refcount[block] == 1 and block in self.block_hash:
+                del self.hash_to_block[self.block_hash.pop(block)]
+        hashes = self.seq_hashes.get(seq_id)
+        if hashes is not None:
+            del hashes[num_written_tokens // self.block_size:]
+
     def pop_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) device copies recorded since the last call; no dst repeats."""
         copies = [(src, dst) for dst, src in self.pending_copies.items()]

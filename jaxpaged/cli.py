@@ -3,46 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine options every command shares (the names of EngineConfig's fields)."""
+    """`--model` and one flag per EngineConfig field (`--kebab-case`, its help, default and choices)."""
+    from jaxpaged.engine_setup import EngineConfig
+
     p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: SmolLM2)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="K/V pool dtype; auto: --dtype, but float32 on CPU for 16-bit dtypes")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", default=None, help="KV pool size on CPU, e.g. 1GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped blocks")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas", "native"])
-    p.add_argument("--no-precompile", action="store_true", help="compile step shapes lazily instead of at start")
+    group = p.add_argument_group("engine options (LLM(...) keywords)")
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help, choices = f.metadata["help"], f.metadata["choices"]
+        if f.type == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
+            continue
+        kind = f.type.split("|")[0].strip()
+        # "int | str" (a size such as 2GiB) reads as a string; EngineConfig parses it
+        parse = {"int": int, "float": float, "str": str}[kind if "str" not in f.type else "str"]
+        group.add_argument(flag, type=parse, default=f.default, choices=choices,
+                           help=help if f.default is None else f"{help} (default: {f.default})")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                kv_cache_memory=args.kv_cache_memory,
-                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                enable_prefix_caching=not args.no_prefix_caching, swap_space=args.swap_space,
-                preemption_mode=args.preemption_mode, attention_backend=args.attention_backend,
-                precompile=not args.no_precompile)
+    """The EngineConfig keywords from parsed flags."""
+    from jaxpaged.engine_setup import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def _generate(args: argparse.Namespace) -> int:
     from jaxpaged import LLM, SamplingParams
 
     llm = LLM(args.model, **engine_options(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                            seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     if args.raw or not getattr(llm.tokenizer, "chat_template", None):
         outs = llm.generate(args.prompt, params, use_tqdm=False)
@@ -66,14 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -9,7 +9,10 @@ import dataclasses
 import re
 from typing import Any
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
+
+# Model and pool dtype option names. The Pallas and native kernels take a subset (pallas_kernels.validation.
+# KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -36,7 +39,7 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+    """Architecture of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2)."""
 
     vocab_size: int
     hidden_size: int

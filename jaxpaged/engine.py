@@ -6,24 +6,31 @@ It is not thread-safe: the offline `LLM` calls it from one thread, the async eng
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 
 import numpy as np
+from flax import nnx
 
 from jaxpaged.beam_search import BeamSearchParams, BeamState
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
+from jaxpaged.models import check_model, llama
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A device operation failed after the KV pool was donated to it: the engine has no pool and takes no work."""
 
 
 @dataclasses.dataclass
@@ -47,14 +54,26 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model_config: ModelConfig, params: dict, tokenizer, config: EngineConfig | None = None):
+    def __init__(self, model_config: ModelConfig, params: dict | nnx.State, tokenizer,
+                 config: EngineConfig | None = None):
+        """A Llama-family model from its config and parameters (`jaxpaged.loader`'s layout, a dict or nnx.State)."""
+        self._setup(llama.from_params(model_config, params), tokenizer, config)
+
+    @classmethod
+    def from_model(cls, model: nnx.Module, tokenizer, config: EngineConfig | None = None) -> Engine:
+        """Any nnx module that follows the model contract (`jaxpaged.models.contract`)."""
+        self = cls.__new__(cls)
+        self._setup(model, tokenizer, config)
+        return self
+
+    def _setup(self, model: nnx.Module, tokenizer, config: EngineConfig | None) -> None:
+        check_model(model)
         config = config or EngineConfig()
         self.config = config
-        self.model_config = model_config
+        self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
         self.tokenizer = tokenizer
         t0 = time.perf_counter()
-        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(
-            model_config, params, config)
+        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(model, config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching,
                                           num_cpu_blocks=self._num_cpu_blocks(self.cache_config),
@@ -62,14 +81,15 @@ class Engine:
                                           else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
         self.scheduler.make_children = self._make_children
-        self.eos_token_ids = set(model_config.eos_token_ids)
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
         self._rng = np.random.default_rng(config.seed)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-                         "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0}
+                         "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
         self.startup_times = {"setup_s": time.perf_counter() - t0, "compile_s": 0.0}
         if config.precompile:
             self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
@@ -85,26 +105,35 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queues a request. Raises ValueError naming the problem for bad input; the engine state is unchanged."""
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        """Queues a request. Raises ValueError / TypeError naming the problem for bad input; the engine state is then
+        unchanged."""
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+
+    def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> _Request:
+        """Checks and tokenizes a request without queueing it (`enqueue` does), so a batch can be all or nothing."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
+        self._check_request_id(request_id)
         text, token_ids = self._tokenize(prompt)
         self._check_prompt(token_ids)
+        params.check_against_model(self.model_config.vocab_size)
         if len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED and params.min_tokens:
             raise ValueError(f"min_tokens with more than {MAX_BANNED} EOS + stop_token_ids is not supported")
-        arrival = arrival_time or time.monotonic()
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        parent = Sequence(request_id, list(token_ids), params, arrival_time=arrival, fork_pending=params.n - 1)
-        self.requests[request_id] = _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival)
-        self.scheduler.add(parent)
+        arrival = arrival_time or time.monotonic()
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        parent = Sequence(request_id, token_ids, params, arrival_time=arrival, fork_pending=params.n - 1)
+        return _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival)
 
-    def add_beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> None:
-        """Queues a beam search; its one RequestOutput (when finished) holds the beam_width best hypotheses."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def make_beam_request(self, request_id: str, prompt: str | list[int] | dict,
+                          params: BeamSearchParams) -> _Request:
+        """A beam search, checked and not yet queued; its one RequestOutput holds the beam_width best hypotheses."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        self._check_request_id(request_id)
         state = BeamState(params, frozenset(self.eos_token_ids))
         if state.num_candidates > MAX_LOGPROBS:
             raise ValueError(f"beam_width={params.beam_width} needs {state.num_candidates} candidates per beam; "
@@ -119,9 +148,21 @@ class Engine:
                              f"max_model_len={self.max_model_len}")
         # Greedy rows with the top-20 log-probs: the host picks the beams from those.
         sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
-        parent = Sequence(request_id, list(token_ids), sp, extra_beams=params.beam_width - 1)
-        self.requests[request_id] = _Request(request_id, text, [parent], [], 0, parent.arrival_time, beam=state)
-        self.scheduler.add(parent)
+        parent = Sequence(request_id, token_ids, sp, extra_beams=params.beam_width - 1)
+        return _Request(request_id, text, [parent], [], 0, parent.arrival_time, beam=state)
+
+    def add_beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> None:
+        self.enqueue(self.make_beam_request(request_id, prompt, params))
+
+    def enqueue(self, req: _Request) -> None:
+        """Queues a request made by `make_request` / `make_beam_request`."""
+        self._check_request_id(req.request_id)
+        self.requests[req.request_id] = req
+        self.scheduler.add(req.seqs[0])
+
+    def _check_request_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
 
     def _advance_beams(self, req: _Request) -> RequestOutput | None:
         """Every live beam has its next-token log-probs: pick the next beams, fork them, free the old ones."""
@@ -183,19 +224,24 @@ class Engine:
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"a dict prompt takes 'prompt' or 'prompt_token_ids'; unknown key(s) "
+                                 f"{', '.join(map(repr, sorted(unknown)))}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+            if "prompt" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"'prompt' must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, _token_ids(prompt, "prompt")
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request and frees its blocks at once. Unknown or finished ids are ignored."""
@@ -213,19 +259,31 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns an output for every request that progressed or finished."""
+        """Schedules and runs one step; returns an output for every request that progressed, finished or failed.
+
+        A failure that can be traced to requests fails those requests only (their output has `error` set) and the
+        step goes on for the others: a row the host cannot lay out, a device step whose pool survived (its
+        requests), a request whose output processing raised. A device operation that raised after the pool was
+        donated leaves no pool: the engine is dead from then on and every call raises EngineDeadError.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         out = self.scheduler.schedule()
         if out is None:
             return []
-        self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
-        self.runner.copy_blocks(out.blocks_to_copy)
-        if not out.scheduled:
-            return []
-        tables = [self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled]
-        seeds = [self.requests[s.seq.request_id].seed_of(s.seq) for s in out.scheduled]
-        banned = [self._banned(s.seq) for s in out.scheduled]
-        batch = self.runner.prepare(out, tables, seeds, banned)
-        result = self.runner.execute(batch)
+        failed: list[RequestOutput] = []
+        with self._device_guard(out, failed):
+            self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            self.runner.copy_blocks(out.blocks_to_copy)
+        if failed or not out.scheduled:
+            return failed
+        batch = self._prepare(out, failed)
+        if batch is None:
+            return failed
+        with self._device_guard(out, failed):
+            result = self.runner.execute(batch)
+        if failed:
+            return failed
 
         self.counters["steps"] += 1
         self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1
@@ -233,26 +291,90 @@ class Engine:
         touched: dict[str, _Request] = {}
         finished_beams: list[RequestOutput] = []
         for i, sched in enumerate(out.scheduled):
-            seq = sched.seq
-            samples = sched.samples
+            seq, samples = sched.seq, sched.samples
             seq.num_computed_tokens += sched.num_new_tokens
             if out.is_prefill:
                 self.counters["prompt_tokens"] += sched.num_new_tokens
-            if not samples:
+            req = self.requests.get(seq.request_id)
+            if not samples or req is None:  # None: failed earlier in this loop
                 continue
-            req = self.requests[seq.request_id]
-            if req.beam is not None:
-                req.beam_results[seq.seq_id] = list(zip(result["top_ids"][i].tolist(),
-                                                        result["top_logprobs"][i].tolist(), strict=True))
-                if len(req.beam_results) == len(req.seqs):
-                    done = self._advance_beams(req)
-                    finished_beams += [done] if done is not None else []
+            try:
+                if req.beam is not None:
+                    req.beam_results[seq.seq_id] = list(zip(result["top_ids"][i].tolist(),
+                                                            result["top_logprobs"][i].tolist(), strict=True))
+                    if len(req.beam_results) == len(req.seqs):
+                        done = self._advance_beams(req)
+                        finished_beams += [done] if done is not None else []
+                    continue
+                self._append_token(req, seq, int(result["tokens"][i]), result, i)
+            except Exception as e:
+                logger.exception("output processing failed for request %s", req.request_id)
+                touched.pop(req.request_id, None)
+                failed.append(self._fail(req, e, unwritten=False))
                 continue
-            self._append_token(req, seq, int(result["tokens"][i]), result, i)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             touched[req.request_id] = req
-        return [self._output(req) for req in touched.values()] + finished_beams
+        return [self._output(req) for req in touched.values()] + finished_beams + failed
+
+    def _prepare(self, out: SchedulerOutput, failed: list[RequestOutput]):
+        """The step's device batch. If laying it out raises, the rows that raise on their own are failed (their
+        requests) and the batch is built from the rest; None when nothing is left."""
+        try:
+            return self._prepare_rows(out)
+        except Exception as e:
+            first_error = e
+        culprits: dict[str, Exception] = {}
+        for sched in out.scheduled:
+            try:
+                self._prepare_rows(dataclasses.replace(out, scheduled=[sched]))
+            except Exception as e:
+                culprits.setdefault(sched.seq.request_id, e)
+        if not culprits:  # only the batch as a whole fails: every request in it
+            culprits = {s.seq.request_id: first_error for s in out.scheduled}
+        for request_id, e in culprits.items():
+            logger.error("request %s cannot be laid out for the device: %r", request_id, e)
+            failed.append(self._fail(self.requests[request_id], e))
+        out.scheduled = [s for s in out.scheduled if s.seq.request_id not in culprits]
+        return self._prepare_rows(out) if out.scheduled else None
+
+    def _prepare_rows(self, out: SchedulerOutput):
+        tables = [self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled]
+        seeds = [self.requests[s.seq.request_id].seed_of(s.seq) for s in out.scheduled]
+        banned = [self._banned(s.seq) for s in out.scheduled]
+        return self.runner.prepare(out, tables, seeds, banned)
+
+    @contextlib.contextmanager
+    def _device_guard(self, out: SchedulerOutput, failed: list[RequestOutput]):
+        """A device operation that raises: with the pool gone the engine is dead; with the pool intact the
+        requests of this step fail (which of them caused it cannot be known) and the engine goes on."""
+        try:
+            yield
+        except Exception as e:
+            if not self.runner.pool_alive():
+                self.dead = f"a device step failed after its KV pool was donated: {type(e).__name__}: {e}"
+                logger.exception("the engine is dead")
+                raise EngineDeadError(self.dead) from e
+            logger.exception("a device step failed; failing its %d requests", len(out.scheduled))
+            for request_id in dict.fromkeys(s.seq.request_id for s in out.scheduled):
+                if request_id in self.requests:
+                    failed.append(self._fail(self.requests[request_id], e))
+
+    def _fail(self, req: _Request, error: Exception, unwritten: bool = True) -> RequestOutput:
+        """Ends a request with an error. unwritten: this step allocated slots its K/V never reached, so the blocks
+        it alone holds must not stay in the prefix cache."""
+        self.requests.pop(req.request_id, None)
+        for seq in req.seqs:
+            if not seq.finished:
+                if unwritten:
+                    self.block_manager.forget_unwritten(seq.seq_id, seq.num_computed_tokens)
+                self.scheduler.finish(seq, "error")
+        self.counters["failed_requests"] += 1
+        message = f"{type(error).__name__}: {error}"
+        outs = [CompletionOutput(i, "", list(seq.output_token_ids), None, None, "error")
+                for i, seq in enumerate(req.seqs)]
+        return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, True,
+                             metrics={"arrival_time": req.arrival_time}, error=message)
 
     def _banned(self, seq: Sequence) -> list[int]:
         """Below min_tokens, EOS and the stop token ids may not be sampled."""
@@ -352,4 +474,18 @@ class Engine:
         }
 
 
-__all__ = ["Engine", "EngineConfig"]
+def _token_ids(ids, field: str) -> list[int]:
+    """Token ids exactly as given: ints only (no bools, floats or strings, which int() would quietly convert)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"{field} must be a 1-D array of integers, got {ids.dtype} with shape {ids.shape}")
+        return [int(t) for t in ids]
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{field} must hold integer token ids; got {type(t).__name__} {t!r}")
+    return [int(t) for t in ids]
+
+
+__all__ = ["Engine", "EngineConfig", "EngineDeadError"]

@@ -3,55 +3,67 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, ModelConfig, SchedulerConfig, parse_bytes
+from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
+from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
 DEFAULT_CPU_KV_MEMORY = "1GiB"
+
+
+def _option(default, help: str, choices: tuple | None = None):
+    """An engine option: its default, the help its CLI flag shows and the values it takes (jaxpaged/cli.py makes
+    every flag from these, so options and flags cannot drift apart)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Every engine option, with vLLM's names where it has one."""
+    """Every engine option, with vLLM's names where it has one. Checked when built, before any model is loaded."""
 
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # "auto": `dtype`, except float32 on CPU for 16-bit dtypes (resolve_cache_dtype)
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # CPU default: 1GiB
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    swap_space: float = 0.0
-    preemption_mode: str = "recompute"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    attention_backend: str = "auto"
-    seed: int = 0
-    precompile: bool = True
-    show_progress: bool = True
-    compilation_cache_dir: str | None = None  # None: $JAXPAGED_COMPILATION_CACHE or ~/.cache/jaxpaged/xla
+    dtype: str = _option("float32", "weights and activations (matmuls accumulate in float32)", SUPPORTED_DTYPES)
+    kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes",
+                                  ("auto", *SUPPORTED_DTYPES))
+    block_size: int = _option(16, "tokens per KV block", SUPPORTED_BLOCK_SIZES)
+    kv_cache_memory: int | str | None = _option(None, f"bytes of K+V for the pool, e.g. 2GiB (CPU default: "
+                                                      f"{DEFAULT_CPU_KV_MEMORY})")
+    gpu_memory_utilization: float = _option(0.9, "GPU/TPU: fraction of device memory for weights, activations "
+                                                 "and the pool")
+    num_blocks: int | None = _option(None, "force the pool's size in blocks (overrides both memory budgets)")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of equal prompt prefixes")
+    swap_space: float = _option(0.0, "GiB of host memory for swapped-out blocks")
+    preemption_mode: str = _option("recompute", "what preemption does with a request's blocks",
+                                   ("recompute", "swap"))
+    max_num_seqs: int = _option(64, "sequences per step")
+    max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
+    max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
+    attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
+    seed: int = _option(0, "seeds the per-request seeds of requests that give none")
+    precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
+    show_progress: bool = _option(True, "progress bars for start-up compilation")
+    compilation_cache_dir: str | None = _option(None, "persistent XLA cache (default: $JAXPAGED_COMPILATION_CACHE "
+                                                      "or ~/.cache/jaxpaged/xla)")
     # "paged" allocates a block when the last one fills; "contiguous" reserves max_model_len slots per request up
     # front, the scheme of systems before PagedAttention (for the memory-waste benchmark)
-    kv_allocation: str = "paged"
+    kv_allocation: str = _option("paged", "paged, or contiguous (reserve max_model_len per request; benchmarks)",
+                                 ("paged", "contiguous"))
 
     def __post_init__(self):
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}")
-        if self.kv_allocation not in ("paged", "contiguous"):
-            raise ValueError(f"kv_allocation={self.kv_allocation!r}; use 'paged' or 'contiguous'")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}; use one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
+        for f in dataclasses.fields(self):
+            _check_option(f.name, getattr(self, f.name), f.type, f.metadata["choices"])
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
+        self.cache_config()
+        self.scheduler_config(self.max_model_len)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -62,6 +74,19 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_model_len=max_model_len)
+
+
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}
+
+
+def _check_option(name: str, value, annotation: str, choices: tuple | None) -> None:
+    """Type and choice of one option, from its annotation ("int | None", "float", ...)."""
+    allowed = [_TYPES[t.strip()] for t in annotation.split("|")]
+    flat = tuple(t for a in allowed for t in (a if isinstance(a, tuple) else (a,)))
+    if (isinstance(value, bool) and bool not in flat) or not isinstance(value, flat):
+        raise TypeError(f"{name}={value!r} must be {annotation}, not {type(value).__name__}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(str, choices))}")
 
 
 def enable_compilation_cache(directory: str | None) -> str:
@@ -94,38 +119,7 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype
     return model_dtype
 
 
-def attention_fn(backend: str):
-    """The paged-attention implementation: Pallas on GPU and TPU; on CPU ('auto') the native decode kernel
-    (pallas_kernels/cpu_native, built with g++ on first use) for decode steps and the pure-JAX reference for
-    prefill, or the reference alone when the native kernel cannot be built (the reason is logged).
-
-    'native' is the CPU path with the native kernel required (an error names why it is unavailable). 'pallas' on
-    CPU runs the kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
-    platform = jax.default_backend()
-    if backend in ("auto", "native") and platform == "cpu":
-        from pallas_kernels import cpu_native
-
-        if cpu_native.available():
-            return functools.partial(cpu_native.native_decode_else_reference, strict=backend == "native")
-        if backend == "native":
-            raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
-        backend = "reference"
-    if backend == "native":
-        raise ValueError(f"attention_backend='native' is the CPU kernel; the platform is {platform!r}")
-    if backend == "auto":
-        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
-    if backend == "reference":
-        from pallas_kernels.reference import ragged_paged_attention_reference
-
-        return ragged_paged_attention_reference
-    from pallas_kernels.attention import paged_attention
-
-    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
-                                                                                          "pallas_interpret")
-    return functools.partial(paged_attention, implementation=implementation)
-
-
-def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
+def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
     device = jax.devices()[0]
@@ -146,8 +140,20 @@ def _kv_budget_bytes(cache: CacheConfig, params: dict, block_bytes: int) -> int:
     return budget
 
 
-def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
-    """Sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
+    every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def cast(x):
+        return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
+
+    return graphdef, nnx.merge_state(jax.tree.map(cast, params), jax.tree.map(jnp.asarray, rest))
+
+
+def build_runner(model: nnx.Module, config: EngineConfig):
+    """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+    model_config = model.config
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:
@@ -157,14 +163,14 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     enable_compilation_cache(config.compilation_cache_dir)
 
     dtype = jnp.dtype(config.dtype)
-    params = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+    graphdef, state = split_model(model, dtype)
     cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
     # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
     block_bytes = pool_block_bytes(model_config, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
-        num_blocks = _kv_budget_bytes(cache, params, block_bytes) // block_bytes
+        num_blocks = _kv_budget_bytes(cache, block_bytes) // block_bytes
     usable = num_blocks - 1  # block 0 is the null block that padding writes into
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if usable < blocks_per_seq:
@@ -175,10 +181,12 @@ def build_runner(model_config: ModelConfig, params: dict, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
-    runner = ModelRunner(model_config, params, num_blocks=num_blocks, block_size=cache.block_size,
+    attn = attention_backend(config.attention_backend)
+    attn.check_dtypes(dtype, cache_dtype)
+    runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
-                         attention_fn=attention_fn(config.attention_backend), cache_dtype=cache_dtype,
+                         attn=attn, cache_dtype=cache_dtype,
                          block_bytes=block_bytes)
     return runner, cache, sched, max_model_len
 

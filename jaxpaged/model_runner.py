@@ -24,11 +24,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.experimental.layout import Format, Layout
 
 from jaxpaged import sampler
-from jaxpaged.config import ModelConfig
-from jaxpaged.models import llama
+from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
+from jaxpaged.models.contract import ModelSpec
+from jaxpaged.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.scheduler import PREFILL_TILE, SchedulerOutput, round_up
 
 logger = logging.getLogger(__name__)
@@ -50,56 +52,37 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["token_ids", "attn", "sampling"], meta_fields=[])
 @dataclasses.dataclass
 class Batch:
-    """One step's device inputs, numpy, padded. T tokens, S sequences, W block-table width."""
+    """One step's device inputs, numpy, padded: T tokens, S sequences, block-table width W."""
 
     token_ids: np.ndarray  # [T] int32
-    positions: np.ndarray  # [T] int32, -1 = padding
-    slot_mapping: np.ndarray  # [T] int32, padding -> null block slots
-    block_tables: np.ndarray  # [S, W] int32
-    context_lens: np.ndarray  # [S] int32
-    query_start_loc: np.ndarray  # [S + 1] int32
-    logits_indices: np.ndarray  # [S] int32
-    temperature: np.ndarray  # [S] float32
-    top_p: np.ndarray  # [S] float32
-    top_k: np.ndarray  # [S] int32
-    min_p: np.ndarray  # [S] float32
-    seed_lo: np.ndarray  # [S] uint32
-    seed_hi: np.ndarray  # [S] uint32
-    step: np.ndarray  # [S] int32
-    want_logprobs: np.ndarray  # [] bool
-    banned: np.ndarray  # [S, MAX_BANNED] int32, -1 = none
-    tile_size: int  # static: 16 for prefill steps
-    decode_blocks: int | None  # static: the flat K/V block count of a decode step, None for prefill
-
-    STATIC = ("tile_size", "decode_blocks")
-
-    def device_dict(self) -> dict[str, np.ndarray]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in self.STATIC}
+    attn: AttentionMetadata  # numpy fields
+    sampling: SamplingMetadata  # numpy fields
 
     @property
     def shape_key(self) -> tuple:
-        return (len(self.token_ids), len(self.context_lens), self.block_tables.shape[1], self.tile_size,
-                self.decode_blocks)
+        return self.attn.shape_key
 
 
-def _step(params, k_cache, v_cache, batch, tile_size, decode_blocks, *, config, attention_fn):
-    if decode_blocks is not None:
-        attention_fn = functools.partial(attention_fn, decode_blocks=decode_blocks)
-    logits, k_cache, v_cache = llama.forward(params, k_cache, v_cache, batch, config=config,
-                                             attention_fn=attention_fn, tile_size=tile_size)
-    return sampler.sample(logits, batch), k_cache, v_cache
+def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, sm: SamplingMetadata, *,
+          graphdef: nnx.GraphDef, attn: AttentionBackend) -> tuple[SamplerOutput, KVPool]:
+    model = nnx.merge(graphdef, state)  # inside the trace: the module's arrays are the step's arguments
+    hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
+    # The LM head runs only on the rows that need logits: one per sequence, not one per token.
+    logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
+    return sampler.sample(logits, sm), kv_pool
 
 
-def _copy_blocks(k_cache, v_cache, src, dst):
+def _copy_blocks(kv_pool: KVPool, src, dst) -> KVPool:
     """Copy-on-write: block dst <- block src in every layer. src, dst [N] int32 (padding: 0 -> 0)."""
-    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+    return KVPool(kv_pool.k.at[:, dst].set(kv_pool.k[:, src]), kv_pool.v.at[:, dst].set(kv_pool.v[:, src]))
 
 
-def _write_blocks(k_cache, v_cache, dst, k_blocks, v_blocks):
+def _write_blocks(kv_pool: KVPool, dst, k_blocks, v_blocks) -> KVPool:
     """Swap-in: k/v_blocks [L, N, BS, Hkv, D] go to device blocks dst [N]."""
-    return k_cache.at[:, dst].set(k_blocks), v_cache.at[:, dst].set(v_blocks)
+    return KVPool(kv_pool.k.at[:, dst].set(k_blocks), kv_pool.v.at[:, dst].set(v_blocks))
 
 
 # ---- the pool's device format ----------------------------------------------------------------------------------------
@@ -119,27 +102,29 @@ def pool_format(device: jax.Device) -> Format | None:
     return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
 
-def jit_step(config: ModelConfig, attention_fn, fmt: Format | None):
-    """The jitted step: (params, k_cache, v_cache, batch, tile_size, decode_blocks) -> (sampled, k_cache, v_cache).
+def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | None):
+    """The jitted step: (state, kv_pool, token_ids, attn_md, sampling_md) -> (SamplerOutput, kv_pool), for the model
+    `graphdef` (from `nnx.split` at load) and the attention backend `attn`.
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
-    outputs live on its device. Statics are passed by position (`lower_step`): with in_shardings, jit takes no
-    keyword arguments.
+    outputs live on its device.
     """
-    step = functools.partial(_step, config=config, attention_fn=attention_fn)
+    step = functools.partial(_step, graphdef=graphdef, attn=attn)
     if fmt is None:
-        return jax.jit(step, static_argnames=Batch.STATIC, donate_argnums=(1, 2))
+        return jax.jit(step, donate_argnums=(1,))
     device = fmt.sharding
-    return jax.jit(step, static_argnames=Batch.STATIC, donate_argnums=(1, 2),
-                   in_shardings=(device, fmt, fmt, device), out_shardings=(device, fmt, fmt))
+    pool = KVPool(fmt, fmt)
+    return jax.jit(step, donate_argnums=(1,), in_shardings=(device, pool, device, device, device),
+                   out_shardings=(device, pool))
 
 
 def jit_pool_update(fn, fmt: Format | None, num_args: int):
-    """jit of fn(k_cache, v_cache, *indices_and_blocks) -> (k_cache, v_cache), the pool donated and kept in `fmt`."""
+    """jit of fn(kv_pool, *indices_and_blocks) -> kv_pool, the pool donated and kept in `fmt`."""
     if fmt is None:
-        return jax.jit(fn, donate_argnums=(0, 1))
-    rest = (fmt.sharding,) * (num_args - 2)
-    return jax.jit(fn, donate_argnums=(0, 1), in_shardings=(fmt, fmt, *rest), out_shardings=(fmt, fmt))
+        return jax.jit(fn, donate_argnums=(0,))
+    pool = KVPool(fmt, fmt)
+    return jax.jit(fn, donate_argnums=(0,), in_shardings=(pool, *(fmt.sharding,) * (num_args - 1)),
+                   out_shardings=pool)
 
 
 def _zeros_in(shape: tuple[int, ...], dtype, fmt: Format):
@@ -148,12 +133,15 @@ def _zeros_in(shape: tuple[int, ...], dtype, fmt: Format):
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=fmt)
 
 
-def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | None) -> jax.Array:
-    """A zero-filled pool [L, NB, BS, Hkv, D], in `fmt` if given."""
-    return jnp.zeros(shape, dtype) if fmt is None else _zeros_in(shape, dtype, fmt)()
+def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | None) -> KVPool:
+    """A zero-filled pool, K and V [L, NB, BS, Hkv, D], in `fmt` if given."""
+    def zeros():
+        return jnp.zeros(shape, dtype) if fmt is None else _zeros_in(shape, dtype, fmt)()
+
+    return KVPool(zeros(), zeros())
 
 
-def pool_block_bytes(config: ModelConfig, block_size: int, dtype, fmt: Format | None) -> int:
+def pool_block_bytes(config: ModelSpec, block_size: int, dtype, fmt: Format | None) -> int:
     """Device bytes of one block of the K and V pools together, all layers.
 
     Default layout: the logical 2 * L * BS * Hkv * D * itemsize. With a format: XLA's own count, the output bytes
@@ -174,26 +162,34 @@ def pool_block_bytes(config: ModelConfig, block_size: int, dtype, fmt: Format | 
 
 def dummy_batch(t: int, s: int, w: int, tile: int, decode_blocks: int | None) -> Batch:
     """An all-padding batch of one step shape: T tokens, S sequences, block-table width W."""
-    return Batch(
-        token_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32),
-        block_tables=np.zeros((s, w), np.int32), context_lens=np.zeros(s, np.int32),
-        query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
+    attn = AttentionMetadata(
+        positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32), block_tables=np.zeros((s, w), np.int32),
+        context_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
+        logits_indices=np.zeros(s, np.int32), tile_size=tile, decode_blocks=decode_blocks)
+    sampling = SamplingMetadata(
         temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
         min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
         step=np.zeros(s, np.int32), want_logprobs=np.array(False),
-        banned=np.full((s, sampler.MAX_BANNED), -1, np.int32), tile_size=tile, decode_blocks=decode_blocks)
+        banned=np.full((s, sampler.MAX_BANNED), -1, np.int32))
+    return Batch(np.zeros(t, np.int32), attn, sampling)
 
 
-def lower_step(step_fn, params, k_cache, v_cache, batch: Batch):
+def lower_step(step_fn, params, kv_pool: KVPool, batch: Batch):
     """Lowers the step for one batch shape; the arguments may be arrays or jax.ShapeDtypeStructs."""
-    return step_fn.lower(params, k_cache, v_cache, batch.device_dict(), batch.tile_size, batch.decode_blocks)
+    return step_fn.lower(params, kv_pool, batch.token_ids, batch.attn, batch.sampling)
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, params: dict, *, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, attention_fn, cache_dtype, block_bytes: int):
+    """Device state (the model's split state, the KV pool, compiled steps) and the host batch building.
+
+    graphdef, state: the model split once at load (`nnx.split`); `config` its `ModelSpec` fields (pool shape)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, config: ModelSpec, *, num_blocks: int,
+                 block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 attn: AttentionBackend, cache_dtype, block_bytes: int):
         self.config = config
-        self.params = params
+        self.graphdef = graphdef
+        self.params = state
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
@@ -204,8 +200,7 @@ class ModelRunner:
         self.block_bytes = block_bytes
         self.host_block_bytes = pool_block_bytes(config, block_size, cache_dtype, None)
         # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
-        self.k_cache = zeros_pool(shape, cache_dtype, self.pool_format)  # [L, NB, BS, Hkv, D]
-        self.v_cache = zeros_pool(shape, cache_dtype, self.pool_format)
+        self.kv_pool = zeros_pool(shape, cache_dtype, self.pool_format)  # K, V [L, NB, BS, Hkv, D]
         max_width = -(-max_model_len // block_size)
         self.max_width = max_width
         self.width_buckets = pow2_buckets(min(4, max_width), max_width)
@@ -213,9 +208,9 @@ class ModelRunner:
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
-        self._step_fn = jit_step(config, attention_fn, self.pool_format)
-        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=4)
-        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=5)
+        self._step_fn = jit_step(graphdef, attn, self.pool_format)
+        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3)
+        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
 
@@ -249,7 +244,7 @@ class ModelRunner:
         if key not in self._executables:
             if self.warmed_up:
                 logger.warning("compiling a new step shape after start-up: %s", key)
-            lowered = lower_step(self._step_fn, self.params, self.k_cache, self.v_cache, batch)
+            lowered = lower_step(self._step_fn, self.params, self.kv_pool, batch)
             self._executables[key] = lowered.compile()
         return self._executables[key]
 
@@ -279,6 +274,7 @@ class ModelRunner:
             width, decode_blocks = self.max_width, pick_bucket(self.flat_block_buckets(num_seqs), sum(blocks))
 
         b = dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks)
+        a, sm = b.attn, b.sampling
         start = 0
         for i, (sched, length) in enumerate(zip(out.scheduled, lengths, strict=True)):
             seq, m = sched.seq, sched.num_new_tokens
@@ -286,27 +282,31 @@ class ModelRunner:
             table = np.asarray(block_tables[i], np.int32)
             pos = np.arange(first, first + m, dtype=np.int32)
             b.token_ids[start:start + m] = seq.token_ids[first:first + m]
-            b.positions[start:start + m] = pos
-            b.slot_mapping[start:start + m] = table[pos // bs] * bs + pos % bs
-            b.block_tables[i, :blocks[i]] = table[:blocks[i]]  # a table may hold reserved blocks beyond the context
-            b.context_lens[i] = first + m
-            b.query_start_loc[i] = start
-            b.logits_indices[i] = start + m - 1
+            a.positions[start:start + m] = pos
+            a.slot_mapping[start:start + m] = table[pos // bs] * bs + pos % bs
+            a.block_tables[i, :blocks[i]] = table[:blocks[i]]  # a table may hold reserved blocks beyond the context
+            a.context_lens[i] = first + m
+            a.query_start_loc[i] = start
+            a.logits_indices[i] = start + m - 1
             p = seq.params
-            b.temperature[i], b.top_p[i], b.top_k[i], b.min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
-            b.seed_lo[i], b.seed_hi[i] = seeds[i] & 0xFFFFFFFF, (seeds[i] >> 32) & 0xFFFFFFFF
-            b.step[i] = len(seq.output_token_ids)
-            b.banned[i, :len(banned[i])] = banned[i][:sampler.MAX_BANNED]
+            sm.temperature[i], sm.top_p[i], sm.top_k[i], sm.min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
+            sm.seed_lo[i], sm.seed_hi[i] = seeds[i] & 0xFFFFFFFF, (seeds[i] >> 32) & 0xFFFFFFFF
+            sm.step[i] = len(seq.output_token_ids)
+            sm.banned[i, :len(banned[i])] = banned[i][:sampler.MAX_BANNED]
             start += length
-        b.query_start_loc[n:] = start
-        b.want_logprobs = np.array(any(s.seq.params.logprobs for s in out.scheduled))
+        a.query_start_loc[n:] = start
+        sm.want_logprobs = np.array(any(s.seq.params.logprobs for s in out.scheduled))
         return b
 
     def execute(self, batch: Batch) -> dict[str, np.ndarray]:
         """Runs the step; returns numpy tokens [S], logprobs [S], top_ids / top_logprobs [S, 20]."""
         step = self._executable(batch)
-        result, self.k_cache, self.v_cache = step(self.params, self.k_cache, self.v_cache, batch.device_dict())
-        return jax.tree.map(np.asarray, result)
+        result, self.kv_pool = step(self.params, self.kv_pool, batch.token_ids, batch.attn, batch.sampling)
+        return {f.name: np.asarray(getattr(result, f.name)) for f in dataclasses.fields(result)}
+
+    def pool_alive(self) -> bool:
+        """False once a donated pool buffer is gone (a step that raised after taking it)."""
+        return not (self.kv_pool.k.is_deleted() or self.kv_pool.v.is_deleted())
 
     # ---- block copies -------------------------------------------------------------------------------------------
 
@@ -317,14 +317,14 @@ class ModelRunner:
         n = pick_bucket(pow2_buckets(8, max(8, self.num_blocks)), len(pairs))
         src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs, strict=True)
-        self.k_cache, self.v_cache = self._copy_fn(self.k_cache, self.v_cache, src, dst)
+        self.kv_pool = self._copy_fn(self.kv_pool, src, dst)
 
     def read_blocks(self, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Swap-out: the given device blocks as host arrays [L, N, BS, Hkv, D]."""
         idx = np.asarray(blocks, np.int32)
-        return np.asarray(self.k_cache[:, idx]), np.asarray(self.v_cache[:, idx])
+        return np.asarray(self.kv_pool.k[:, idx]), np.asarray(self.kv_pool.v[:, idx])
 
     def write_blocks(self, blocks: list[int], k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
         """Swap-in: host arrays [L, N, BS, Hkv, D] into the given device blocks."""
         idx = np.asarray(blocks, np.int32)
-        self.k_cache, self.v_cache = self._write_fn(self.k_cache, self.v_cache, idx, k_blocks, v_blocks)
+        self.kv_pool = self._write_fn(self.kv_pool, idx, k_blocks, v_blocks)

@@ -7,11 +7,45 @@ in any batch.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20  # top-k logprobs are computed at this fixed width, so a request's `logprobs` never changes a shape
+from jaxpaged.sampling_params import MAX_LOGPROBS
+
 MAX_BANNED = 8  # EOS / stop token ids masked while a request is below its min_tokens
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "step", "want_logprobs", "banned"],
+    meta_fields=[])
+@dataclasses.dataclass
+class SamplingMetadata:
+    """How each of a step's S sequences samples: numpy on the host (built by `ModelRunner.prepare`), device arrays
+    inside the jitted step."""
+
+    temperature: jax.Array  # [S] float32, 0 = greedy
+    top_p: jax.Array  # [S] float32, 1 = off
+    top_k: jax.Array  # [S] int32, <= 0 = off
+    min_p: jax.Array  # [S] float32, 0 = off
+    seed_lo: jax.Array  # [S] uint32, low half of the request's 64-bit seed
+    seed_hi: jax.Array  # [S] uint32
+    step: jax.Array  # [S] int32, index of the token being sampled (folded into the row's key)
+    want_logprobs: jax.Array  # [] bool, any row wants top-k log-probs
+    banned: jax.Array  # [S, MAX_BANNED] int32, token ids that may not be sampled; -1 = none
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"], meta_fields=[])
+@dataclasses.dataclass
+class SamplerOutput:
+    tokens: jax.Array  # [S] int32
+    logprobs: jax.Array  # [S] float32, of the chosen token under the model's distribution
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 (zeros unless want_logprobs)
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
 
 def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
@@ -45,25 +79,17 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, s: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Picks one token per row.
-
-    logits [S, V] float32; s (all [S]): temperature f32 (0 = greedy), top_p f32, top_k i32, min_p f32,
-    seed_lo u32, seed_hi u32, step i32 (index of the token being sampled, for the key), want_logprobs bool[] scalar,
-    banned [S, MAX_BANNED] i32 (token ids that may not be sampled, -1 = none).
-    Returns tokens [S] i32, logprobs [S] f32 (of the chosen token under the model's distribution),
-    top_ids [S, MAX_LOGPROBS] i32, top_logprobs [S, MAX_LOGPROBS] f32.
-    """
+def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
+    """Picks one token per row. logits [S, V] float32."""
     rows = jnp.arange(logits.shape[0])[:, None]
-    banned = s["banned"]
+    banned = s.banned
     logits = logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
-    greedy = s["temperature"] <= 0.0
-    temp = jnp.where(greedy, 1.0, s["temperature"])
+    greedy = s.temperature <= 0.0
+    temp = jnp.where(greedy, 1.0, s.temperature)
     scaled = logits / temp[:, None]
-    needs_filter = jnp.any(~greedy & ((s["top_k"] > 0) | (s["top_p"] < 1.0) | (s["min_p"] > 0.0)))
-    scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s["top_k"], s["top_p"], s["min_p"]), lambda x: x,
-                          scaled)
-    keys = _row_keys(s["seed_lo"], s["seed_hi"], s["step"])
+    needs_filter = jnp.any(~greedy & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)))
+    scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
+    keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     sampled = jnp.argmax(scaled + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
@@ -79,5 +105,5 @@ def sample(logits: jax.Array, s: dict[str, jax.Array]) -> dict[str, jax.Array]:
         n = lp.shape[0]
         return jnp.zeros((n, MAX_LOGPROBS), jnp.int32), jnp.zeros((n, MAX_LOGPROBS), jnp.float32)
 
-    top_ids, top_lps = jax.lax.cond(s["want_logprobs"], top, no_top, logp)
-    return {"tokens": tokens, "logprobs": chosen, "top_ids": top_ids, "top_logprobs": top_lps}
+    top_ids, top_lps = jax.lax.cond(s.want_logprobs, top, no_top, logp)
+    return SamplerOutput(tokens, chosen, top_ids, top_lps)

@@ -1,8 +1,52 @@
-"""Per-request sampling options, shaped like vLLM's `SamplingParams`."""
+"""Per-request sampling options, shaped like vLLM's `SamplingParams`.
+
+Every field is checked when the object is built (types, ranges, finiteness), so the Python API and the HTTP server
+share one set of rules and nothing bad reaches a step: a wrong type is a TypeError, a value out of range a
+ValueError, and both messages start with the field's name. What needs the model (token ids below the vocabulary
+size) is checked by `check_against_model`, which the engine calls before it queues the request.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+MAX_N = 128  # samples per request
+MAX_LOGPROBS = 20  # the sampler computes the top-k log-probs at this fixed width, so `logprobs` never changes a shape
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_TOKENS = 2**31 - 1  # the device batch holds token counts as int32
+MAX_TOP_K = 2**31 - 1
+MAX_SEED = 2**63
+# Temperatures below this are greedy: logits / 1e-300 overflows float32 and the argmax is what such a request means.
+GREEDY_TEMPERATURE = 1e-5
+
+
+def _int(name: str, value, lo: int, hi: int, none_ok: bool = False) -> None:
+    """An int (bool and float are refused: `n=2.5` and `max_tokens=True` are mistakes) in [lo, hi]."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an integer, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise ValueError(f"{name}={value} must be in [{lo}, {hi}]")
+
+
+def _float(name: str, value) -> float:
+    """A finite real number (an int is fine); returns it as a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} must be a number, not {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value} must be finite")
+    return value
+
+
+def _bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
 
 
 @dataclasses.dataclass
@@ -29,34 +73,68 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n < 1:
-            raise ValueError(f"n={self.n} must be >= 1")
+        _int("n", self.n, 1, MAX_N)
+        self.temperature = _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        self.top_p = _float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
         if self.top_k is None:
             self.top_k = -1
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
-            raise ValueError(f"top_k={self.top_k} must be -1 or 0 (disabled) or a positive integer")
+        _int("top_k", self.top_k, -1, MAX_TOP_K)  # -1 and 0 disable it
+        self.min_p = _float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p={self.min_p} must be in [0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+        _int("seed", self.seed, 0, MAX_SEED - 1, none_ok=True)
+        _int("max_tokens", self.max_tokens, 1, MAX_TOKENS, none_ok=True)
+        _int("min_tokens", self.min_tokens, 0, MAX_TOKENS)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs={self.logprobs} must be in [0, 20]")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+
+    @staticmethod
+    def _stop_strings(stop) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)):
+            raise TypeError(f"stop={stop!r} must be a string or a list of strings")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in stop:
+            if not isinstance(s, str):
+                raise TypeError(f"stop strings must be str, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
+        return list(stop)
+
+    @staticmethod
+    def _stop_token_ids(ids) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids={ids!r} must be a list of token ids")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_TOKEN_IDS} are allowed")
+        for t in ids:
+            _int("stop_token_ids", t, 0, 2**31 - 1)
+        return [int(t) for t in ids]
+
+    def check_against_model(self, vocab_size: int) -> None:
+        """What needs the model: every token id must name a token of its vocabulary."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
 
     @property
     def greedy(self) -> bool:

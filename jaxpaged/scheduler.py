@@ -3,7 +3,8 @@
 Policy (vLLM v0's default, first-come-first-served):
 - A step is either a prefill step or a decode step. Prefill steps run prompt chunks (and recomputed requests) of
   sequences in arrival order under the token budget; decode steps run one token of every running sequence.
-  Waiting prefills go first, so new requests join the running batch at the next step. We keep the two kinds
+  Waiting prefills go first, so new requests join the running batch at the next step, but never twice in a row
+  while running sequences wait for a token: a decode step comes between. We keep the two kinds
   apart because the pure-JAX attention (the CPU path) pads each prefill sequence to query tiles of
   `PREFILL_TILE` tokens: a decode in a prefill step would cost a whole tile.
 - A prompt longer than the token budget is chunked over several prefill steps.
@@ -67,6 +68,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # arrival order
         self.swapped: list[Sequence] = []  # arrival order
         self.num_preemptions = {"recompute": 0, "swap": 0}
+        self._last_was_prefill = False
         # n > 1: makes a parent's child sequences (the engine registers them with their request)
         self.make_children: Callable[[Sequence], list[Sequence]] = lambda parent: []
 
@@ -99,18 +101,30 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         out = SchedulerOutput(is_prefill=True, scheduled=[])
         self._swap_in(out)
-        self._schedule_prefills(out)
+        # After a prefill step, running sequences that wait for a token get a decode step before the next prefill,
+        # so a long queue of prompts never stalls the streams already running for more than one prefill step.
+        decodes_waiting = self._last_was_prefill and any(self._decodable(s) for s in self.running)
+        if not decodes_waiting:
+            self._schedule_prefills(out)
         if not out.scheduled:
             out.is_prefill = False
             self._schedule_decodes(out)
+        self._last_was_prefill = out.is_prefill and bool(out.scheduled)
         out.blocks_to_copy = self.block_manager.pop_copies()
         if not out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
             return None
         return out
 
+    def _seats_taken(self) -> int:
+        """Running sequences plus the seats their requests will take when they fork: the n - 1 samples of a parent
+        that has not forked yet, the beam_width - 1 beams of a beam search before its first step. Admission counts
+        them all, so forks that come later never push a step past max_num_seqs."""
+        return sum(1 + s.fork_pending + s.extra_beams for s in self.running)
+
     def _swap_in(self, out: SchedulerOutput) -> None:
         # Swapped requests arrived before every waiting one: bring them back first.
-        while self.swapped and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and (self._seats_taken() + 1 + self.swapped[0].fork_pending + self.swapped[0].extra_beams
+                                <= self.config.max_num_seqs):
             seq = self.swapped[0]
             if not self.block_manager.can_swap_in([seq.seq_id]):
                 break
@@ -132,7 +146,7 @@ class Scheduler:
                 return
         while self.waiting and not self.swapped and budget >= PREFILL_TILE:
             seq = self.waiting[0]
-            if len(self.running) + 1 + seq.fork_pending + seq.extra_beams > self.config.max_num_seqs:
+            if self._seats_taken() + 1 + seq.fork_pending + seq.extra_beams > self.config.max_num_seqs:
                 return
             if seq.num_computed_tokens == 0 and self.cache_config.enable_prefix_caching:
                 hit = self.block_manager.take_cached_prefix(seq.seq_id, seq.token_ids)
@@ -194,10 +208,15 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for seq in list(self.running):  # oldest first
-            if seq.num_uncomputed_tokens == 0:
-                continue  # a beam whose step result waits for the rest of its group
+            if not self._decodable(seq):
+                continue  # a prompt still in prefill, or a beam whose step result waits for the rest of its group
             if seq in self.running and self._allocate_or_preempt(seq, seq.num_tokens, out):
                 out.scheduled.append(ScheduledSeq(seq, 1))
+
+    @staticmethod
+    def _decodable(seq: Sequence) -> bool:
+        """Its cache holds everything but the last sampled token."""
+        return seq.num_uncomputed_tokens == 1 and not seq.is_prefill
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests until it fits.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32)
-SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)  # the one list: the engine's block_size option is checked against it
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # q and pool dtypes the kernels take
 
 
 def validate_ragged_inputs(kernel: str, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
@@ -29,7 +29,7 @@ def validate_ragged_inputs(kernel: str, q, k_cache, v_cache, block_tables, conte
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
             raise ValueError(f"{name} dtype {x.dtype} is not supported by the {kernel}; use float32 or bfloat16")
     if tile_size < 1 or num_tokens % tile_size:
         raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size} (>= 1)")

@@ -1,7 +1,7 @@
 """Shared fixtures. Tiny on-disk models live in tests/tiny_hf.py; this re-exports its helpers so tests can write
 
     from tests.conftest import make_tiny_hf_model      (or: from tests.tiny_hf import ...)
-    path = make_tiny_hf_model(tmp_path, "qwen2")        # kinds: llama, llama_tied, llama3, qwen2, mistral
+    path = make_tiny_hf_model(tmp_path, "qwen2")        # kinds: llama, llama_tied, llama3, qwen2, qwen3, mistral
 
 or use the `tiny_hf_model` fixture: `path = tiny_hf_model("mistral", sliding_window=16)`.
 """

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxpaged.engine import Engine
+from jaxpaged.engine import Engine, EngineDeadError
 from jaxpaged.engine_setup import EngineConfig
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
@@ -204,17 +204,17 @@ def test_shutdown_past_the_grace_period_aborts_the_rest(engine):
     assert engine.stats()["num_used"] == 0 and not engine.requests
 
 
-def test_a_failing_step_fails_its_requests_but_not_the_loop(engine, aengine, monkeypatch):
-    real_step = engine.step
+def test_a_failing_device_step_fails_its_requests_but_not_the_loop(engine, aengine, monkeypatch):
+    real_execute = engine.runner.execute
     calls = {"n": 0}
 
-    def flaky_step():
+    def flaky_execute(batch):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == 1:  # raises before touching the pool, which stays alive
             raise RuntimeError("device fell over")
-        return real_step()
+        return real_execute(batch)
 
-    monkeypatch.setattr(engine, "step", flaky_step)
+    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
 
     async def run():
         with pytest.raises(EngineStepError, match="device fell over"):
@@ -224,4 +224,67 @@ def test_a_failing_step_fails_its_requests_but_not_the_loop(engine, aengine, mon
 
     last = asyncio.run(run())
     assert last.finished and aengine.is_running
+    assert last.outputs[0].token_ids == offline_tokens(engine, [3, 4])
     assert wait_for(lambda: aengine.stats()["num_used"] == 0)
+
+
+def test_one_bad_row_fails_only_its_request(engine, aengine, monkeypatch):
+    """A row the host cannot lay out (here: injected for one request) fails that request; the stream beside it in
+    the same steps finishes with the tokens it gets alone."""
+    real_prepare = engine.runner.prepare
+
+    def prepare(out, *args):
+        if any(s.seq.request_id == "hostile" for s in out.scheduled):
+            raise OverflowError("Python int too large to convert to C int")
+        return real_prepare(out, *args)
+
+    monkeypatch.setattr(engine.runner, "prepare", prepare)
+    expected = offline_tokens(engine, [5, 6, 7])
+
+    async def run():
+        good = await aengine.add_request("good", [5, 6, 7], GREEDY)
+        bad = await aengine.add_request("hostile", [3, 4], GREEDY)
+        with pytest.raises(EngineStepError, match="too large"):
+            async for _ in bad:
+                pass
+        return [o async for o in good][-1]
+
+    last = asyncio.run(run())
+    assert last.outputs[0].token_ids == expected and aengine.is_running
+    assert wait_for(lambda: aengine.stats()["num_used"] == 0 and aengine.stats()["failed_requests"] >= 1)
+
+
+def test_a_step_that_lost_its_donated_pool_stops_the_engine():
+    """After a device step raised with the pool donated, nothing can run: the loop stops, readers get an error,
+    is_running turns false (the server's /health answers 503) and new requests are refused."""
+    dead = Engine(CONFIG, random_params(CONFIG), CharTokenizer(),
+                  EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
+                               num_blocks=40, precompile=False, show_progress=False))
+
+    def execute_and_lose_the_pool(batch):
+        dead.runner.kv_pool.k.delete()
+        raise RuntimeError("XLA runtime error: out of memory")
+
+    dead.runner.execute = execute_and_lose_the_pool
+    ae = AsyncEngine(dead)
+
+    async def run():
+        with pytest.raises((EngineStoppedError, EngineStepError)):
+            async for _ in ae.generate("victim", [3, 4], GREEDY):
+                pass
+        with pytest.raises(EngineStoppedError):
+            await ae.add_request("later", [3, 4], GREEDY)
+
+    asyncio.run(run())
+    assert not ae.is_running and dead.dead is not None
+    with pytest.raises(EngineDeadError):
+        dead.step()
+    ae.close()
+
+
+def offline_tokens(engine, prompt):
+    """The greedy tokens of `prompt` alone on a fresh engine with the same weights."""
+    fresh = Engine(CONFIG, engine.runner.params, CharTokenizer(),
+                   EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
+                                num_blocks=40, precompile=False, show_progress=False))
+    return offline(fresh, prompt, GREEDY)

@@ -58,6 +58,95 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, field", [
+    # wrong types: refused, never converted
+    ({"n": 2.5}, TypeError, "n"), ({"seed": 1.5}, TypeError, "seed"), ({"logprobs": 2.5}, TypeError, "logprobs"),
+    ({"max_tokens": 3.5}, TypeError, "max_tokens"), ({"max_tokens": True}, TypeError, "max_tokens"),
+    ({"top_k": 2.0}, TypeError, "top_k"), ({"temperature": "0.5"}, TypeError, "temperature"),
+    ({"stop": [b"x"]}, TypeError, "stop"), ({"stop": 5}, TypeError, "stop"),
+    ({"stop_token_ids": ["a"], "min_tokens": 1}, TypeError, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, TypeError, "stop_token_ids"), ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
+    # integers past what the device batch holds, and floats that are not finite
+    ({"top_k": 2**31}, ValueError, "top_k"), ({"top_k": 2**40}, ValueError, "top_k"),
+    ({"top_k": 2**70}, ValueError, "top_k"), ({"stop_token_ids": [1099511627776]}, ValueError, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, ValueError, "stop_token_ids"), ({"max_tokens": 2**31}, ValueError, "max_tokens"),
+    ({"seed": 2**63}, ValueError, "seed"), ({"seed": -1}, ValueError, "seed"), ({"n": 10**6}, ValueError, "n"),
+    ({"temperature": float("nan")}, ValueError, "temperature"),
+    ({"temperature": float("inf")}, ValueError, "temperature"), ({"top_p": float("nan")}, ValueError, "top_p"),
+    ({"min_p": float("inf")}, ValueError, "min_p"), ({"stop": ["s"] * 17}, ValueError, "stop"),
+])
+def test_sampling_params_refuse_wrong_types_and_unbounded_values(kwargs, error, field):
+    with pytest.raises(error, match=rf"^{field}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_keep_good_values():
+    p = SamplingParams(n=3, temperature=1, top_k=2**31 - 1, stop="x", stop_token_ids=(4, 5), seed=2**63 - 1)
+    assert p.temperature == 1.0 and isinstance(p.temperature, float) and p.stop == ["x"]
+    assert p.stop_token_ids == [4, 5] and p.top_k == 2**31 - 1
+    assert SamplingParams(temperature=1e-300).greedy  # would overflow logits / temperature
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_before_queueing(llm):
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 96\)"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(stop_token_ids=[96], min_tokens=1),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], SamplingParams(stop_token_ids=[500]), use_tqdm=False)
+    still_serves(llm)
+
+
+@pytest.mark.parametrize("prompt, field", [
+    ({"prompt_token_ids": None}, "prompt_token_ids"), ({"prompt_token_ids": "123"}, "prompt_token_ids"),
+    ({"prompt_token_ids": [3.0, 4]}, "prompt_token_ids"), ({"prompt_token_ids": [True, 4]}, "prompt_token_ids"),
+    ([3, 4.7], "prompt"), ({"prompt": 5}, "prompt"), (3, "prompt"),
+])
+def test_bad_prompt_types_reject_the_whole_batch(llm, prompt, field):
+    """The good prompt before the bad one is not left queued holding blocks."""
+    with pytest.raises(TypeError, match=field):
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}, prompt], use_tqdm=False)
+    assert not llm.engine.requests and not llm.engine.scheduler.waiting
+    still_serves(llm)
+
+
+def test_sampling_params_of_the_wrong_kind_are_named(llm):
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams.*'greedy'"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], "greedy", use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate([{"prompt_token_ids": [3, 4]}], [{"temperature": 0}], use_tqdm=False)
+    still_serves(llm)
+
+
+def test_a_request_that_fails_in_a_step_fails_alone_and_the_llm_goes_on(llm, monkeypatch):
+    """A row the host cannot lay out fails its own request; the LLM raises, leaves nothing queued, serves on."""
+    real_prepare = llm.engine.runner.prepare
+
+    def prepare(out, *args):
+        if any(s.seq.prompt_token_ids[0] == 9 for s in out.scheduled):
+            raise OverflowError("injected")
+        return real_prepare(out, *args)
+
+    monkeypatch.setattr(llm.engine.runner, "prepare", prepare)
+    from jaxpaged.entrypoints.llm import RequestFailedError
+
+    with pytest.raises(RequestFailedError, match="injected"):
+        llm.generate([{"prompt_token_ids": [3, 4]}, {"prompt_token_ids": [9, 4]}], use_tqdm=False)
+    assert llm.stats()["failed_requests"] >= 1
+    still_serves(llm)
+
+
+def test_chat_messages_are_checked():
+    from jaxpaged.chat import apply_chat_template
+
+    class Templated:
+        chat_template = "{{ messages }}"
+
+    with pytest.raises(ValueError, match=r"messages\[0\].role='wizard'"):
+        apply_chat_template(Templated(), [{"role": "wizard", "content": "hi"}])
+    with pytest.raises(TypeError, match=r"messages\[1\].content must be a string.*NoneType"):
+        apply_chat_template(Templated(), [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}])
+
+
 def test_unknown_model_path():
     with pytest.raises((FileNotFoundError, ValueError), match="no/such/model"):
         LLM("/no/such/model", precompile=False)
@@ -74,6 +163,42 @@ def test_unknown_model_path():
 def test_bad_engine_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM.from_params(CONFIG, random_params(CONFIG), None, precompile=False, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"max_num_seqs": 0}, ValueError, "max_num_seqs=0"), ({"max_num_seqs": "4"}, TypeError, "max_num_seqs='4'"),
+    ({"block_size": 16.0}, TypeError, "block_size"), ({"enable_prefix_caching": 1}, TypeError, "enable_prefix"),
+    ({"max_num_batched_tokens": 8}, ValueError, "max_num_batched_tokens=8"), ({"seed": -3}, ValueError, "seed"),
+])
+def test_engine_options_are_checked_before_the_model_loads(monkeypatch, kwargs, error, message):
+    import jaxpaged.loader
+
+    def load_model(*args, **kw):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(jaxpaged.loader, "load_model", load_model)
+    with pytest.raises(error, match=message):
+        LLM(**kwargs)
+
+
+def test_every_engine_option_is_a_flag():
+    """The CLI is generated from EngineConfig: every field has a flag, and flags reach the config unchanged."""
+    import argparse
+    import dataclasses
+
+    from jaxpaged.cli import add_engine_args, engine_options
+    from jaxpaged.engine_setup import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    flags = {a.dest for a in p._actions}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= flags
+    args = p.parse_args(["--num-blocks", "40", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB",
+                         "--max-num-seqs", "3", "--seed", "7", "--no-precompile"])
+    config = EngineConfig(**engine_options(args))
+    assert (config.num_blocks, config.enable_prefix_caching, config.max_num_seqs, config.seed) == (40, False, 3, 7)
+    assert config.kv_cache_memory == "2GiB" and not config.precompile
+    assert EngineConfig(**engine_options(p.parse_args([]))) == EngineConfig()
 
 
 def test_pool_too_small_for_one_max_length_sequence_says_the_numbers():

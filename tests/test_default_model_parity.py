@@ -110,8 +110,10 @@ def test_beam_search_matches_transformers(llm, hf_model, prompt_ids, prompt_inde
             break
     res = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=4, max_tokens=max_new),
                           use_tqdm=False)[0]
-    assert res.outputs[0].token_ids == want
-    assert len(res.outputs) == 4
-    scores = [o.cumulative_logprob / len(o.token_ids) for o in res.outputs]
+    # vLLM's BeamSearchOutput: tokens and text include the prompt
+    best = res.sequences[0]
+    assert best.tokens == ids + want and len(res.sequences) == 4
+    assert best.text == llm.tokenizer.decode(ids + want, skip_special_tokens=True)
+    scores = [s.cum_logprob / (len(s.tokens) - len(ids)) for s in res.sequences]
     assert scores == sorted(scores, reverse=True)
     assert llm.stats()["num_used"] == 0

@@ -34,33 +34,33 @@ def test_every_step_shape_writes_the_pool_in_place(llm):
                  SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     executables = runner._executables
     assert len(executables) >= 2, "expected a prefill and a decode shape"
-    # Arguments are flattened: the params' leaves first, then k_cache and v_cache.
+    # Arguments are flattened: the params' leaves first, then the pool's K and V.
     pool_params = {len(jax.tree.leaves(runner.params)), len(jax.tree.leaves(runner.params)) + 1}
     for key, executable in executables.items():
         hlo = executable.as_text()
         aliased = {int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}", hlo.splitlines()[0])}
         assert pool_params <= aliased, (key, hlo.splitlines()[0][:200])
-        assert pool_copies(hlo, runner.k_cache.shape) == [], key
+        assert pool_copies(hlo, runner.kv_pool.shape) == [], key
 
 
 def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
     runner = llm.engine.runner
-    k_before, v_before = runner.k_cache, runner.v_cache
+    k_before, v_before = runner.kv_pool.k, runner.kv_pool.v
     pointers = (k_before.unsafe_buffer_pointer(), v_before.unsafe_buffer_pointer())
     outputs = llm.generate([{"prompt_token_ids": random_prompts(1, 20, 20, seed=2)[0]}],
                            SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(outputs[0].outputs[0].token_ids) == 3
     assert k_before.is_deleted() and v_before.is_deleted()  # donated to the step
-    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == pointers
+    assert (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer()) == pointers
 
     # Copy-on-write block copies and swap-in writes: in place too, and they do what they say.
-    k_host = np.asarray(runner.k_cache[:, 3])
+    k_host = np.asarray(runner.kv_pool.k[:, 3])
     runner.copy_blocks([(3, 7)])
-    np.testing.assert_array_equal(np.asarray(runner.k_cache[:, 7]), k_host)
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool.k[:, 7]), k_host)
     blocks = np.arange(2 * 1 * 8 * 2 * 8, dtype=np.float32).reshape(2, 1, 8, 2, 8)
     runner.write_blocks([9], blocks, -blocks)
-    np.testing.assert_array_equal(np.asarray(runner.v_cache[:, 9:10]), -blocks)
-    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == pointers
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool.v[:, 9:10]), -blocks)
+    assert (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer()) == pointers
 
 
 # --- the pool's dtype ------------------------------------------------------------------------------------------------
@@ -71,22 +71,22 @@ def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
     write. kv_cache_dtype='auto' keeps the pool in float32 there, and the step then has no pool-sized convert."""
     llm = tiny_llm(dtype="bfloat16")
     runner = llm.engine.runner
-    assert runner.k_cache.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
+    assert runner.kv_pool.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
     outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
                         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 3
-    dims = ",".join(map(str, runner.k_cache.shape))
+    dims = ",".join(map(str, runner.kv_pool.shape))
     for key, executable in runner._executables.items():
         hlo = executable.as_text()
         assert not [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line], key
-        assert pool_copies(hlo, runner.k_cache.shape) == [], key
+        assert pool_copies(hlo, runner.kv_pool.shape) == [], key
 
     # The contrast that makes 'auto' necessary: an explicit bfloat16 pool on CPU is converted around the write.
     explicit = tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16")
-    assert explicit.engine.runner.k_cache.dtype == jnp.bfloat16
+    assert explicit.engine.runner.kv_pool.dtype == jnp.bfloat16
     explicit.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
     hlo = "\n".join(e.as_text() for e in explicit.engine.runner._executables.values())
-    dims = ",".join(map(str, explicit.engine.runner.k_cache.shape))
+    dims = ",".join(map(str, explicit.engine.runner.kv_pool.shape))
     assert [line for line in hlo.splitlines() if f"f32[{dims}]" in line]
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 
 import jaxpaged.loader
 from jaxpaged.loader import load_model, save_checkpoint
@@ -23,7 +24,8 @@ from tests.tiny_hf import EOS_ID, TINY_VOCAB, make_tiny_hf_model, tiny_hf_config
 LAYER_MAP = {
     "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
     "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv", "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv", "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm", "post_attention_layernorm.weight": "mlp_norm",
     "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
 }
 
@@ -46,7 +48,9 @@ def expected_params(state: dict[str, np.ndarray], tied: bool) -> dict:
     return out
 
 
-def assert_same_tree(ours: dict, want: dict, exact: bool = True):
+def assert_same_tree(ours: dict | nnx.State, want: dict, exact: bool = True):
+    # Loaders return the module's state, whose pure dict is the layout
+    ours, want = (nnx.to_pure_dict(t) if isinstance(t, nnx.State) else t for t in (ours, want))
     assert sorted(ours) == sorted(want)
     for key in want:
         if isinstance(want[key], dict):
@@ -73,7 +77,7 @@ def assert_config_matches(ours, hf_cfg):
 
 
 # ------------------------------------------------------------------------------------------------ HF directories
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "llama3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral", "llama3"])
 def test_hf_directory_params_equal_transformers_state_dict(tmp_path, kind):
     path = make_tiny_hf_model(tmp_path, kind)
     hf_cfg, state = hf_state(path)
@@ -82,6 +86,7 @@ def test_hf_directory_params_equal_transformers_state_dict(tmp_path, kind):
     assert_same_tree(loaded.params, expected_params(state, hf_cfg.tie_word_embeddings))
     assert loaded.config.architecture == hf_cfg.model_type and loaded.source == path
     assert loaded.config.attention_bias == (kind == "qwen2") and ("bq" in loaded.params["layers"]) == (kind == "qwen2")
+    assert loaded.config.qk_norm == (kind == "qwen3") and ("q_norm" in loaded.params["layers"]) == (kind == "qwen3")
     assert ("lm_head" in loaded.params) == (kind != "qwen2")  # qwen2 tiny model is tied
     assert loaded.config.sliding_window == (4096 if kind == "mistral" else None)
     if kind == "llama3":
@@ -110,7 +115,9 @@ def test_sharded_bf16_directory_loads_every_shard(tmp_path):
 def test_hf_config_variants_are_normalised():
     from jaxpaged.loader.hf import model_config_from_hf
 
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    # Every field transformers would default per family is given (Mistral defaults to 8 kv heads, Qwen2 to 32).
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2)
     old = model_config_from_hf({**base, "model_type": "llama", "rope_theta": 5e5,
                                 "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [7, 8]},
                                {"eos_token_id": 9, "bos_token_id": 3})
@@ -128,7 +135,7 @@ def test_hf_config_variants_are_normalised():
 
 
 # ------------------------------------------------------------------------------------------------ GGUF files
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_synthetic_gguf_matches_hf_weights_and_transformers_gguf_reader(tmp_path, kind):
     """F32 GGUF: our un-permuted q/k equal the HF weights exactly, and transformers reads the file the same way."""
     from jaxpaged.loader.gguf_file import load_gguf
@@ -139,7 +146,10 @@ def test_synthetic_gguf_matches_hf_weights_and_transformers_gguf_reader(tmp_path
     config, params = load_gguf(gguf_path)
     assert_config_matches(config, hf_cfg)
     assert config.architecture == kind and config.attention_bias == (kind == "qwen2")
+    assert config.qk_norm == (kind == "qwen3")
     assert_same_tree(params, expected_params(state, hf_cfg.tie_word_embeddings))
+    if kind == "qwen3":  # transformers' GGUF reader ignores qwen3.attention.key_length (head_dim reads as 128)
+        return
     _, via_transformers = hf_state_from_gguf(gguf_path)
     assert_same_tree(params, expected_params(via_transformers, hf_cfg.tie_word_embeddings))
 

@@ -185,7 +185,7 @@ def test_bad_input_raises_value_error(change, message):
 
 
 def test_engine_native_backend_gives_the_reference_tokens():
-    from jaxpaged.engine_setup import attention_fn
+    from jaxpaged.attention import attention_backend
     from tests.tiny import greedy_tokens, random_params, random_prompts, tiny_config
 
     config = tiny_config(hidden=48, heads=6, kv_heads=2, head_dim=16, layers=2)
@@ -193,17 +193,17 @@ def test_engine_native_backend_gives_the_reference_tokens():
     prompts = random_prompts(4, 3, 30, seed=9)
     assert (greedy_tokens(config, params, prompts, attention_backend="native", max_tokens=12)
             == greedy_tokens(config, params, prompts, attention_backend="reference", max_tokens=12))
-    assert attention_fn("auto").func is native.native_decode_else_reference  # auto on CPU: native for decodes
+    assert attention_backend("auto").kernel.func is native.native_decode_else_reference  # CPU: native decodes
 
 
 def test_unavailable_kernel_falls_back_on_auto_and_names_the_reason_on_native(monkeypatch):
-    from jaxpaged.engine_setup import attention_fn
+    from jaxpaged.attention import attention_backend
 
     monkeypatch.setitem(native._state, "ok", False)
     monkeypatch.setitem(native._state, "reason", "RuntimeError: no C++ compiler (test)")
-    assert attention_fn("auto") is ragged_paged_attention_reference
+    assert attention_backend("auto").kernel is ragged_paged_attention_reference
     with pytest.raises(ValueError, match="native.*unavailable: RuntimeError: no C\\+\\+ compiler"):
-        attention_fn("native")
+        attention_backend("native")
 
 
 def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):

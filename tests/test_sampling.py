@@ -70,20 +70,20 @@ def test_sampled_tokens_follow_the_model_distribution():
 
     vocab, rows = 24, 4000
     logits = np.tile(np.linspace(-3.0, 1.5, vocab, dtype=np.float32), (rows, 1))
-    s = {"temperature": jnp.full(rows, 0.8), "top_p": jnp.ones(rows), "top_k": jnp.full(rows, -1, jnp.int32),
-         "min_p": jnp.zeros(rows), "seed_lo": jnp.arange(rows, dtype=jnp.uint32),
-         "seed_hi": jnp.zeros(rows, jnp.uint32),
-         "step": jnp.zeros(rows, jnp.int32), "want_logprobs": jnp.array(False),
-         "banned": jnp.full((rows, sampler.MAX_BANNED), -1, jnp.int32)}
-    got = np.bincount(np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"]), minlength=vocab) / rows
+    s = sampler.SamplingMetadata(
+        temperature=jnp.full(rows, 0.8), top_p=jnp.ones(rows), top_k=jnp.full(rows, -1, jnp.int32),
+        min_p=jnp.zeros(rows), seed_lo=jnp.arange(rows, dtype=jnp.uint32), seed_hi=jnp.zeros(rows, jnp.uint32),
+        step=jnp.zeros(rows, jnp.int32), want_logprobs=jnp.array(False),
+        banned=jnp.full((rows, sampler.MAX_BANNED), -1, jnp.int32))
+    got = np.bincount(np.asarray(sampler.sample(jnp.asarray(logits), s).tokens), minlength=vocab) / rows
     p = np.exp(logits[0] / 0.8)
     p /= p.sum()
     assert np.abs(got - p).max() < 0.03
-    s["top_k"] = jnp.full(rows, 2, jnp.int32)
-    got = np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"])
+    s.top_k = jnp.full(rows, 2, jnp.int32)
+    got = np.asarray(sampler.sample(jnp.asarray(logits), s).tokens)
     assert set(np.unique(got)) <= {vocab - 1, vocab - 2}
-    s["top_k"], s["min_p"] = jnp.full(rows, -1, jnp.int32), jnp.full(rows, 0.5)
-    got = np.asarray(sampler.sample(jnp.asarray(logits), s)["tokens"])
+    s.top_k, s.min_p = jnp.full(rows, -1, jnp.int32), jnp.full(rows, 0.5)
+    got = np.asarray(sampler.sample(jnp.asarray(logits), s).tokens)
     keep = np.flatnonzero(p >= 0.5 * p.max())
     assert set(np.unique(got)) <= set(keep.tolist())
 

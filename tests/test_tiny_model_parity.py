@@ -1,5 +1,5 @@
-"""Tiny random-weight models (Llama, Qwen2 with biases, Mistral with a sliding window, llama3 rope scaling; GQA
-ratios 1, 3 and 4) loaded by path, against transformers on the same files.
+"""Tiny random-weight models (Llama, Qwen2 with biases, Qwen3 with q/k norms, Mistral with a sliding window, llama3
+rope scaling; GQA ratios 1, 2, 3 and 4) loaded by path, against transformers on the same files.
 
 Tolerance: first-token log-probs within 1e-4 (float32, 2 layers); greedy tokens identical, one at a time and batched.
 """
@@ -20,6 +20,8 @@ CASES = {
     "llama_gqa4_tied": ("llama_tied", {"num_attention_heads": 8, "num_key_value_heads": 2}),
     "llama3_rope_scaling": ("llama3", {}),
     "qwen2_bias": ("qwen2", {}),
+    "qwen3_qk_norm": ("qwen3", {}),
+    "qwen3_gqa4_head_dim_32": ("qwen3", {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}),
     "mistral_sliding_window": ("mistral", {"sliding_window": 16}),
 }
 NEW = 16

@@ -16,7 +16,6 @@ in that format. Checked two ways without a TPU:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -24,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.experimental.layout import Format
 
 from jaxpaged import SamplingParams, engine_setup, model_runner
+from jaxpaged.attention import KVPool, PagedAttention
 from jaxpaged.model_runner import (
     ROW_MAJOR_POOL,
     _copy_blocks,
@@ -38,6 +39,7 @@ from jaxpaged.model_runner import (
     pool_block_bytes,
     pool_format,
 )
+from jaxpaged.models import llama
 from pallas_kernels.attention import paged_attention
 from tests.hlo_checks import computations_with, pool_copies
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
@@ -72,15 +74,15 @@ def compile_tpu_step(device, fmt: Format | None, shape: tuple) -> tuple[str, tup
     def abstract(x, where=sharding):
         return jax.ShapeDtypeStruct(np.shape(x), jnp.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=where)
 
-    params = jax.tree.map(abstract, random_params(config))  # bfloat16, as build_runner casts them
+    graphdef, state = nnx.split(llama.from_params(config, random_params(config)))
+    state = jax.tree.map(abstract, state)  # bfloat16, as build_runner casts them
     pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     pool = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16, sharding=fmt or sharding)
-    batch = dummy_batch(*shape)
-    batch = dataclasses.replace(batch, **{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-                                          for k, v in batch.device_dict().items()})
-    # What engine_setup.attention_fn("auto") gives on a TPU.
-    step_fn = jit_step(config, functools.partial(paged_attention, implementation="pallas_tpu"), fmt)
-    return lower_step(step_fn, params, pool, pool, batch).compile().as_text(), pool_shape
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), dummy_batch(*shape))
+    # What attention_backend("auto") gives on a TPU.
+    attn = PagedAttention("pallas_tpu", functools.partial(paged_attention, implementation="pallas_tpu"))
+    step_fn = jit_step(graphdef, attn, fmt)
+    return lower_step(step_fn, state, KVPool(pool, pool), batch).compile().as_text(), pool_shape
 
 
 @pytest.mark.parametrize("shape", list(STEP_SHAPES), ids=list(STEP_SHAPES))
@@ -104,16 +106,16 @@ def test_tpu_step_in_the_default_layout_copies_the_pool(tpu_device):
     assert pool_copies(hlo, pool_shape) != []
 
 
-@pytest.mark.parametrize("fn, num_args", [(_copy_blocks, 4), (_write_blocks, 5)], ids=["copy", "write"])
+@pytest.mark.parametrize("fn, num_args", [(_copy_blocks, 3), (_write_blocks, 4)], ids=["copy", "write"])
 def test_tpu_block_copy_and_swap_in_keep_the_row_major_pool(tpu_device, fn, num_args):
     fmt = pool_format(tpu_device)
     pool = jax.ShapeDtypeStruct((2, NUM_BLOCKS, BLOCK_SIZE, 3, 64), jnp.bfloat16, sharding=fmt)
     idx = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=fmt.sharding)
     blocks = jax.ShapeDtypeStruct((2, 8, BLOCK_SIZE, 3, 64), jnp.bfloat16, sharding=fmt.sharding)
-    args = (pool, pool, idx, idx) if num_args == 4 else (pool, pool, idx, blocks, blocks)
+    args = (KVPool(pool, pool), idx, idx) if num_args == 3 else (KVPool(pool, pool), idx, blocks, blocks)
     compiled = jit_pool_update(fn, fmt, num_args).lower(*args).compile()
     assert pool_copies(compiled.as_text(), pool.shape) == []
-    assert [f.layout.major_to_minor for f in compiled.output_formats] == [(0, 1, 2, 3, 4)] * 2
+    assert [f.layout.major_to_minor for f in jax.tree.leaves(compiled.output_formats)] == [(0, 1, 2, 3, 4)] * 2
 
 
 def test_tpu_block_bytes_count_the_tile_padding(tpu_device):
@@ -157,10 +159,11 @@ def test_cpu_engine_keeps_the_default_pool_layout():
     llm = tiny_llm()
     runner = llm.engine.runner
     assert runner.pool_format is None
-    assert runner.k_cache.format == jnp.zeros(runner.k_cache.shape, runner.k_cache.dtype).format
+    default = jnp.zeros(runner.kv_pool.shape, runner.kv_pool.dtype).format
+    assert runner.kv_pool.k.format == runner.kv_pool.v.format == default
     assert runner.block_bytes == 2 * 2 * 8 * 2 * 8 * 4
     _generate(llm)
-    assert runner.k_cache.format == jnp.zeros(runner.k_cache.shape, runner.k_cache.dtype).format
+    assert runner.kv_pool.k.format == runner.kv_pool.v.format == default
 
 
 def test_the_explicit_pool_format_path_runs_on_cpu(monkeypatch):
@@ -176,17 +179,17 @@ def test_the_explicit_pool_format_path_runs_on_cpu(monkeypatch):
     llm = tiny_llm()
     runner = llm.engine.runner
     assert runner.pool_format is not None
-    pointer = runner.k_cache.unsafe_buffer_pointer()
+    pointer = runner.kv_pool.k.unsafe_buffer_pointer()
     assert _generate(llm) == expected
-    assert runner.k_cache.format.layout.major_to_minor == (0, 1, 2, 3, 4)
-    assert runner.k_cache.unsafe_buffer_pointer() == pointer  # donated and aliased: no second pool
+    assert runner.kv_pool.k.format.layout.major_to_minor == (0, 1, 2, 3, 4)
+    assert runner.kv_pool.k.unsafe_buffer_pointer() == pointer  # donated and aliased: no second pool
 
-    k_host = np.asarray(runner.k_cache[:, 3])
+    k_host = np.asarray(runner.kv_pool.k[:, 3])
     runner.copy_blocks([(3, 7)])
-    np.testing.assert_array_equal(np.asarray(runner.k_cache[:, 7]), k_host)
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool.k[:, 7]), k_host)
     blocks = np.arange(2 * 8 * 2 * 8, dtype=np.float32).reshape(2, 1, 8, 2, 8)
     runner.write_blocks([9], blocks, -blocks)
     k, v = runner.read_blocks([9])
     np.testing.assert_array_equal(k, blocks)
     np.testing.assert_array_equal(v, -blocks)
-    assert runner.k_cache.unsafe_buffer_pointer() == pointer
+    assert runner.kv_pool.k.unsafe_buffer_pointer() == pointer

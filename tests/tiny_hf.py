@@ -1,7 +1,7 @@
 """Tiny random-weight Hugging Face models on disk (config + safetensors + tokenizer), and GGUF copies of them,
 for tests that load models by path and compare against transformers on the same files.
 
-    path = make_tiny_hf_model(tmp_path, "llama")     # also "llama_tied", "llama3", "qwen2", "mistral"
+    path = make_tiny_hf_model(tmp_path, "llama")     # also "llama_tied", "llama3", "qwen2", "qwen3", "mistral"
     transformers.AutoModelForCausalLM.from_pretrained(path)  and  jaxpaged.loader.load_model(path)
 
 Every kind shares one tokenizer: byte-level BPE trained here on a fixed text, TINY_VOCAB = 384 tokens (ids 0-2 are
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 TINY_VOCAB = 384
-KINDS = ("llama", "llama_tied", "llama3", "qwen2", "mistral")
+KINDS = ("llama", "llama_tied", "llama3", "qwen2", "qwen3", "mistral")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BOS_ID, EOS_ID = 1, 2
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -80,8 +80,11 @@ def tiny_hf_config(kind: str = "llama", **overrides):
         common["tie_word_embeddings"] = True
     if kind == "mistral":
         common["sliding_window"] = 4096  # longer than max_position_embeddings: pass e.g. sliding_window=16 to bite
+    if kind == "qwen3":  # Qwen3Config's own default head_dim is 128, not hidden / heads
+        common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
     common.update(overrides)
-    cls = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}.get(kind, transformers.LlamaConfig)
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "mistral": transformers.MistralConfig}.get(kind, transformers.LlamaConfig)
     return cls(**common)
 
 
@@ -139,6 +142,7 @@ _GGUF_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
 }
@@ -156,7 +160,7 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None
 
     cfg = transformers.AutoConfig.from_pretrained(hf_dir)
     state = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
-    model_arch = "qwen2" if cfg.model_type == "qwen2" else "llama"
+    model_arch = cfg.model_type if cfg.model_type in ("qwen2", "qwen3") else "llama"
     w = gguf.GGUFWriter(path, arch or model_arch)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     w.add_block_count(cfg.num_hidden_layers)
@@ -165,7 +169,10 @@ def write_tiny_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)

@@ -47,16 +47,16 @@ class RequestAbortedError(RuntimeError):
 
 
 class EngineStepError(RuntimeError):
-    """A step failed with an internal error; the requests in it were aborted (HTTP 500)."""
+    """This request failed inside the engine (its step or its output processing); other requests go on (HTTP 500)."""
 
 
 @dataclasses.dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int] | dict
-    params: SamplingParams
+    """Requests that are queued together or not at all (the prompts of one API call)."""
+
+    requests: list[tuple[str, str | list[int] | dict, SamplingParams]]  # (request id, prompt, params)
     arrival_time: float
-    done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has it
+    done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has them
 
 
 @dataclasses.dataclass
@@ -65,26 +65,30 @@ class _Abort:
     error: BaseException | None = None  # handed to the reader when it is still listening
 
 
-_CLOSED = object()  # queued by aclose() so that a pending __anext__ returns
-
-
 class RequestStream:
     """The outputs of one request, an async iterator of cumulative `RequestOutput`s ending with a finished one.
 
-    When the reader falls behind it gets only the newest output (each one holds all text so far). Leaving early
-    (`aclose()`, `break` inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
+    It holds at most one unread item: each output carries all text and tokens so far, so a newer one replaces an
+    unread older one, and a reader that falls behind (or stops reading) costs one output's memory, not one per
+    step. A terminal item (the finished output, or an error) is never replaced. Leaving early (`aclose()`, `break`
+    inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._queue: asyncio.Queue = asyncio.Queue()  # RequestOutput | BaseException | _CLOSED
+        self._unread: RequestOutput | BaseException | None = None
+        self._wakeup = asyncio.Event()
         self.finished = False
         self._closed = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop, from the engine thread
-        self._queue.put_nowait(item)
+        unread = self._unread
+        if isinstance(unread, BaseException) or (unread is not None and unread.finished):
+            return  # e.g. the shutdown's error after a finished output the reader has not taken yet
+        self._unread = item
+        self._wakeup.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -93,14 +97,15 @@ class RequestStream:
         if self.finished or self._closed:
             raise StopAsyncIteration
         try:
-            item = await self._queue.get()
-            while not self._queue.empty() and not isinstance(item, BaseException) and item is not _CLOSED:
-                item = self._queue.get_nowait()
+            while self._unread is None and not self._closed:
+                self._wakeup.clear()
+                await self._wakeup.wait()
         except BaseException:  # cancelled while waiting: nobody will read this request any more
             await self.aclose()
             raise
-        if item is _CLOSED or self._closed:
+        if self._closed:
             raise StopAsyncIteration
+        item, self._unread = self._unread, None
         if isinstance(item, BaseException):
             self.finished = True
             self._engine._forget(self.request_id, abort=False)
@@ -114,7 +119,8 @@ class RequestStream:
         if not self._closed:
             self._closed = True
             self._engine._forget(self.request_id, abort=not self.finished)
-            self._queue.put_nowait(_CLOSED)  # wakes a reader waiting in another task
+            self._unread = None
+            self._wakeup.set()  # wakes a reader waiting in another task
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -187,34 +193,53 @@ class AsyncEngine:
                           params: SamplingParams | None = None) -> RequestStream:
         """Hands a request to the engine and waits until the engine has queued it.
 
-        Raises ValueError (bad input, from `Engine.add_request`), EngineOverloadedError (the waiting queue is full)
-        or EngineStoppedError (shutting down). On success the returned stream yields the request's outputs.
+        Raises ValueError / TypeError (bad input, from `Engine.make_request`), EngineOverloadedError (the waiting
+        queue is full) or EngineStoppedError (shutting down). On success the returned stream yields the request's
+        outputs.
+        """
+        (stream,) = await self.add_requests([(request_id, prompt, params)])
+        return stream
+
+    async def add_requests(self, requests: list[tuple[str, str | list[int] | dict, SamplingParams | None]]
+                           ) -> list[RequestStream]:
+        """Queues several requests in one engine iteration, all or none (the prompts of one API call).
+
+        More requests than `max_waiting` can never be queued at once: ValueError, not EngineOverloadedError.
         """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id, loop)
+        ids = [rid for rid, _, _ in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be distinct")
+        if len(requests) > self.max_waiting:
+            raise ValueError(f"{len(requests)} prompts in one request can never be queued: at most "
+                             f"max_waiting={self.max_waiting} requests may wait")
+        streams = [RequestStream(self, rid, loop) for rid in ids]
         done: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._error is not None or not self._accepting:
                 raise EngineStoppedError("the engine is shutting down and takes no new requests")
-            if request_id in self._streams:
-                raise ValueError(f"request_id {request_id!r} is already in use")
+            for rid in ids:
+                if rid in self._streams:
+                    raise ValueError(f"request_id {rid!r} is already in use")
             waiting = self._pending_adds + self._snapshot["num_waiting"]
-            if waiting >= self.max_waiting:
+            if waiting + len(requests) > self.max_waiting:
                 self.metrics.rejected.inc()
                 raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
                                             f"(max_waiting={self.max_waiting}); retry later")
-            self._streams[request_id] = stream
-            self._pending_adds += 1
-            self._commands.append(_Add(request_id, prompt, params or SamplingParams(), time.monotonic(), done))
+            self._streams.update(zip(ids, streams, strict=True))
+            self._pending_adds += len(requests)
+            self._commands.append(_Add([(rid, prompt, params or SamplingParams()) for rid, prompt, params in requests],
+                                       time.monotonic(), done))
             self._cond.notify()
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             rejected = done.done() and not done.cancelled() and done.exception() is not None
-            stream._closed = True
-            self._forget(request_id, abort=not rejected)  # cancelled mid-add: the engine may hold it
+            for stream in streams:
+                stream._closed = True
+                self._forget(stream.request_id, abort=not rejected)  # cancelled mid-add: the engine may hold it
             raise
-        return stream
+        return streams
 
     async def generate(self, request_id: str, prompt: str | list[int] | dict,
                        params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
@@ -266,17 +291,37 @@ class AsyncEngine:
         deadline = time.monotonic() + grace_s
         while self.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.fail_in_flight(EngineStoppedError(f"the engine shut down before this request finished "
+                                               f"(grace period of {grace_s:g} s)"))
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Aborts whatever is left and joins the loop thread (blocking)."""
+    def fail_in_flight(self, error: BaseException) -> int:
+        """Ends every request that still has a reader: the engine aborts it, and its reader gets `error` on its
+        next read, without waiting for the engine's current step (which may take seconds). Thread-safe; returns
+        how many requests it ended."""
+        with self._cond:
+            streams = list(self._streams.values())
+            self._commands.extend(_Abort(s.request_id) for s in streams)
+            self._cond.notify()
+        for s in streams:
+            try:
+                s._loop.call_soon_threadsafe(s._put, error)
+            except RuntimeError:  # the reader's event loop is closed
+                pass
+        return len(streams)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Aborts whatever is left and joins the loop thread (blocking); returns whether it stopped in time (it
+        finishes its current step first)."""
         with self._cond:
             self._accepting = False
             self._stop = True
             self._cond.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            logger.warning("the engine thread did not stop within %.0f s", timeout)
+            logger.warning("the engine thread did not stop within %g s", timeout)
+            return False
+        return True
 
     # ---- the loop thread ----------------------------------------------------------------------------------------
 
@@ -320,19 +365,23 @@ class AsyncEngine:
                 if cmd.error is not None:
                     deliveries.append((cmd.request_id, cmd.error))
                 continue
-            added = False
+            added = []
             if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it
                 try:
-                    self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
-                    added = True
-                except Exception as e:  # bad input: the caller gets it, the loop goes on
+                    made = [self.engine.make_request(rid, prompt, params, arrival_time=cmd.arrival_time)
+                            for rid, prompt, params in cmd.requests]
+                    for req in made:
+                        self.engine.enqueue(req)
+                    added = [rid for rid, _, _ in cmd.requests]
+                except Exception as e:  # bad input: the caller gets it, nothing is queued, the loop goes on
                     cmd.done.set_exception(e)
             with self._cond:
-                # From pending to waiting at once, so the max_waiting count never sees it twice or not at all.
-                self._pending_adds -= 1
-                self._snapshot["num_waiting"] += added
+                # From pending to waiting at once, so the max_waiting count never sees them twice or not at all.
+                self._pending_adds -= len(cmd.requests)
+                self._snapshot["num_waiting"] += len(added)
             if added:
-                self._token_times[cmd.request_id] = (cmd.arrival_time, 0)
+                for rid in added:
+                    self._token_times[rid] = (cmd.arrival_time, 0)
                 cmd.done.set_result(None)
         return deliveries
 
@@ -340,19 +389,16 @@ class AsyncEngine:
         """Runs one engine step and appends what its readers should get to `deliveries`; returns whether it
         progressed."""
         steps_before = self.engine.counters["steps"]
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; aborting its %d requests", len(self.engine.requests))
-            self.metrics.step_errors.inc()
-            error = EngineStepError(f"internal engine error: {type(e).__name__}: {e}")
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-                self._token_times.pop(request_id, None)
-                deliveries.append((request_id, error))
-            return True
+        # Anything that escapes step() (EngineDeadError: the pool is gone; or a bug in the host bookkeeping) ends
+        # the loop: /health answers 503 and new requests are refused, rather than serving on a broken engine.
+        outputs = self.engine.step()
         now = time.monotonic()
         for out in outputs:
+            if out.error is not None:  # this request failed inside the step; the others went on
+                self.metrics.step_errors.inc()
+                self._token_times.pop(out.request_id, None)
+                deliveries.append((out.request_id, EngineStepError(f"internal engine error: {out.error}")))
+                continue
             self._observe(out, now)
             deliveries.append((out.request_id, out))
         return self.engine.counters["steps"] != steps_before or bool(outputs)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import time
 
-from jaxpaged.beam_search import BeamSearchParams
+from flax import nnx
+
+from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine import Engine
@@ -29,12 +30,25 @@ def _engine_config(kwargs: dict) -> EngineConfig:
     return EngineConfig(**kwargs)
 
 
+class RequestFailedError(RuntimeError):
+    """A request failed inside the engine (its step or its output processing); the other requests went on."""
+
+
+def _as_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 class LLM:
     """Generates text for many prompts at once through one continuously batched engine.
 
     LLM()                                   the embedded default model (SmolLM2-135M-Instruct)
     LLM(model="dir_or.gguf", block_size=16, max_num_seqs=64, kv_cache_memory="2GiB", dtype="float32")
     LLM.from_params(model_config, params, tokenizer, ...)   an in-memory params pytree (e.g. after fine-tuning)
+    LLM.from_model(module, tokenizer=..., ...)              any flax.nnx module that follows the model contract
     """
 
     def __init__(self, model: str | None = None, **engine_options):
@@ -56,6 +70,16 @@ class LLM:
         self._ids = itertools.count()
         return self
 
+    @classmethod
+    def from_model(cls, model: nnx.Module, tokenizer=None, **engine_options) -> LLM:
+        """Serves your own `nnx.Module`: it follows the contract of `jaxpaged.models.contract` (called as
+        `model(token_ids, kv_pool, md, attn) -> (hidden, kv_pool)`, with `model.logits(hidden)` and a `config`
+        holding the `ModelSpec` fields). Engine options as for `LLM(...)`; `dtype` casts its parameters."""
+        self = cls.__new__(cls)
+        self.engine = Engine.from_model(model, tokenizer, _engine_config(engine_options))
+        self._ids = itertools.count()
+        return self
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -67,26 +91,24 @@ class LLM:
         prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} / {"prompt": "..."}.
         A prompt that is bad input raises ValueError before anything runs.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        prompts = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__} {sampling_params!r}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        self._add_all([functools.partial(self.engine.add_request, rid, prompt, params)
-                       for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)], ids)
+        self._add_all([self.engine.make_request(rid, prompt, params)
+                       for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)])
         return self._run(ids, use_tqdm)
 
-    def _add_all(self, adds: list, ids: list[str]) -> None:
-        """Queues every request or none: one bad prompt rejects the batch and leaves nothing behind."""
-        try:
-            for add in adds:
-                add()
-        except ValueError:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
+    def _add_all(self, requests: list) -> None:
+        """Queues requests that all passed their checks (a bad one raised while they were made, before any was
+        queued, so nothing is left behind)."""
+        for req in requests:
+            self.engine.enqueue(req)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
@@ -94,27 +116,46 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
-        while len(done) < len(ids) and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.error is not None and out.request_id in wanted:
+                        raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            # An error (or Ctrl-C) leaves nothing of this call queued: the LLM stays usable.
+            for rid in wanted - set(done):
+                self.engine.abort_request(rid)
         return [done[rid] for rid in ids]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Beam search per prompt; each output's `outputs` are the beam_width hypotheses, best first."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search per prompt, returned as vLLM does: each output's `sequences` are the beam_width hypotheses,
+        best first, with the prompt's tokens and text included."""
+        prompts = _as_list(prompts)
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
-        self._add_all([functools.partial(self.engine.add_beam_request, rid, prompt, params)
-                       for rid, prompt in zip(ids, prompts, strict=True)], ids)
-        return self._run(ids, use_tqdm)
+        self._add_all([self.engine.make_beam_request(rid, prompt, params)
+                       for rid, prompt in zip(ids, prompts, strict=True)])
+        return [self._beam_output(out) for out in self._run(ids, use_tqdm)]
+
+    def _beam_output(self, out: RequestOutput) -> BeamSearchOutput:
+        def text(tokens: list[int]) -> str | None:
+            return None if self.tokenizer is None else self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+        return BeamSearchOutput([
+            BeamSearchSequence(tokens=out.prompt_token_ids + o.token_ids, logprobs=[], cum_logprob=o.cumulative_logprob,
+                               text=text(out.prompt_token_ids + o.token_ids), finish_reason=o.finish_reason,
+                               stop_reason=o.stop_reason)
+            for o in out.outputs])
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

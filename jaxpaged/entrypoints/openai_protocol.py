@@ -7,15 +7,12 @@ neutral value, with a 400 that names the field.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpaged.sampling_params import SamplingParams
-
-MAX_LOGPROBS = 20  # the engine's top-k logprob limit
-MAX_N = 128
-MAX_STOP_STRINGS = 16
+from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -36,7 +33,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # allow_inf_nan: "1e999" and "Infinity" parse as inf; no float field of the API means that
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -81,11 +79,6 @@ class _SamplingRequest(_Body):
         if self.logit_bias:
             raise OpenAIError("logit_bias is not supported by this server", param="logit_bias",
                               code="unsupported_parameter")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > MAX_STOP_STRINGS:
-            raise OpenAIError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-        if any(not s for s in stops):
-            raise OpenAIError("stop strings must be non-empty", param="stop")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -102,8 +95,9 @@ class _SamplingRequest(_Body):
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens)
-        except ValueError as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
-            raise OpenAIError(str(e), param=str(e).split("=", 1)[0] or None) from e
+        except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
+            field = re.match(r"[a-z_]+", str(e))
+            raise OpenAIError(str(e), param=field.group(0) if field else None) from e
 
 
 class CompletionRequest(_SamplingRequest):
@@ -214,13 +208,15 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
         return OpenAIError(f"the request body is not valid JSON: {err['msg']}")
-    if err["type"] == "model_type":
+    if err["type"] == "model_type" and not err["loc"]:
         return OpenAIError("the request body must be a JSON object")
     # Union members appear in loc as their type names ("str", "list[int]"); the field path is what users need.
     loc = [str(x) for x in err["loc"] if isinstance(x, int) or ("[" not in str(x) and str(x) not in _TYPE_NAMES)]
     param = ".".join(loc) or None
     if err["type"] == "missing":
         return OpenAIError(f"'{param}' is a required property", param=param)
+    if err["type"] == "model_type":  # a field that must be an object, e.g. "stream_options": 5
+        return OpenAIError(f"'{param}' must be a JSON object", param=param)
     union = sum(1 for x in e.errors(include_url=False) if x["loc"][:1] == err["loc"][:1]) > 1
     message = f"invalid type for '{param}'" if union else f"'{param}': {err['msg']}"
     return OpenAIError(message, param=param)

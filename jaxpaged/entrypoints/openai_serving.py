@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from jaxpaged.entrypoints.openai_protocol import (
     CompletionRequest,
     OpenAIError,
 )
+from jaxpaged.entrypoints.tokenization import PromptTokenizer
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
 
@@ -48,15 +50,24 @@ class _ChoiceState:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_names: list[str]):
+    """`max_prompt_chars`: longer string prompts (or chat contents) are refused before tokenizing; the default is
+    the longest text that could fit in max_model_len tokens (see `tokenization.py`)."""
+
+    def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompt_chars: int | None = None,
+                 max_prompts_per_request: int = 64):
         if not model_names:
             raise ValueError("model_names must name at least one model")
+        self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
+        self.prompt_tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len, max_prompt_chars)
         self.created = int(time.time())
         self._token_cache: dict[int, tuple[str, bytes]] = {}
 
     # ---- models -----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.prompt_tokenizer.close()
 
     def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
@@ -83,9 +94,13 @@ class OpenAIServing:
     async def completion(self, body: CompletionRequest) -> dict | ChunkStream:
         model = self._check_model(body.model)
         prompts = []
+        if len(body.prompts()) > self.max_prompts_per_request:
+            raise OpenAIError(f"prompt holds {len(body.prompts())} prompts; at most {self.max_prompts_per_request} "
+                              "are allowed in one request", param="prompt")
         for p in body.prompts():
             if isinstance(p, str):
-                prompts.append(_Prompt(p, self._encode(p)))
+                self._check_chars(len(p), "prompt")
+                prompts.append(_Prompt(p, await self._encode(p)))
             else:
                 prompts.append(_Prompt(None, list(p)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
@@ -107,8 +122,9 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest) -> dict | ChunkStream:
         model = self._check_model(body.model)
         conversation = [m.as_template_message() for m in body.messages]
+        self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            ids = self.engine.apply_chat_template(conversation, body.add_generation_prompt)
+            ids = await self.prompt_tokenizer.apply_chat_template(conversation, body.add_generation_prompt)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
         except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors
@@ -200,11 +216,21 @@ class OpenAIServing:
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
-    def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str) -> list[int]:
         try:
-            return self.engine.encode(text)
+            return await self.prompt_tokenizer.encode(text)
         except ValueError as e:
             raise OpenAIError(str(e), param="prompt") from e
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuses text too long to fit the context before spending seconds tokenizing it."""
+        limit = self.prompt_tokenizer.max_chars
+        if chars > limit:
+            tokens = self.engine.max_model_len
+            raise OpenAIError(
+                f"This model's maximum context length is {tokens} tokens. However, your {param} is {chars} "
+                f"characters, more than this server tokenizes ({limit} characters, --max-prompt-chars). Please "
+                f"reduce the length of the {param}.", param=param, code="context_length_exceeded")
 
     def _max_tokens(self, prompts: list[_Prompt], max_tokens: int | None, param: str) -> int | None:
         """Refuses prompts (plus max_tokens) beyond the context, as OpenAI words it."""
@@ -233,24 +259,25 @@ class OpenAIServing:
         return _Context(request_id, model, int(time.time()), n, prompts, streams, self)
 
     async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
-        streams: list[RequestStream] = []
+        """Queues every prompt of the request in one engine iteration, or none of them."""
+        rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
         try:
-            for k, p in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{k}"
-                streams.append(await self.engine.add_request(
-                    rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params))
+            return await self.engine.add_requests(
+                [(rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params)
+                 for rid, p in zip(rids, prompts, strict=True)])
         except BaseException as e:
-            for s in streams:
-                await s.aclose()
-            if isinstance(e, ValueError):
-                raise OpenAIError(str(e), param="prompt" if len(prompts) > 1 or prompts[0].text else None) from e
+            if isinstance(e, (ValueError, TypeError)):
+                # The engine's checks start with the field they are about ("stop_token_ids must be in ...").
+                field = re.match(r"([a-z_]+)\b", str(e))
+                param = field.group(1) if field and field.group(1) in CompletionRequest.model_fields else \
+                    ("prompt" if len(prompts) > 1 or prompts[0].text else None)
+                raise OpenAIError(str(e), param=param) from e
             if isinstance(e, EngineOverloadedError):
                 raise OpenAIError(str(e), status=429, type="server_overloaded",
                                   code="too_many_waiting_requests") from e
             if isinstance(e, EngineStoppedError):
                 raise OpenAIError(str(e), status=503, type="service_unavailable", code="shutting_down") from e
             raise
-        return streams
 
     def _prompt_text(self, p: _Prompt) -> str:
         if p.text is not None:
@@ -318,20 +345,29 @@ class _Context:
                 async for out in self.streams[0]:
                     yield 0, out
                 return
-            queue: asyncio.Queue = asyncio.Queue()
+            # The newest unread item per prompt: outputs are cumulative, so a newer one replaces an older one and a
+            # consumer that stops reading (a client that does not read its stream) holds one output per prompt.
+            unread: dict[int, RequestOutput | BaseException] = {}
+            wakeup = asyncio.Event()
 
             async def pump(k: int, stream: RequestStream):
                 try:
                     async for out in stream:
-                        queue.put_nowait((k, out))
+                        unread[k] = out
+                        wakeup.set()
                 except Exception as e:
-                    queue.put_nowait((k, e))
+                    unread[k] = e
+                    wakeup.set()
 
             tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(self.streams)]
             try:
                 remaining = len(self.streams)
                 while remaining:
-                    k, item = await queue.get()
+                    while not unread:
+                        wakeup.clear()
+                        await wakeup.wait()
+                    k = next(iter(unread))
+                    item = unread.pop(k)
                     if isinstance(item, BaseException):
                         raise item
                     remaining -= item.finished

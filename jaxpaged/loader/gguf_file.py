@@ -2,8 +2,8 @@
 
 llama.cpp writes Mistral and Llama 2/3 as architecture "llama"; Qwen2 is "qwen2". For "llama" its converter
 permutes the rows of attn_q / attn_k (weights and biases) so that each head's rotary pairs sit next to each other
-(interleaved rope); `_unpermute` restores Hugging Face's rotate-half order. Qwen2 uses rotate-half in llama.cpp
-too, so its q/k are stored unpermuted.
+(interleaved rope); `_unpermute` restores Hugging Face's rotate-half order. Qwen2 and Qwen3 ("qwen3", with
+attn_q_norm / attn_k_norm) use rotate-half in llama.cpp too, so their q/k are stored unpermuted.
 
 Gemma 3 ("gemma3", text only) is stored unpermuted as well (rotate-half rope), with per-head q/k norms and norms after
 attention and the MLP. llama.cpp's converter stores every Gemma norm weight as 1 + w (the scale Gemma's RMSNorm
@@ -21,7 +21,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.loader.layout import assemble
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "gemma3")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MAGIC = b"GGUF"
 
 # our name -> GGUF tensor name ("{i}" is the layer)

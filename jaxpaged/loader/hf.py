@@ -1,5 +1,6 @@
-"""Hugging Face directories: config.json (+ generation_config.json) and model.safetensors or a sharded
-model.safetensors.index.json -> ModelConfig and params (layout in `jaxpaged.loader.layout`)."""
+"""Hugging Face directories: config.json (read by `transformers.AutoConfig`) + generation_config.json and
+model.safetensors or a sharded model.safetensors.index.json -> ModelConfig and params (layout in
+`jaxpaged.loader.layout`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.loader.layout import assemble
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -19,7 +20,8 @@ SINGLE_FILE = "model.safetensors"
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm.weight", "wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
     "wv": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight", "bq": "self_attn.q_proj.bias",
-    "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias", "mlp_norm": "post_attention_layernorm.weight",
+    "bk": "self_attn.k_proj.bias", "bv": "self_attn.v_proj.bias", "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight", "mlp_norm": "post_attention_layernorm.weight",
     "w_gate": "mlp.gate_proj.weight", "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
 }
 _GLOBAL_TENSORS = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
@@ -38,31 +40,25 @@ def _token_ids(*values) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from transformers 4.x (`rope_theta`, `rope_scaling` with "type" or "rope_type")
-    or 5.x (`rope_parameters` holding both) configs. Scaling "default" means none."""
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    if "type" in rope:
-        rope.setdefault("rope_type", rope.pop("type"))
-        rope.pop("type", None)
-    theta = cfg.get("rope_theta") or rope.pop("rope_theta", None) or 10000.0
-    rope.pop("rope_theta", None)
-    return float(theta), (rope if rope.get("rope_type", "default") != "default" else None)
+def _rope(cfg) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from the config's `rope_parameters`, which transformers fills from either the
+    4.x fields (`rope_theta`, `rope_scaling` with "type" or "rope_type") or 5.x's. Scaling "default" means none."""
+    rope = dict(cfg.rope_parameters or {})
+    theta = float(rope.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0)
+    legacy = rope.pop("type", None)
+    rope.setdefault("rope_type", legacy or "default")
+    return theta, (rope if rope["rope_type"] != "default" else None)
 
 
-def _sliding_window(cfg: dict, model_type: str) -> int | None:
-    window = cfg.get("sliding_window")
+def _sliding_window(cfg, model_type: str) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
     if model_type == "mistral" or window is None:
         return window
-    if model_type != "qwen2":
+    if model_type not in ("qwen2", "qwen3"):
         return None
-    # Qwen2 slides only in layers >= max_window_layers, and only with use_sliding_window (5.x: layer_types)
-    types = cfg.get("layer_types")
-    if types is None:
-        if not cfg.get("use_sliding_window", False):
-            return None
-        start = cfg.get("max_window_layers", 0)
-        types = ["sliding_attention" if i >= start else "full_attention" for i in range(cfg["num_hidden_layers"])]
+    # Qwen2/3 slide only in the layers transformers marks "sliding_attention" (use_sliding_window and
+    # max_window_layers decide which)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
     if "sliding_attention" not in types:
         return None
     if set(types) != {"sliding_attention"}:
@@ -71,28 +67,38 @@ def _sliding_window(cfg: dict, model_type: str) -> int | None:
     return window
 
 
-def model_config_from_hf(cfg: dict, generation_cfg: dict | None = None) -> ModelConfig:
-    model_type = cfg.get("model_type")
+def model_config_from_hf(cfg, generation_cfg: dict | None = None) -> ModelConfig:
+    """ModelConfig from a transformers config (`AutoConfig.from_pretrained(directory)`), or a config.json dict
+    (given to `AutoConfig.for_model`, so both are read by transformers' own rules)."""
+    if isinstance(cfg, dict):
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture model_type={model_type!r}; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(**cfg)
+    model_type = cfg.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported architecture model_type={model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if cfg.get("mlp_bias"):
+    if getattr(cfg, "mlp_bias", False):
         raise ValueError("mlp_bias=true is not supported (the MLP has no biases in jaxpaged)")
     gen = generation_cfg or {}
     theta, scaling = _rope(cfg)
-    heads = cfg["num_attention_heads"]
-    bos = _token_ids(gen.get("bos_token_id"), cfg.get("bos_token_id"))
+    heads = cfg.num_attention_heads
+    bos = _token_ids(gen.get("bos_token_id"), cfg.bos_token_id)
     return ModelConfig(
-        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"], num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias") or model_type == "qwen2"),  # Qwen2 always has q/k/v biases
-        sliding_window=_sliding_window(cfg, model_type),
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_layers=cfg.num_hidden_layers, num_heads=heads, num_kv_heads=cfg.num_key_value_heads or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, rms_norm_eps=float(cfg.rms_norm_eps),
+        rope_theta=theta, rope_scaling=scaling, max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        # Qwen2 always has q/k/v biases (its config has no attention_bias field)
+        attention_bias=bool(getattr(cfg, "attention_bias", False) or model_type == "qwen2"),
+        qk_norm=model_type == "qwen3", sliding_window=_sliding_window(cfg, model_type),
         bos_token_id=bos[0] if bos else None,
-        eos_token_ids=_token_ids(gen.get("eos_token_id"), cfg.get("eos_token_id")), architecture=model_type)
+        eos_token_ids=_token_ids(gen.get("eos_token_id"), cfg.eos_token_id), architecture=model_type)
 
 
 def tensor_files(directory: str) -> list[str]:
@@ -116,7 +122,13 @@ def _read_json(path: str) -> dict:
 
 
 def read_hf_config(directory: str) -> ModelConfig:
-    return model_config_from_hf(_read_json(os.path.join(directory, "config.json")),
+    from transformers import AutoConfig
+
+    model_type = _read_json(os.path.join(directory, "config.json")).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:  # before transformers, which may not know it at all
+        raise ValueError(f"unsupported architecture model_type={model_type!r} in {directory}; supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    return model_config_from_hf(AutoConfig.from_pretrained(directory),
                                 _read_json(os.path.join(directory, "generation_config.json")))
 
 

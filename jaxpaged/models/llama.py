@@ -1,24 +1,31 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) as a pure function over a paged KV pool.
+"""The Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral with a sliding window, Qwen2 with q/k/v biases,
+Qwen3 with per-head q/k RMSNorm, SmolLM2) as `flax.nnx` modules over a paged KV pool.
 
-Parameters are a plain pytree (see `jaxpaged.loader` for the layout: weights stored as x @ W, per-layer tensors
-stacked on a leading layer axis). One call runs a ragged batch of new tokens (prefill chunks or decodes) through
-all layers, writing their K/V into the pool at `slot_mapping` and attending through the block tables.
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))        # random weights, or `from_params(config, params)`
+    hidden, kv_pool = model(token_ids, kv_pool, md, attn)     # [T] int32 -> [T, H]; the pool written and returned
+    logits = model.logits(hidden[md.logits_indices])          # [S, H] -> [S, V] float32
 
-Layers run in a `fori_loop` that carries the pool, so the pool is updated in place: returning it from a `scan` or
-stacking per-layer outputs would copy the whole pool every step (see shared/PALLAS_NOTES.md).
+This is the model contract of `jaxpaged.models.contract`; the engine splits the module once (`nnx.split`) and merges
+it inside its jitted step. Weights are stored for x @ W; q/k follow Hugging Face's rotary convention (rotate_half).
+
+The decoder layers are one `LlamaDecoderLayer` built under `nnx.vmap`, so each of its parameters is stacked on a
+leading layer axis (`layers/wq` [L, H, Hq*D], ...; the state's layout is `jaxpaged.loader.layout`'s). They run in a
+`fori_loop` that slices layer i's parameters, merges them into the layer module and carries the pool: compile time
+does not grow with depth, and the pool stays updated in place (returning it from a `scan` or stacking per-layer
+outputs would copy the whole pool every step, see shared/PALLAS_NOTES.md).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
-from pallas_kernels.reference import write_kv_reference
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -59,74 +66,128 @@ def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+class LlamaDecoderLayer(nnx.Module):
+    """One pre-norm decoder layer: attention through `attn`, then a SwiGLU MLP (both with residuals)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        H, D, F = config.hidden_size, config.head_dim, config.intermediate_size
+        q, kv = config.num_heads * D, config.num_kv_heads * D
+
+        def matrix(fan_in: int, fan_out: int) -> nnx.Param:
+            return nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(fan_in))(rngs.params(), (fan_in, fan_out), dtype))
+
+        self.config = config
+        self.attn_norm = nnx.Param(jnp.ones((H,), dtype))
+        self.wq, self.wk, self.wv, self.wo = matrix(H, q), matrix(H, kv), matrix(H, kv), matrix(q, H)
+        if config.attention_bias:  # Qwen2
+            self.bq, self.bk, self.bv = (nnx.Param(jnp.zeros((n,), dtype)) for n in (q, kv, kv))
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
+            self.q_norm, self.k_norm = nnx.Param(jnp.ones((D,), dtype)), nnx.Param(jnp.ones((D,), dtype))
+        self.mlp_norm = nnx.Param(jnp.ones((H,), dtype))
+        self.w_gate, self.w_up, self.w_down = matrix(H, F), matrix(H, F), matrix(F, H)
+
+    def __call__(self, h: jax.Array, kv_pool: KVPool, layer: jax.Array, md: AttentionMetadata,
+                 attn: AttentionBackend, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, KVPool]:
+        """h [T, H]; cos, sin [T, 1, D/2] float32. Returns (h [T, H], kv_pool)."""
+        c = self.config
+        num_tokens, eps = h.shape[0], c.rms_norm_eps
+        x = _rms_norm(h, self.attn_norm[...], eps)
+        q, k, v = _matmul(x, self.wq[...]), _matmul(x, self.wk[...]), _matmul(x, self.wv[...])
+        if c.attention_bias:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+        v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = _rms_norm(q, self.q_norm[...], eps), _rms_norm(k, self.k_norm[...], eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
+        h = h + _matmul(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo[...])
+        x = _rms_norm(h, self.mlp_norm[...], eps)
+        return h + _matmul(jax.nn.silu(_matmul(x, self.w_gate[...])) * _matmul(x, self.w_up[...]),
+                           self.w_down[...]), kv_pool
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Embedding, `num_layers` stacked decoder layers, final norm and LM head (the embedding's transpose when tied)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        H, V = config.hidden_size, config.vocab_size
+        self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (V, H), dtype))
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stacked_layers(rngs: nnx.Rngs) -> LlamaDecoderLayer:
+            return LlamaDecoderLayer(config, rngs=rngs, dtype=dtype)
+
+        self.layers = stacked_layers(rngs)
+        self.final_norm = nnx.Param(jnp.ones((H,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(H))(rngs.params(), (H, V), dtype))
+
+    def __call__(self, token_ids: jax.Array, kv_pool: KVPool, md: AttentionMetadata,
+                 attn: AttentionBackend) -> tuple[jax.Array, KVPool]:
+        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written)."""
+        h = self.embed[...][token_ids]  # [T, H]
+        inv_freq = jnp.asarray(rope_inv_freq(self.config))  # [D/2] f32, a constant of the architecture
+        angles = jnp.maximum(md.positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+        layer_def, layer_state = nnx.split(self.layers)
+
+        def layer_step(i, carry):
+            h, kv_pool = carry
+            layer = nnx.merge(layer_def, jax.tree.map(lambda x: x[i], layer_state))
+            return layer(h, kv_pool, i, md, attn, cos, sin)
+
+        return jax.lax.fori_loop(0, self.config.num_layers, layer_step, (h, kv_pool))
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""
+        h = _rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
+        lm_head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]  # [H, V]
+        return jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+
+
+def abstract_model(config: ModelConfig) -> LlamaForCausalLM:
+    """The module with ShapeDtypeStructs for parameters: its structure, nothing allocated or initialised."""
+    return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+
+
+def param_state(config: ModelConfig, params: dict | nnx.State) -> nnx.State:
+    """The module's `nnx.State` holding `params` (a nested dict in `jaxpaged.loader.layout`'s layout, or a State;
+    numpy or JAX arrays, kept as they are). Raises ValueError naming a missing, extra or misshapen tensor."""
+    return _split_with(config, params)[1]
+
+
+def from_params(config: ModelConfig, params: dict | nnx.State) -> LlamaForCausalLM:
+    """The module with the given parameters (see `param_state`)."""
+    return nnx.merge(*_split_with(config, params))
+
+
+def _split_with(config: ModelConfig, params: dict | nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    graphdef, state = nnx.split(abstract_model(config))
+    _check_tree(params, nnx.to_pure_dict(state), "")
+    nnx.replace_by_pure_dict(state, params)
+    return graphdef, state
+
+
+def _check_tree(got: dict, want: dict, where: str) -> None:
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"params{where}: missing {missing}, unexpected {extra} for this config")
+    for key, w in want.items():
+        if isinstance(w, dict):
+            _check_tree(got[key], w, f"{where}/{key}")
+        elif tuple(np.shape(got[key])) != tuple(w.shape):
+            raise ValueError(f"params{where}/{key} has shape {tuple(np.shape(got[key]))}, expected {tuple(w.shape)}")
+
+
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """x [T, H, D]; cos, sin [T, 1, D/2] float32. HF convention: rotate the two halves."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-AttentionFn = Callable[..., jax.Array]
-
-
-def forward(
-    params: dict,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    batch: dict[str, jax.Array],
-    *,
-    config: ModelConfig,
-    attention_fn: AttentionFn,
-    tile_size: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Runs the step's tokens through the decoder.
-
-    batch:
-      token_ids       [T] int32
-      positions       [T] int32   -1 for padding tokens
-      slot_mapping    [T] int32   flat pool slot of each token's K/V (padding -> slot in the null block 0)
-      block_tables    [S, W] int32
-      context_lens    [S] int32
-      query_start_loc [S + 1] int32
-      logits_indices  [S] int32   the token whose hidden state feeds each sequence's next-token logits
-    k_cache, v_cache  [L, NB, BS, Hkv, D]
-    Returns (logits [S, V] float32, k_cache, v_cache).
-    """
-    dtype = params["embed"].dtype
-    num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-    positions = batch["positions"]
-    num_tokens = positions.shape[0]
-
-    h = params["embed"][batch["token_ids"]]  # [T, H]
-    inv_freq = jnp.asarray(rope_inv_freq(config))
-    angles = jnp.maximum(positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-    scale = 1.0 / math.sqrt(head_dim)
-    layers = params["layers"]
-
-    def layer_step(i, carry):
-        h, k_cache, v_cache = carry
-        p = jax.tree.map(lambda x: x[i], layers)
-        x = _rms_norm(h, p["attn_norm"], config.rms_norm_eps)
-        q, k, v = _matmul(x, p["wq"]), _matmul(x, p["wk"]), _matmul(x, p["wv"])
-        if config.attention_bias:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        q = _rope(q.reshape(num_tokens, num_heads, head_dim), cos, sin)
-        k = _rope(k.reshape(num_tokens, num_kv_heads, head_dim), cos, sin)
-        v = v.reshape(num_tokens, num_kv_heads, head_dim)
-        k_cache, v_cache = write_kv_reference(k_cache, v_cache, i, k, v, batch["slot_mapping"])
-        attn = attention_fn(q, k_cache, v_cache, i, batch["block_tables"], batch["context_lens"],
-                            batch["query_start_loc"], positions, scale=scale, tile_size=tile_size,
-                            sliding_window=config.sliding_window)
-        h = h + _matmul(attn.reshape(num_tokens, num_heads * head_dim), p["wo"])
-        x = _rms_norm(h, p["mlp_norm"], config.rms_norm_eps)
-        h = h + _matmul(jax.nn.silu(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"])
-        return h, k_cache, v_cache
-
-    h, k_cache, v_cache = jax.lax.fori_loop(0, config.num_layers, layer_step, (h, k_cache, v_cache))
-    # The LM head runs only on the rows that need logits: one per sequence, not one per token.
-    h = _rms_norm(h[batch["logits_indices"]], params["final_norm"], config.rms_norm_eps)  # [S, H]
-    lm_head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-    logits = jnp.dot(h.astype(dtype), lm_head, preferred_element_type=jnp.float32)
-    return logits, k_cache, v_cache

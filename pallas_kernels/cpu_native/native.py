@@ -34,13 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.validation import KERNEL_DTYPES
+
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.cc")
 SYMBOL = "JaxpagedPagedDecodeAttention"
 TARGET = "jaxpaged_paged_decode_attention"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
-DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "reason": str, "path": str
@@ -163,7 +164,7 @@ def paged_decode_attention_native(
         raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D], got {q.shape} and {k_cache.shape}")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
-    if np.dtype(q.dtype) not in DTYPES:
+    if np.dtype(q.dtype) not in KERNEL_DTYPES:
         raise ValueError(f"the native kernel takes float32 or bfloat16, got {q.dtype}; use the reference backend")
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q, k_cache and v_cache need one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
@@ -204,7 +205,7 @@ def native_decode_else_reference(*args, strict: bool = False, **kwargs) -> jax.A
 
     decode = kwargs.get("tile_size", 1) == 1 and kwargs.get("decode_blocks") is not None
     q, pool = args[0], args[1]
-    if decode and (strict or np.dtype(pool.dtype) in DTYPES):
+    if decode and (strict or np.dtype(pool.dtype) in KERNEL_DTYPES):
         # Queries in the pool's dtype (e.g. a bfloat16 model over the engine's float32 CPU pool); with strict, an
         # unsupported dtype is the kernel's ValueError.
         return paged_decode_attention_native(q.astype(pool.dtype), *args[1:], **kwargs).astype(q.dtype)

@@ -1,0 +1,175 @@
+"""The seam between the runner, the model and the attention kernels: the KV pool, the per-step attention metadata,
+and the one attention protocol every backend implements.
+
+    attn(q, k, v, kv_pool, layer, md, *, scale=None, sliding_window=None, soft_cap=None) -> (out, kv_pool)
+
+  q        [T, Hq, D]   the step's queries (RoPE applied), any float dtype
+  k, v     [T, Hkv, D]  the step's new keys and values (RoPE applied to k)
+  kv_pool  KVPool       the whole stacked pool, donated to the step
+  layer    int32 scalar the model layer (traced inside the layer loop)
+  md       AttentionMetadata
+  out      [T, Hq, D]   q's dtype; 0 on padding tokens
+The backend writes k and v into the pool at `md.slot_mapping` and then attends through the block tables, so a kernel
+may fuse the write with the read later without the model changing. A model calls `attn` once per layer and never
+touches the pool otherwise.
+
+Everything here is a pytree: `KVPool` and `AttentionMetadata` are registered dataclasses, with the fields that pick
+a compiled program (`tile_size`, `decode_blocks`) marked static, so the jitted step takes them as ordinary arguments.
+The runner builds the metadata from numpy (`ModelRunner.prepare`); the same dataclass carries device arrays inside
+the step. `pallas_kernels` knows nothing of these types: the adapters below unpack them into the kernels' arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from pallas_kernels.reference import write_kv_reference
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@dataclasses.dataclass
+class KVPool:
+    """The paged K/V cache of every layer, allocated once: k, v [L, NB, BS, Hkv, D] (layer, block, offset in the
+    block, kv head, dim). Block 0 is the null block padding tokens write into. Passed into the jitted step donated
+    and returned from it, so XLA updates it in place."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.k.shape)
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
+    def write(self, layer: jax.Array | int, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array) -> KVPool:
+        """The pool with k_new, v_new [T, Hkv, D] written at the flat slots [T] of `layer` (in place when the pool is
+        carried through the layer loop of a donated step)."""
+        k, v = write_kv_reference(self.k, self.v, layer, k_new, v_new, slot_mapping)
+        return KVPool(k, v)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "logits_indices"],
+    meta_fields=["tile_size", "decode_blocks"])
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where a step's T tokens (S sequences, block-table width W) sit in their sequences and in the pool.
+
+    numpy on the host (built by `ModelRunner.prepare`), device arrays inside the jitted step. The static fields are
+    part of the compiled program's identity: a change of either compiles (or picks) another program.
+    """
+
+    positions: jax.Array  # [T] int32, absolute position in the sequence; -1 = padding token
+    slot_mapping: jax.Array  # [T] int32, flat pool slot (block * BS + offset) of each token's K/V; padding -> null
+    block_tables: jax.Array  # [S, W] int32, logical -> physical block of each sequence
+    context_lens: jax.Array  # [S] int32, tokens in the cache once this step's K/V are written (0 = padding row)
+    query_start_loc: jax.Array  # [S + 1] int32, sequence s owns tokens [qsl[s], qsl[s + 1])
+    logits_indices: jax.Array  # [S] int32, the token whose hidden state gives sequence s's next-token logits
+    tile_size: int  # static: tokens per query tile, 16 for prefill steps (segments start at multiples), 1 for decode
+    decode_blocks: int | None  # static: flat K/V block count of a decode-only step; None for prefill
+
+    @property
+    def shape_key(self) -> tuple:
+        """(tokens, sequences, block-table width, tile, decode blocks): one compiled step per key."""
+        return (len(self.positions), len(self.context_lens), self.block_tables.shape[1], self.tile_size,
+                self.decode_blocks)
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_pool: KVPool, layer: jax.Array | int,
+                 md: AttentionMetadata, *, scale: float | None = None, sliding_window: int | None = None,
+                 soft_cap: float | None = None) -> tuple[jax.Array, KVPool]: ...
+
+
+# A kernel of `pallas_kernels`: (q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
+# *, scale, tile_size, sliding_window, soft_cap, decode_blocks) -> out, as `ragged_paged_attention_reference`.
+Kernel = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """A backend over one ragged paged-attention kernel: writes the new K/V with `KVPool.write`, then runs `kernel`.
+
+    `name` says which (for logs and tests); `dtypes` are the pool / query dtypes the kernel takes (None: any), checked
+    when the engine is built rather than at trace time.
+    """
+
+    name: str
+    kernel: Kernel
+    dtypes: tuple[np.dtype, ...] | None = None
+
+    def __call__(self, q, k, v, kv_pool: KVPool, layer, md: AttentionMetadata, *, scale=None, sliding_window=None,
+                 soft_cap=None):
+        kv_pool = kv_pool.write(layer, k, v, md.slot_mapping)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        out = self.kernel(q, kv_pool.k, kv_pool.v, layer, md.block_tables, md.context_lens, md.query_start_loc,
+                          md.positions, scale=scale, tile_size=md.tile_size, sliding_window=sliding_window,
+                          soft_cap=soft_cap, decode_blocks=md.decode_blocks)
+        return out, kv_pool
+
+    def check_dtypes(self, *dtypes) -> None:
+        """Raises ValueError when the kernel does not take one of `dtypes` (the model's and the pool's)."""
+        if self.dtypes is None:
+            return
+        for dtype in dtypes:
+            if np.dtype(dtype) not in self.dtypes:
+                raise ValueError(f"attention backend {self.name!r} takes {', '.join(d.name for d in self.dtypes)}, "
+                                 f"not {np.dtype(dtype).name}; choose another dtype or attention_backend='reference'")
+
+
+def attention_backend(backend: str = "auto") -> PagedAttention:
+    """The paged-attention backend by option name: Pallas on GPU and TPU; on CPU ('auto') the native decode kernel
+    (pallas_kernels/cpu_native, built with g++ on first use) for decode steps and the pure-JAX reference for
+    prefill, or the reference alone when the native kernel cannot be built (the reason is logged).
+
+    'native' is the CPU path with the native kernel required (an error names why it is unavailable). 'pallas' on
+    CPU runs the GPU kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={backend!r}; use one of {', '.join(ATTENTION_BACKENDS)}")
+    platform = jax.default_backend()
+    if backend in ("auto", "native") and platform == "cpu":
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available():
+            strict = backend == "native"
+            return PagedAttention("native" if strict else "native_decode_else_reference",
+                                  functools.partial(cpu_native.native_decode_else_reference, strict=strict))
+        if backend == "native":
+            raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
+        logger.info("native CPU attention unavailable (%s); using the reference", cpu_native.unavailable_reason())
+        backend = "reference"
+    if backend == "native":
+        raise ValueError(f"attention_backend='native' is the CPU kernel; the platform is {platform!r}")
+    if backend == "auto":
+        backend = "pallas" if platform in ("gpu", "cuda", "tpu") else "reference"
+    if backend == "reference":
+        from pallas_kernels.reference import ragged_paged_attention_reference
+
+        return PagedAttention("reference", ragged_paged_attention_reference)
+    from pallas_kernels.attention import paged_attention
+    from pallas_kernels.validation import KERNEL_DTYPES
+
+    implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
+                                                                                          "pallas_interpret")
+    return PagedAttention(implementation, functools.partial(paged_attention, implementation=implementation),
+                          KERNEL_DTYPES)
+
+
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "PagedAttention",
+           "attention_backend"]

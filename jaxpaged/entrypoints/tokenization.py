@@ -1,0 +1,68 @@
+"""Prompt tokenization for the HTTP API, off the event loop.
+
+Tokenizing a few megabytes of text takes seconds; on the event loop that would stall every other client (and
+`/health`). `PromptTokenizer` runs encoding and chat templating on one worker thread with its own copy of the
+tokenizer: the engine thread decodes with the engine's tokenizer and the event loop decodes logprob tokens with the
+`AsyncEngine`'s copy, and a fast tokenizer's Rust object must not be used from two threads at once.
+
+Before any tokenizing, a prompt is measured in characters against `max_chars`: by default max_model_len times the
+longest token's length, so a longer prompt provably cannot fit the context and is refused without the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from jaxpaged.chat import apply_chat_template
+from jaxpaged.entrypoints.async_engine import _private_copy
+
+FALLBACK_CHARS_PER_TOKEN = 16  # for a tokenizer whose vocabulary cannot be listed
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (an upper bound: a byte-level BPE token's string has
+    one character per byte, and a byte decodes to at most one character)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(1, max(len(t) for t in vocab))
+    except Exception:  # not a transformers tokenizer, or an empty vocabulary
+        return FALLBACK_CHARS_PER_TOKEN
+
+
+def default_max_prompt_chars(tokenizer, max_model_len: int) -> int:
+    """The longest prompt, in characters, that could still fit in `max_model_len` tokens."""
+    return max_model_len * (longest_token_chars(tokenizer) if tokenizer is not None else FALLBACK_CHARS_PER_TOKEN)
+
+
+class PromptTokenizer:
+    """`encode` and `apply_chat_template` as coroutines that run on one worker thread."""
+
+    def __init__(self, tokenizer, max_model_len: int, max_chars: int | None = None):
+        if max_chars is not None and max_chars < 1:
+            raise ValueError(f"max_prompt_chars={max_chars} must be >= 1")
+        self._tokenizer = _private_copy(tokenizer)
+        self.max_chars = max_chars or default_max_prompt_chars(tokenizer, max_model_len)
+        # One worker: requests are tokenized one at a time, each with the whole tokenizer to itself.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-tokenizer")
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._run(self._encode, text)
+
+    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt)
+
+    def close(self) -> None:
+        """Drops queued work; a tokenization already running finishes on its own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _encode(self, text: str) -> list[int]:
+        if self._tokenizer is None:
+            raise ValueError("this model has no tokenizer: send token ids")
+        return list(self._tokenizer(text)["input_ids"])
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+
+__all__ = ["PromptTokenizer", "default_max_prompt_chars", "longest_token_chars"]

@@ -1,0 +1,155 @@
+"""Bring your own Flax model: an `nnx.Module` that is not in the package, served through `LLM.from_model`.
+
+The model below is a small GPT-2-like architecture built from Flax's own layers, deliberately unlike the Llama
+family: learned absolute position embeddings (no RoPE), LayerNorm with biases, a plain GELU MLP, attention
+projections with biases, blocks held in an `nnx.List` and run by a Python loop. Its attention is one call,
+`self.attend(q, k, v)`, that the model's own dense forward pass fills with full causal attention and the engine's
+path fills with the `attn` protocol: the adaptation README's "Bring your own Flax model" describes.
+
+Through the engine (paged pool, batched ragged steps, preemption forced by a tiny pool) its greedy tokens and first
+log-probs equal those of its own dense forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models import ModelSpec, check_model
+
+VOCAB, HIDDEN, HEADS, KV_HEADS, LAYERS, MAX_LEN = 96, 48, 6, 2, 3, 64
+HEAD_DIM = HIDDEN // HEADS
+NEW_TOKENS = 20
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.qkv = nnx.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM, rngs=rngs)
+        self.proj = nnx.Linear(HEADS * HEAD_DIM, HIDDEN, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.fc = nnx.Linear(HIDDEN, 4 * HIDDEN, rngs=rngs)
+        self.out = nnx.Linear(4 * HIDDEN, HIDDEN, rngs=rngs)
+
+    def __call__(self, x, attend):
+        """x [T, H]; attend(q [T, Hq, D], k, v [T, Hkv, D]) -> [T, Hq, D] is the only thing that sees other tokens."""
+        t = x.shape[0]
+        q, k, v = jnp.split(self.qkv(self.ln1(x)), [HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM], axis=-1)
+        out = attend(q.reshape(t, HEADS, HEAD_DIM), k.reshape(t, KV_HEADS, HEAD_DIM), v.reshape(t, KV_HEADS, HEAD_DIM))
+        x = x + self.proj(out.reshape(t, HEADS * HEAD_DIM))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.config = ModelSpec(vocab_size=VOCAB, num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                max_position_embeddings=MAX_LEN)
+        # Spread-out embeddings so greedy choices are not near ties
+        self.wte = nnx.Embed(VOCAB, HIDDEN, embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+        self.wpe = nnx.Embed(MAX_LEN, HIDDEN, embedding_init=nnx.initializers.normal(0.5), rngs=rngs)
+        self.blocks = nnx.List([Block(rngs) for _ in range(LAYERS)])
+        self.ln_f = nnx.LayerNorm(HIDDEN, rngs=rngs)
+        self.head = nnx.Linear(HIDDEN, VOCAB, use_bias=False, kernel_init=nnx.initializers.normal(1.0), rngs=rngs)
+
+    # -- the model contract (jaxpaged.models.contract) -------------------------------------------------------------
+    def __call__(self, token_ids, kv_pool, md, attn):
+        x = self.wte(token_ids) + self.wpe(jnp.maximum(md.positions, 0))  # padding tokens: position -1
+        for i, block in enumerate(self.blocks):
+            def paged(q, k, v, i=i):
+                nonlocal kv_pool
+                out, kv_pool = attn(q, k, v, kv_pool, i, md)
+                return out
+
+            x = block(x, paged)
+        return x, kv_pool
+
+    def logits(self, hidden):
+        return self.head(self.ln_f(hidden)).astype(jnp.float32)
+
+    # -- the model's own forward pass: one sequence, dense causal attention ------------------------------------------
+    def dense_logits(self, token_ids):
+        """token_ids [T] -> logits [T, V] float32; position t sees positions <= t."""
+        t = token_ids.shape[0]
+        x = self.wte(token_ids) + self.wpe(jnp.arange(t))
+        for block in self.blocks:
+            x = block(x, dense_causal_attention)
+        return self.logits(x)
+
+
+def dense_causal_attention(q, k, v):
+    group = HEADS // KV_HEADS
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
+    mask = jnp.tril(jnp.ones((q.shape[0], k.shape[0]), bool))
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1), v)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyGPT(nnx.Rngs(7))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, VOCAB, size=n).tolist() for n in (6, 15, 16, 11)]
+
+
+def dense_greedy(model: TinyGPT, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens by the dense forward pass (one compiled shape: tokens padded at the end, which the causal mask
+    hides from earlier positions), and the log-probs of the first one's distribution."""
+    forward = nnx.jit(lambda m, ids: m.dense_logits(ids))
+    seq, first = list(prompt), None
+    for _ in range(n):
+        ids = np.zeros(MAX_LEN, np.int32)
+        ids[:len(seq)] = seq
+        row = np.asarray(forward(model, jnp.asarray(ids))[len(seq) - 1], np.float64)
+        if first is None:
+            first = row - row.max() - np.log(np.exp(row - row.max()).sum())
+        seq.append(int(row.argmax()))
+    return seq[len(prompt):], first
+
+
+def test_the_test_model_follows_the_contract(model):
+    check_model(model)
+
+
+def test_own_model_through_the_engine_equals_its_dense_forward(model, prompts):
+    # 12 usable blocks of 8 tokens: the prompts (7 blocks) are admitted together, but 20 new tokens each need 18
+    # blocks, so decoding runs the pool dry and preempts.
+    llm = LLM.from_model(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN, block_size=8,
+                         num_blocks=13, precompile=False, show_progress=False)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)
+    expected = [dense_greedy(model, p, NEW_TOKENS) for p in prompts]
+    for out, (_, ref) in zip(first, expected, strict=True):
+        for token, lp in out.outputs[0].logprobs[0].items():
+            assert abs(lp - ref[token]) < 1e-4, (token, lp, ref[token])
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batched] == [tokens for tokens, _ in expected]
+    stats = llm.stats()
+    assert stats["preemptions"] > 0, stats  # the tiny pool did force a request out and back in
+
+
+def test_a_module_without_the_contract_is_refused_before_compiling():
+    class NoLogits(nnx.Module):
+        def __init__(self):
+            self.config = ModelSpec(vocab_size=8, num_layers=1, num_kv_heads=1, head_dim=8)
+
+    with pytest.raises(TypeError, match="logits"):
+        LLM.from_model(NoLogits(), precompile=False)
+
+    class NoSpec(nnx.Module):
+        def logits(self, hidden):
+            return hidden
+
+    with pytest.raises(TypeError, match="num_layers"):
+        LLM.from_model(NoSpec(), precompile=False)
