@@ -151,6 +151,16 @@ def test_gguf_layer_pattern_follows_llama_cpp():
         _gemma3_layer_types([True, False], 3)
 
 
+def test_the_llama_module_refuses_a_gemma_config():
+    """Until the engine has a paged Gemma 3 model, loading one for serving fails naming what Llama lacks, rather
+    than running Gemma's weights through Llama's layers."""
+    from jaxpaged.models import llama
+
+    config, params = ours(hf_model("base"))
+    with pytest.raises(ValueError, match="architecture='gemma3' cannot run as LlamaForCausalLM.*post_norms"):
+        llama.param_state(config, params)
+
+
 def test_bad_gemma_config_fields_are_named():
     config, _ = ours(hf_model("base"))
     with pytest.raises(ValueError, match="layer_types"):
