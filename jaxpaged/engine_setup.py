@@ -170,12 +170,25 @@ def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
     layout = parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
     (logger.info if layout.is_plain_split else logger.warning)(
         "tensor parallel %d: %s", tp, layout.describe(config.num_heads, config.num_kv_heads))
-    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-    params = parallel.expand_llama_params(params, layout, config.head_dim)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    specs = parallel.llama_partition_specs(params, tp)
+    if layout.is_plain_split and all(_placed_as(x, mesh, spec, dtype) for x, spec in zip(
+            jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, parallel.P)),
+            strict=True)):
+        placed = params  # restored straight into these shardings (an Orbax checkpoint)
+    else:
+        params = parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
+        placed = parallel.place(params, parallel.llama_partition_specs(params, tp), mesh, dtype)
     config = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
-    placed = parallel.place(params, parallel.llama_partition_specs(params, tp), mesh, dtype)
     graphdef, state = nnx.split(llama.from_params(config, placed))
     return graphdef, state, config
+
+
+def _placed_as(x, mesh, spec, dtype) -> bool:
+    from jax.sharding import NamedSharding
+
+    return isinstance(x, jax.Array) and x.dtype == dtype and x.sharding.is_equivalent_to(NamedSharding(mesh, spec),
+                                                                                         x.ndim)
 
 
 def build_runner(model: nnx.Module, config: EngineConfig):

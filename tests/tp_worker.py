@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
@@ -83,7 +84,28 @@ def inspect(llm: LLM) -> dict:
 
 def main(case: str, sizes: str) -> None:
     results = {}
+    if case == "ckpt":  # an Orbax checkpoint of tiny8, restored into the mesh's shardings
+        import tempfile
+
+        from jaxpaged.loader.checkpoint import write_checkpoint
+
+        config, params = model("tiny8")
+        directory = tempfile.mkdtemp() + "/ckpt"
+        write_checkpoint(directory, config, params)
     for tp in map(int, sizes.split(",")):
+        if case == "ckpt":
+            from jaxpaged.loader import load_model
+
+            loaded = load_model(directory, tensor_parallel_size=tp)
+            results[tp] = {"restored_sharded": [str(getattr(x, "sharding", None)) for x in
+                                                jax.tree.leaves(loaded.params)]}
+            llm = LLM(directory, tensor_parallel_size=tp, num_blocks=48, **ENGINE)
+            ps = [{"prompt_token_ids": p} for p in prompts(config.vocab_size)]
+            res = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+            results[tp]["greedy"] = [r.outputs[0].token_ids for r in res]
+            if tp > 1:
+                results[tp]["inspect"] = inspect(llm)
+            continue
         if case == "default":
             llm = LLM(tensor_parallel_size=tp, kv_cache_memory="64MiB", **ENGINE)
             vocab = 49152
