@@ -216,7 +216,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
         self.mesh = mesh  # tensor parallel: the pool split by kv head over it, the params as they were placed
-        self.pool_format = pool_format(jax.devices()[0], mesh)  # None off TPU without a mesh
+        # None off TPU without a mesh
+        self.pool_format = pool_format(jax.devices()[0]) if mesh is None else pool_format(jax.devices()[0], mesh)
         # One block of K and V, all layers: in one device's memory (`pool_block_bytes` of the pool format, tile
         # padding included, as the KV budget counted it; per device under tensor parallelism) and swapped out to the
         # host (logical bytes, all heads).
