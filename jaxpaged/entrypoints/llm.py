@@ -56,7 +56,7 @@ class LLM:
 
         config = _engine_config(engine_options)
         t0 = time.perf_counter()
-        loaded = load_model(model, dtype=config.dtype)
+        loaded = load_model(model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
         load_s = time.perf_counter() - t0
         self.engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
         self.engine.startup_times["load_s"] = load_s
