@@ -169,17 +169,9 @@ class AsyncEngine:
     @classmethod
     def from_options(cls, model: str | None = None, max_waiting: int = 256, **engine_options) -> AsyncEngine:
         """Loads a model (path or None for the default) and starts the engine thread; options as for `LLM`."""
-        from jaxpaged.entrypoints.llm import _engine_config
-        from jaxpaged.loader import load_model
+        from jaxpaged.entrypoints.llm import load_engine
 
-        config = _engine_config(engine_options)
-        t0 = time.perf_counter()
-        loaded = load_model(model, dtype=config.dtype)
-        load_s = time.perf_counter() - t0
-        engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
-        engine.startup_times["load_s"] = load_s
-        logger.info("model %s loaded in %.1f s", loaded.source, load_s)
-        return cls(engine, max_waiting=max_waiting)
+        return cls(load_engine(model, **engine_options), max_waiting=max_waiting)
 
     # ---- facts about the model, for the API layer --------------------------------------------------------------
 
