@@ -85,13 +85,23 @@ def main():
     outs = llm.generate(requests, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    resolved = {}
+    try:  # what vLLM chose where we left it its defaults
+        cfg = llm.llm_engine.vllm_config
+        resolved = {"max_num_seqs": cfg.scheduler_config.max_num_seqs,
+                    "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+                    "block_size": cfg.cache_config.block_size,
+                    "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+                    "compilation_mode": str(getattr(cfg.compilation_config, "mode", None))}
+    except AttributeError as e:
+        resolved = {"error": f"could not read vLLM's config: {e}"}
     generated = sum(map(len, token_ids))
     result = {
         "system": f"vLLM {vllm.__version__} CPU ({args.dtype})",
         "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
         "peak_rss_gib": rss.peak / 2**30, "startup_s": startup, "token_ids": token_ids,
-        "engine_args": engine_args, "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
+        "engine_args": engine_args, "vllm_config": resolved, "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(), "python": sys.version.split()[0],
         "env": {k: os.environ.get(k) for k in ENV_KEYS},
     }
     with open(args.out, "w") as f:
