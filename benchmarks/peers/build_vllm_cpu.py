@@ -67,6 +67,8 @@ def step_venv(venv: str, python: str) -> str:
     if os.path.exists(py):
         say(f"1. venv {venv}: there")
         return py
+    if shutil.which(python) is None:
+        raise BuildError(f"no Python interpreter at {python!r} (give one with --python)")
     ver = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
                          text=True, check=False).stdout.strip()
     if not ver or not (3, 11) <= tuple(map(int, ver.split("."))) < (3, 15):
@@ -170,7 +172,7 @@ def step_check(py: str, venv: str) -> dict:
     env.pop("PYTHONPATH", None)
     code = ("import torch, vllm, json; from vllm import LLM, SamplingParams; "
             "print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__, "
-            "'bf16_supported': torch.backends.mkldnn.is_available()}))")
+            "'mkldnn': torch.backends.mkldnn.is_available()}))")
     proc = run([py, "-c", code], "importing vllm in the venv", env)
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     say(f"   vllm {info['vllm']}, torch {info['torch']}")
