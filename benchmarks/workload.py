@@ -1,4 +1,6 @@
-"""The fixed throughput workload shared by the benchmarks: 64 prompts of 32-256 tokens cut from one text."""
+"""The fixed workloads the benchmarks share, cut from one text: 64 prompts of 32-256 tokens (memory, sharing,
+profile_steps, serving) and issue #11's throughput workload, 48 prompts of 24-320 tokens with 96 new tokens each
+(throughput.py)."""
 
 from __future__ import annotations
 
@@ -27,12 +29,18 @@ NUM_PROMPTS = 64
 MIN_LEN, MAX_LEN = 32, 256
 NEW_TOKENS = 128
 
+# benchmarks/throughput.py (issue #11)
+THROUGHPUT_NUM_PROMPTS = 48
+THROUGHPUT_MIN_LEN, THROUGHPUT_MAX_LEN = 24, 320
+THROUGHPUT_NEW_TOKENS = 96
 
-def workload_prompts(tokenizer, num_prompts: int = NUM_PROMPTS, seed: int = 0) -> list[list[int]]:
-    """Prompt token ids: lengths uniform in [32, 256] (numpy seed 0), cut cyclically from TEXT's tokens."""
+
+def workload_prompts(tokenizer, num_prompts: int = NUM_PROMPTS, seed: int = 0, min_len: int = MIN_LEN,
+                     max_len: int = MAX_LEN) -> list[list[int]]:
+    """Prompt token ids: lengths uniform in [min_len, max_len] (numpy seed 0), cut cyclically from TEXT's tokens."""
     ids = tokenizer(TEXT)["input_ids"]
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(MIN_LEN, MAX_LEN + 1, size=num_prompts)
+    lengths = rng.integers(min_len, max_len + 1, size=num_prompts)
     starts = rng.integers(0, len(ids), size=num_prompts)
-    doubled = ids * (2 + MAX_LEN // len(ids))
+    doubled = ids * (2 + max_len // len(ids))
     return [doubled[s:s + n] for s, n in zip(starts, lengths, strict=True)]
