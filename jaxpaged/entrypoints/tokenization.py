@@ -49,8 +49,9 @@ class PromptTokenizer:
     async def encode(self, text: str) -> list[int]:
         return await self._run(self._encode, text)
 
-    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt)
+    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt, tools)
 
     def close(self) -> None:
         """Drops queued work; a tokenization already running finishes on its own."""
