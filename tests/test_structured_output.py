@@ -268,3 +268,23 @@ def test_masks_and_penalties_add_no_compile_after_start_up(tmp_path):
               SamplingParams(n=2, max_tokens=20, seed=1)]
     llm.generate([PROMPT, "hello", "What is"], params, use_tqdm=False)
     assert runner.compiled_shapes == shapes
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_constrained_requests_stay_valid_and_unchanged(tmp_path, mode):
+    """A tight pool preempts: a seeded constrained request's tokens equal those it gets alone, so its matcher was
+    advanced once per token (a replayed token would make the grammar reject or change the mask)."""
+    path = make_tiny_hf_model(tmp_path, "llama")
+    llm = LLM(path, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, block_size=16, num_blocks=24,
+              preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0, precompile=False,
+              show_progress=False)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200, structured_outputs=StructuredOutputsParams(
+        json=SCHEMA), presence_penalty=0.5) for s in range(8)]
+    prompts = [f"{PROMPT} {i}" for i in range(8)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params,
+                                                                                             strict=True)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats()["preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in together] == alone
+    for o in together:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
