@@ -3,7 +3,9 @@
     python server.py --model path/to/model --host 127.0.0.1 --port 8000 [--api-key KEY] [engine options]
 
 Routes: POST /v1/completions, POST /v1/chat/completions (`stream: true` answers with server-sent events),
-GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /stats (the engine's counters as JSON).
+GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /stats (the engine's counters as JSON),
+POST /tokenize, POST /detokenize, GET /version (vLLM's), GET /pool (the KV pool, block by block) and GET / (a page
+that chats and watches the pool; static, it holds no data, so it is served without the key and asks for it).
 This file is transport only: bodies, auth, timeouts, status codes and SSE framing. The API's JSON shapes are in
 jaxpaged/entrypoints/openai_protocol.py and openai_serving.py; the engine never sees HTTP.
 
@@ -26,22 +28,29 @@ import os
 import re
 import signal
 import sys
+from importlib import metadata
+from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from jaxpaged import entrypoints
 from jaxpaged.cli import add_engine_args, engine_options
 from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from jaxpaged.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     error_body,
     parse_body,
 )
 from jaxpaged.entrypoints.openai_serving import ChunkStream, OpenAIServing
+from jaxpaged.pool_view import MAX_CELLS
 
 logger = logging.getLogger("jaxpaged.server")
+PAGE = Path(entrypoints.__file__).resolve().parent / "static" / "index.html"  # package data (pyproject.toml)
 
 
 class Lifecycle:
@@ -256,6 +265,42 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVING].get_model(request.match_info["model"]))
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    body = parse_body(TokenizeRequest, await _read_body(request))
+    return web.json_response(await request.app[SERVING].tokenize(body))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = parse_body(DetokenizeRequest, await _read_body(request))
+    return web.json_response(await request.app[SERVING].detokenize(body))
+
+
+def _version() -> str:
+    try:
+        return metadata.version("jaxpaged")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _version()})
+
+
+async def pool(request: web.Request) -> web.Response:
+    raw = request.query.get("max_cells", str(MAX_CELLS))
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_CELLS):
+        raise OpenAIError(f"max_cells={raw[:20]!r} must be an integer in [1, {MAX_CELLS}]", param="max_cells")
+    try:
+        view = await request.app[ENGINE].pool_view(int(raw))
+    except EngineStoppedError as e:
+        raise OpenAIError(str(e), status=503, type="service_unavailable", code="engine_stopped") from e
+    return web.json_response(view, headers={"Cache-Control": "no-store"})
+
+
+async def page(request: web.Request) -> web.Response:
+    return web.FileResponse(PAGE, headers={"Cache-Control": "no-cache"})
+
+
 async def health(request: web.Request) -> web.Response:
     if request.app[ENGINE].is_running:
         return web.json_response({"status": "ok"})
@@ -276,7 +321,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               max_prompt_chars: int | None = None, body_timeout: float = 30.0,
               write_timeout: float = 30.0, max_prompts_per_request: int = 64,
               tool_call_parser: str | None = None) -> web.Application:
-    open_paths = frozenset({"/health"} | ({"/metrics"} if metrics_without_auth else set()))
+    # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
+    open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[ENGINE] = engine
@@ -293,6 +339,11 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/pool", pool)
+    app.router.add_get("/", page)
     return app
 
 

@@ -15,6 +15,9 @@ from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
 # KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -58,6 +61,16 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    # Gemma 3 (the defaults keep every Llama-family model as it was):
+    # per layer "sliding_attention" or "full_attention"; None: `sliding_window` (if any) applies to every layer
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding layers, which ignore rope_scaling; None: rope_theta
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5; None: head_dim ** -0.5
+    hidden_act: str = "silu"  # of the gated MLP: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    embedding_multiplier: float = 1.0  # token embeddings are scaled by this (Gemma: sqrt(hidden_size))
+    rms_norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight); weights stored as HF stores them
+    post_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -65,6 +78,30 @@ class ModelConfig:
         for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"ModelConfig.{field}={getattr(self, field)} must be positive")
+        if self.layer_types is not None:
+            # A tuple whatever came in (JSON gives a list), so configs compare and hash equal after a round trip.
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"ModelConfig.layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
+                                 f"(num_layers={self.num_layers}); got {len(self.layer_types)} entries"
+                                 + (f" with unknown {bad}" if bad else ""))
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("ModelConfig.layer_types has sliding_attention layers but sliding_window="
+                                 f"{self.sliding_window}; give the window size")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r} is not supported; use one of "
+                             f"{', '.join(HIDDEN_ACTS)}")
+        for field in ("query_pre_attn_scalar", "final_logit_softcapping", "rope_local_theta"):
+            value = getattr(self, field)
+            if value is not None and value <= 0:
+                raise ValueError(f"ModelConfig.{field}={value} must be positive or None")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it attends to its whole context)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def __hash__(self):  # rope_scaling is a dict; hash what identifies the architecture
         return hash((self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads,

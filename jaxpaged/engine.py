@@ -21,6 +21,7 @@ from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
 from jaxpaged.models import check_model, llama
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.pool_view import MAX_CELLS, pool_view
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
@@ -503,6 +504,32 @@ class Engine:
                 self._host_pool[h] = (k[:, j], v[:, j])
 
     # ---- observability ------------------------------------------------------------------------------------------
+
+    def pool_view(self, max_cells: int = MAX_CELLS) -> dict:
+        """The KV pool cell by cell for the watch page (see `pool_view.py`), the requests that hold blocks (cells'
+        `owner` indexes them, oldest first) and the scheduler's counts. Host Python only; like every Engine method
+        it must be called from the thread that steps the engine."""
+        bm = self.block_manager
+        holders, seq_owner = [], {}
+        for req in sorted(self.requests.values(), key=lambda r: r.arrival_time):
+            seq_ids = [s.seq_id for s in req.seqs if s.seq_id in bm.tables or bm.is_swapped(s.seq_id)]
+            if not seq_ids:
+                continue
+            for seq_id in seq_ids:
+                seq_owner[seq_id] = len(holders)
+            device = {b for s in seq_ids for b in bm.block_table(s)}
+            holders.append({"id": req.request_id, "num_seqs": len(seq_ids), "blocks": len(device),
+                            "swapped": any(bm.is_swapped(s) for s in seq_ids),
+                            "tokens": max(bm.num_tokens(s) for s in seq_ids)})
+        view = pool_view(bm, seq_owner, max_cells)
+        b = bm.stats()
+        view.update(
+            requests=holders, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_swapped=len(self.scheduler.swapped), preemptions=sum(self.scheduler.num_preemptions.values()),
+            prefix_cache_hit_rate=b.prefix_cache_hits / b.prefix_cache_queries if b.prefix_cache_queries else 0.0,
+            prefix_cache_queries=b.prefix_cache_queries, prefix_cache_hits=b.prefix_cache_hits,
+            steps=self.counters["steps"])
+        return view
 
     def stats(self) -> dict:
         """Pool, scheduler and throughput counters (a plain dict, for logs, tests and /metrics)."""

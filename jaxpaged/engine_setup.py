@@ -8,6 +8,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
@@ -33,10 +34,10 @@ class EngineConfig:
     kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes",
                                   ("auto", *SUPPORTED_DTYPES))
     block_size: int = _option(16, "tokens per KV block", SUPPORTED_BLOCK_SIZES)
-    kv_cache_memory: int | str | None = _option(None, f"bytes of K+V for the pool, e.g. 2GiB (CPU default: "
-                                                      f"{DEFAULT_CPU_KV_MEMORY})")
-    gpu_memory_utilization: float = _option(0.9, "GPU/TPU: fraction of device memory for weights, activations "
-                                                 "and the pool")
+    kv_cache_memory: int | str | None = _option(None, f"bytes of K+V for the pool on each device, e.g. 2GiB (CPU "
+                                                      f"default: {DEFAULT_CPU_KV_MEMORY})")
+    gpu_memory_utilization: float = _option(0.9, "GPU/TPU: fraction of each device's memory for weights, "
+                                                 "activations and the pool")
     num_blocks: int | None = _option(None, "force the pool's size in blocks (overrides both memory budgets)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of equal prompt prefixes")
     swap_space: float = _option(0.0, "GiB of host memory for swapped-out blocks")
@@ -46,6 +47,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
     max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
+    tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "
+                                           "divide the number of devices")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
@@ -61,6 +64,8 @@ class EngineConfig:
             _check_option(f.name, getattr(self, f.name), f.type, f.metadata["choices"])
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
         self.cache_config()
         self.scheduler_config(self.max_model_len)
@@ -151,9 +156,50 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, nnx.merge_state(jax.tree.map(cast, params), jax.tree.map(jnp.asarray, rest))
 
 
+def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
+    """The Llama-family `model` split over `mesh`: (graphdef, state, config) with heads laid out by
+    `jaxpaged.parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter placed straight
+    into its shards (cast on the host first, so no device ever holds a whole split tensor)."""
+    from jaxpaged import parallel
+    from jaxpaged.models import llama
+
+    if not isinstance(model, llama.LlamaForCausalLM):
+        raise ValueError(f"tensor_parallel_size > 1 splits Llama-family models (LlamaForCausalLM); "
+                         f"{type(model).__name__} is served with tensor_parallel_size=1")
+    config, tp = model.config, mesh.size
+    layout = parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
+    (logger.info if layout.is_plain_split else logger.warning)(
+        "tensor parallel %d: %s", tp, layout.describe(config.num_heads, config.num_kv_heads))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    specs = parallel.llama_partition_specs(params, tp)
+    if layout.is_plain_split and all(_placed_as(x, mesh, spec, dtype) for x, spec in zip(
+            jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, parallel.P)),
+            strict=True)):
+        placed = params  # restored straight into these shardings (an Orbax checkpoint)
+    else:
+        params = parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
+        placed = parallel.place(params, parallel.llama_partition_specs(params, tp), mesh, dtype)
+    config = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
+    graphdef, state = nnx.split(llama.from_params(config, placed))
+    return graphdef, state, config
+
+
+def _placed_as(x, mesh, spec, dtype) -> bool:
+    from jax.sharding import NamedSharding
+
+    return isinstance(x, jax.Array) and x.dtype == dtype and x.sharding.is_equivalent_to(NamedSharding(mesh, spec),
+                                                                                         x.ndim)
+
+
 def build_runner(model: nnx.Module, config: EngineConfig):
     """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
     model_config = model.config
+    tp, mesh = config.tensor_parallel_size, None
+    if tp > 1:
+        from jaxpaged import parallel
+
+        parallel.check_tensor_parallel_size(tp)
+        mesh = parallel.make_mesh(tp)
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:
@@ -163,10 +209,16 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     enable_compilation_cache(config.compilation_cache_dir)
 
     dtype = jnp.dtype(config.dtype)
-    graphdef, state = split_model(model, dtype)
+    if mesh is None:
+        graphdef, state = split_model(model, dtype)
+    else:
+        graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
     cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
-    # Device bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in bfloat16).
-    block_bytes = pool_block_bytes(model_config, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
+    # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
+    # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
+    device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \
+        else model_config
+    block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -183,12 +235,28 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                 usable / blocks_per_seq, max_model_len)
     attn = attention_backend(config.attention_backend)
     attn.check_dtypes(dtype, cache_dtype)
+    if mesh is not None:
+        from jaxpaged.parallel import ShardedAttention
+
+        attn = ShardedAttention(attn, mesh)
     runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                          max_num_batched_tokens=sched.max_num_batched_tokens,
                          attn=attn, cache_dtype=cache_dtype,
-                         block_bytes=block_bytes)
+                         block_bytes=block_bytes, mesh=mesh)
+    if mesh is not None:
+        _log_device_bytes(runner)
     return runner, cache, sched, max_model_len
+
+
+def _log_device_bytes(runner: ModelRunner) -> None:
+    from jaxpaged.parallel import per_device_bytes
+
+    weights, pool = per_device_bytes(runner.params), per_device_bytes(runner.kv_pool)
+    for device in runner.mesh.devices.flat:
+        if device in weights:  # this process's devices
+            logger.info("tensor parallel: %s holds %.1f MiB of weights and %.1f MiB of KV pool", device,
+                        weights[device] / 2**20, pool.get(device, 0) / 2**20)
 
 
 __all__ = ["EngineConfig", "build_runner"]

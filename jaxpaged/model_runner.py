@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental.layout import Format, Layout
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged import sampler
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
@@ -67,11 +69,16 @@ class Batch:
 
 
 def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, sm: SamplingMetadata, *,
-          graphdef: nnx.GraphDef, attn: AttentionBackend) -> tuple[SamplerOutput, KVPool]:
+          graphdef: nnx.GraphDef, attn: AttentionBackend, mesh: Mesh | None = None) -> tuple[SamplerOutput, KVPool]:
     model = nnx.merge(graphdef, state)  # inside the trace: the module's arrays are the step's arguments
     hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
     # The LM head runs only on the rows that need logits: one per sequence, not one per token.
     logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
+    if mesh is not None and logits.shape[-1] % mesh.size == 0:
+        # Tensor parallel: the LM head's output stays split over the vocabulary (so XLA does not gather the head
+        # instead), then the sampler gets the whole rows: the same sampling code, and the same tokens, at every tp.
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, mesh.axis_names[0])))
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return sampler.sample(logits, sm), kv_pool
 
 
@@ -90,26 +97,40 @@ def _write_blocks(kv_pool: KVPool, dst, k_blocks, v_blocks) -> KVPool:
 ROW_MAJOR_POOL = Layout(major_to_minor=(0, 1, 2, 3, 4))  # of [L, NB, BS, Hkv, D]
 
 
-def pool_format(device: jax.Device) -> Format | None:
+def pool_format(device: jax.Device, mesh: Mesh | None = None) -> Format | NamedSharding | None:
     """The K/V pool's explicit format on `device`: row-major on TPU, None (the default layout) elsewhere.
 
     The Pallas TPU kernel's custom call takes the pool row-major, and XLA's default TPU layout for head_dim 64 puts
     the block axis minor-most: every step would copy both pools to row-major and back (pallas_kernels/tpu.py, "The
     pool's HBM layout"). CPU and GPU default layouts are row-major already.
+
+    With a tensor-parallel `mesh`, the pool is split by kv head over it (`jaxpaged.parallel.POOL_SPEC`): its
+    NamedSharding, in the row-major format on TPU.
     """
+    if mesh is not None:
+        from jaxpaged.parallel import pool_sharding
+
+        sharding = pool_sharding(mesh)
+        return Format(ROW_MAJOR_POOL, sharding) if device.platform == "tpu" else sharding
     if device.platform != "tpu":
         return None
     return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
 
-def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | None):
+def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
+             mesh: Mesh | None = None, param_shardings=None):
     """The jitted step: (state, kv_pool, token_ids, attn_md, sampling_md) -> (SamplerOutput, kv_pool), for the model
     `graphdef` (from `nnx.split` at load) and the attention backend `attn`.
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
-    outputs live on its device.
+    outputs live on its device. With a tensor-parallel mesh, the parameters keep their shardings, the pool its
+    split by kv head, and the host batch and the sampler's output are replicated over the mesh.
     """
-    step = functools.partial(_step, graphdef=graphdef, attn=attn)
+    step = functools.partial(_step, graphdef=graphdef, attn=attn, mesh=mesh)
+    if mesh is not None:
+        rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
+        return jax.jit(step, donate_argnums=(1,), in_shardings=(param_shardings, pool, rep, rep, rep),
+                       out_shardings=(rep, pool))
     if fmt is None:
         return jax.jit(step, donate_argnums=(1,))
     device = fmt.sharding
@@ -118,22 +139,22 @@ def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | None)
                    out_shardings=(device, pool))
 
 
-def jit_pool_update(fn, fmt: Format | None, num_args: int):
+def jit_pool_update(fn, fmt: Format | NamedSharding | None, num_args: int, mesh: Mesh | None = None):
     """jit of fn(kv_pool, *indices_and_blocks) -> kv_pool, the pool donated and kept in `fmt`."""
     if fmt is None:
         return jax.jit(fn, donate_argnums=(0,))
     pool = KVPool(fmt, fmt)
-    return jax.jit(fn, donate_argnums=(0,), in_shardings=(pool, *(fmt.sharding,) * (num_args - 1)),
-                   out_shardings=pool)
+    other = NamedSharding(mesh, P()) if mesh is not None else fmt.sharding
+    return jax.jit(fn, donate_argnums=(0,), in_shardings=(pool, *(other,) * (num_args - 1)), out_shardings=pool)
 
 
-def _zeros_in(shape: tuple[int, ...], dtype, fmt: Format):
+def _zeros_in(shape: tuple[int, ...], dtype, fmt: Format | NamedSharding):
     """A jitted function returning zeros created in `fmt` (jnp.zeros then device_put would first hold a pool in the
     default layout beside the one in `fmt`)."""
     return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=fmt)
 
 
-def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | None) -> KVPool:
+def zeros_pool(shape: tuple[int, ...], dtype, fmt: Format | NamedSharding | None) -> KVPool:
     """A zero-filled pool, K and V [L, NB, BS, Hkv, D], in `fmt` if given."""
     def zeros():
         return jnp.zeros(shape, dtype) if fmt is None else _zeros_in(shape, dtype, fmt)()
@@ -184,7 +205,7 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, config: ModelSpec, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 attn: AttentionBackend, cache_dtype, block_bytes: int):
+                 attn: AttentionBackend, cache_dtype, block_bytes: int, mesh: Mesh | None = None):
         self.config = config
         self.graphdef = graphdef
         self.params = state
@@ -192,9 +213,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.pool_format = pool_format(jax.devices()[0])  # None off TPU
-        # One block of K and V, all layers: in device memory (`pool_block_bytes` of the pool format, tile padding
-        # included, as the KV budget counted it) and swapped out to the host (logical bytes).
+        self.mesh = mesh  # tensor parallel: the pool split by kv head over it, the params as they were placed
+        # None off TPU without a mesh
+        self.pool_format = pool_format(jax.devices()[0]) if mesh is None else pool_format(jax.devices()[0], mesh)
+        # One block of K and V, all layers: in one device's memory (`pool_block_bytes` of the pool format, tile
+        # padding included, as the KV budget counted it; per device under tensor parallelism) and swapped out to the
+        # host (logical bytes, all heads).
         self.block_bytes = block_bytes
         self.host_block_bytes = pool_block_bytes(config, block_size, cache_dtype, None)
         # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
@@ -206,9 +230,10 @@ class ModelRunner:
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
-        self._step_fn = jit_step(graphdef, attn, self.pool_format)
-        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3)
-        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4)
+        param_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
+        self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings)
+        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3, mesh=mesh)
+        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4, mesh=mesh)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
 

@@ -14,8 +14,9 @@ D head_dim, G = Hq // Hkv):
   query_start_loc [S + 1] int32          segments start at multiples of `tile_size` (the host's promise)
   positions       [T] int32              -1 on padding tokens
   output          [T, Hq, D]             q.dtype; 0 on padding tokens
-Supported: head_dim 64 or 128, block_size 8, 16 or 32, float32 or bfloat16, any Hq that is a multiple of Hkv
-(SmolLM2's 9 q / 3 kv heads included), tile_size >= 1 dividing T. Anything else raises ValueError naming the field.
+Supported: head_dim 64, 128 or 256 (Gemma 3), block_size 8, 16 or 32, float32 or bfloat16, any Hq that is a multiple
+of Hkv (SmolLM2's 9 q / 3 kv heads included), tile_size >= 1 dividing T. Anything else raises ValueError naming the
+field.
 
 What the kernel sees (built by cheap XLA ops on q and the integer metadata; the pool is never copied or reshaped):
   scalar prefetch (SMEM)
@@ -106,7 +107,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.validation import validate_ragged_inputs
 
 NEG_INF = -1e30
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 MAX_TILE_ROWS = 256  # query rows (tokens x group) of one program; bounds the [Hkv, M, D] f32 accumulator
 CHUNK_TOKENS = 128  # K/V tokens per loop step (NBC = CHUNK_TOKENS // BS blocks), before the VMEM cap below
 CHUNK_BUFFER_BYTES = 1 << 20  # cap on one K or V chunk buffer slot in VMEM (padded tile bytes)

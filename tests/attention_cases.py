@@ -32,6 +32,10 @@ TOLERANCES = {
 }
 
 
+# Gemma 3 270M's attention: 4 query heads sharing one kv head (GQA 4:1), head_dim 256 (build_case keywords)
+GEMMA3_HEADS = dict(num_q_heads=4, num_kv_heads=1, head_dim=256)
+
+
 def tolerance(dtype) -> dict:
     return TOLERANCES[np.dtype(dtype)]
 

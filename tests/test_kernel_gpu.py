@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 import pallas_kernels.gpu as gpu
 from pallas_kernels.attention import IMPLEMENTATIONS, paged_attention
-from tests.attention_cases import build_case, decode_case, prefill_case, shape_args, tolerance
+from tests.attention_cases import GEMMA3_HEADS, build_case, decode_case, prefill_case, shape_args, tolerance
 
 STATIC = ("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks")
 kernel = jax.jit(functools.partial(paged_attention, implementation="pallas_interpret"), static_argnames=STATIC)
@@ -41,6 +41,7 @@ DECODE_CONFIGS = [  # (q heads, kv heads, head_dim, block_size)
     (6, 2, 64, 16),  # GQA 3, not a power of two
     (8, 1, 128, 32),  # GQA 8, head_dim 128, block 32
     (4, 4, 64, 8),  # GQA 1, block 8
+    (4, 1, 256, 16),  # Gemma 3: GQA 4 onto one kv head, head_dim 256
 ]
 
 
@@ -58,6 +59,7 @@ PREFILL_CONFIGS = [  # (q heads, kv heads, head_dim, block_size)
     (6, 2, 64, 8),  # GQA 3: 16 tokens x 4 padded heads = 64 rows per program
     (8, 1, 128, 16),  # GQA 8: 16 x 8 = 128 rows, the largest tile
     (32, 1, 64, 32),  # GQA 32: a 16-token tile runs as four 4-token programs
+    (4, 1, 256, 16),  # Gemma 3: 16 tokens x 4 heads = 64 rows of head_dim 256
 ]
 
 
@@ -157,6 +159,19 @@ def test_split_prefill_tiles_and_sliding_window():
     check(decode, out, sliding_window=100)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_gemma3_heads_with_a_sliding_window(splits):
+    """Gemma 3's local layers: one kv head, head_dim 256, a window shorter than the contexts, with and without
+    flash-decoding splits (a split may lie wholly outside the window)."""
+    prefill = prefill_case([(150, 20), (40, 40), (70, 1)], **GEMMA3_HEADS, block_size=16, num_padding_seqs=1,
+                           seed=40)
+    check(prefill, gpu.ragged_paged_attention_gpu(*prefill.args, **prefill.kwargs(sliding_window=33),
+                                                  num_kv_splits=splits, interpret=True), sliding_window=33)
+    decode = decode_case(SPLIT_DECODE_LENS, **GEMMA3_HEADS, block_size=16, num_padding_seqs=1, seed=41)
+    check(decode, gpu.ragged_paged_attention_gpu(*decode.args, **decode.kwargs(sliding_window=100),
+                                                 num_kv_splits=splits, interpret=True), sliding_window=100)
+
+
 def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch):
     assert gpu.default_kv_splits(num_programs=8 * 8, chunks_per_seq=128) == 8  # batch 8 x 8 kv heads: 512 programs
     assert gpu.default_kv_splits(num_programs=2, chunks_per_seq=1000) == gpu.MAX_KV_SPLITS
@@ -200,9 +215,10 @@ def test_dispatcher_names_its_implementations():
 
 # The custom call Pallas' Triton lowering emits: XLA's Triton call up to jaxlib 0.10.2, a precompiled kernel after.
 TRITON_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
-ENGINE_SHAPES = [  # (q heads, kv heads, head_dim): SmolLM2-135M and a Llama-3-8B-like model; block 16
+ENGINE_SHAPES = [  # (q heads, kv heads, head_dim): SmolLM2-135M, a Llama-3-8B-like model, Gemma 3 270M; block 16
     (9, 3, 64),
     (32, 8, 128),
+    (4, 1, 256),
 ]
 
 

@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 import pallas_kernels.tpu as tpu
 from pallas_kernels.attention import paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.attention_cases import build_case, decode_case, prefill_case, shape_args, tolerance
+from tests.attention_cases import GEMMA3_HEADS, build_case, decode_case, prefill_case, shape_args, tolerance
 
 STATIC = ("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks", "chunk_tokens", "interpret")
 # The interpreted kernel is a large XLA program: without backend optimisation it compiles in half the time.
@@ -60,6 +60,8 @@ DECODE_CONFIGS = [  # (q heads, kv heads, head_dim, block_size, dtype)
     (9, 3, 64, 16, jnp.bfloat16),
     (8, 1, 128, 32, jnp.float32),  # GQA 8 (MQA), head_dim 128, block 32
     (4, 4, 64, 8, jnp.bfloat16),  # GQA 1, block 8
+    (4, 1, 256, 16, jnp.float32),  # Gemma 3: GQA 4 onto one kv head, head_dim 256
+    (4, 1, 256, 16, jnp.bfloat16),
 ]
 
 
@@ -77,6 +79,7 @@ PREFILL_CONFIGS = [  # (q heads, kv heads, head_dim, block_size, dtype)
     (9, 3, 64, 16, jnp.float32),  # 16 tokens x 3 heads = 48 rows per kv head
     (8, 1, 128, 8, jnp.bfloat16),  # 16 x 8 = 128 rows, bf16 rows padded to 16
     (32, 1, 64, 32, jnp.float32),  # GQA 32: a 16-token tile runs as two 8-token programs of 256 rows
+    (4, 1, 256, 16, jnp.bfloat16),  # Gemma 3: 16 tokens x 4 heads = 64 rows of head_dim 256
 ]
 
 
@@ -105,6 +108,13 @@ def test_kernel_sliding_window(window):
     case = build_case([(64, 1), (9, 1), (50, 17), (1, 1)], num_q_heads=6, num_kv_heads=2, block_size=8,
                       tile_size=1, num_padding_seqs=1, seed=12)
     check(case, kernel(*case.args, **case.kwargs(sliding_window=window), chunk_tokens=16), sliding_window=window)
+
+
+def test_kernel_gemma3_heads_with_a_sliding_window():
+    """Gemma 3's local layers: one kv head, head_dim 256, a window that skips whole chunks of long contexts."""
+    case = build_case([(150, 1), (9, 1), (70, 17), (1, 1)], **GEMMA3_HEADS, block_size=16, tile_size=1,
+                      num_padding_seqs=1, seed=42)
+    check(case, kernel(*case.args, **case.kwargs(sliding_window=40), chunk_tokens=SMALL_CHUNK), sliding_window=40)
 
 
 def test_kernel_soft_cap():
@@ -162,7 +172,7 @@ def test_tpu_interpreter_poisons_unwritten_outputs(tpu_interpreter, monkeypatch)
 
 @pytest.mark.parametrize("change, message", [
     (dict(block_size=12), "block_size=12 is not supported.*8, 16, 32"),
-    (dict(head_dim=96), "head_dim=96 is not supported.*64, 128"),
+    (dict(head_dim=96), "head_dim=96 is not supported.*64, 128, 256"),
     (dict(dtype=jnp.float16), "dtype float16 is not supported.*float32 or bfloat16"),
     (dict(q_heads=4, kv_heads=3), "num_q_heads=4 must be a multiple of num_kv_heads=3"),
 ], ids=["block_size", "head_dim", "dtype", "heads"])
@@ -194,9 +204,10 @@ def test_chunk_must_be_whole_blocks():
 
 # --- lowering and compiling for TPU without one ---------------------------------------------------------------------
 
-ENGINE_SHAPES = [  # (q heads, kv heads, head_dim): SmolLM2-135M and a Llama-3-8B-like model; block 16
+ENGINE_SHAPES = [  # (q heads, kv heads, head_dim): SmolLM2-135M, a Llama-3-8B-like model, Gemma 3 270M; block 16
     (9, 3, 64),
     (32, 8, 128),
+    (4, 1, 256),
 ]
 BATCHES = [(1, 32, 32), (16, 256, 16)]  # (tile_size, num_tokens, num_seqs): a decode step and a prefill step
 

@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.cpu_native import native
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.attention_cases import decode_case, dense_attention_np, prefill_case, tolerance
+from tests.attention_cases import GEMMA3_HEADS, decode_case, dense_attention_np, prefill_case, tolerance
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
@@ -45,9 +45,18 @@ def test_ragged_lengths_block_sizes_and_gqa(block_size, heads):
                       num_padding_seqs=2, num_padding_tokens=3, seed=block_size))
 
 
-@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 64, 128, 256])
 def test_head_dims(head_dim):
     check(decode_case([3, 33, 100], head_dim=head_dim, num_q_heads=6, num_kv_heads=2, seed=head_dim))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [None, 40], ids=["full", "window40"])
+def test_gemma3_heads_one_kv_head_and_head_dim_256(dtype, window):
+    """Gemma 3: 4 query heads on one kv head, head_dim 256; its global layers and its local (windowed) ones."""
+    extra = {} if window is None else {"sliding_window": window}
+    check(decode_case([1, 16, 17, 150, 33], **GEMMA3_HEADS, block_size=16, dtype=dtype, num_padding_seqs=1,
+                      num_padding_tokens=1, seed=43), **extra)
 
 
 def test_bfloat16():

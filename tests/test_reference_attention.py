@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import dense_causal_attention, ragged_paged_attention_reference, write_kv_reference
-from tests.attention_cases import build_case, decode_case, dense_attention_np, prefill_case, tolerance
+from tests.attention_cases import (
+    GEMMA3_HEADS,
+    build_case,
+    decode_case,
+    dense_attention_np,
+    prefill_case,
+    tolerance,
+)
 
 reference = jax.jit(ragged_paged_attention_reference,
                     static_argnames=("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks"))
@@ -83,6 +90,40 @@ def test_reference_matches_dense_on_prefill_tiles_with_chunked_prefill(heads, dt
                         dtype=dtype, num_padding_seqs=1, num_padding_tokens=16, seed=3)
     assert case.tile_size == 16 and all(s % 16 == 0 for s in case.token_starts)
     assert_matches_dense(case, reference(*case.args, **case.kwargs()))
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_reference_gemma3_heads_one_kv_head_and_head_dim_256(dtype, window):
+    """Gemma 3's shapes (GQA 4:1 onto a single kv head, head_dim 256) on decode (both paths) and prefill tiles,
+    for its global layers (no window) and local ones (a window shorter than the contexts)."""
+    decode = decode_case(DECODE_LENS, **GEMMA3_HEADS, block_size=BLOCK, width=WIDTH, dtype=dtype,
+                         num_padding_seqs=1, num_padding_tokens=1, seed=30)
+    for extra in ({}, {"decode_blocks": decode.decode_blocks}):
+        out = reference(*decode.args, **decode.kwargs(sliding_window=window, **extra))
+        assert_matches_dense(decode, out, sliding_window=window)
+    prefill = prefill_case(PREFILL_SEQS, **GEMMA3_HEADS, block_size=BLOCK, width=WIDTH, dtype=dtype,
+                           num_padding_seqs=1, seed=31)
+    assert_matches_dense(prefill, reference(*prefill.args, **prefill.kwargs(sliding_window=window)),
+                         sliding_window=window)
+
+
+def test_reference_takes_the_window_as_a_traced_value():
+    """A layer loop over interleaved local and global layers (Gemma 3) can index a per-layer window table: the
+    reference takes the window traced, and a window longer than any context is the same as none. (The Pallas and
+    native kernels take it static only: it is a constant of the kernel body or an FFI attribute.)"""
+    case = decode_case(DECODE_LENS, **GEMMA3_HEADS, block_size=BLOCK, width=WIDTH, num_padding_seqs=1, seed=32)
+    windows = jnp.asarray([7, 2**30], jnp.int32)  # [layers] local, global
+
+    @jax.jit
+    def per_layer(windows, *args):
+        return [ragged_paged_attention_reference(*args, **case.kwargs(sliding_window=windows[i],
+                                                                      decode_blocks=case.decode_blocks))
+                for i in range(2)]
+
+    local, global_ = per_layer(windows, *case.args)
+    assert_matches_dense(case, local, sliding_window=7)
+    assert_matches_dense(case, global_)
 
 
 def test_numpy_oracle_agrees_with_dense_causal_attention():

@@ -159,3 +159,18 @@ def test_many_prompts_do_not_stall_a_running_stream(server):
 
     during, total, rel, load_s = asyncio.run(run())
     assert len(during) >= 3, (len(during), total, rel, load_s)
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model":"tiny","prompt":"x","temperature":1e999}', "temperature"),
+    (b'{"model":"tiny","prompt":"x","temperature":Infinity}', "temperature"),
+    (b'{"model":"tiny","prompt":"x","top_p":NaN}', "top_p"),
+    (b'{"model":"tiny","prompt":[3.0,4]}', "prompt"), (b'{"model":"tiny","prompt":[true,4]}', "prompt"),
+    (b'{"model":"tiny","prompt":"x","max_tokens":3.5}', "max_tokens"),
+    (b'{"model":"tiny","prompt":"x","stop_token_ids":[1.5]}', "stop_token_ids.0"),
+    (b'{"model":"tiny","messages":[{"role":"wizard","content":"hi"}]}', "messages.0.role"),
+])
+def test_garbage_numbers_and_roles_are_400_naming_the_field(server, raw, param):
+    path = "chat/completions" if b"messages" in raw else "completions"
+    status, body = post(f"{server.url}/v1/{path}", raw)
+    assert status == 400 and body["error"]["param"] == param, body

@@ -10,7 +10,8 @@ Threading: callers never touch the `Engine`. They append commands (add, abort) t
 variable; the loop thread takes them between steps, so a request that arrives while others decode joins at the next
 step. Outputs go back to each request's asyncio queue through `loop.call_soon_threadsafe`. With no work the loop
 thread blocks on the condition variable (no busy polling). `stats()` returns a snapshot that the loop thread takes
-after every iteration, so readers never see the scheduler half-updated.
+after every iteration, so readers never see the scheduler half-updated. `pool_view()` is a command too: the loop
+thread draws the pool between steps, at most once per POOL_VIEW_MAX_AGE_S however many callers ask.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from jaxpaged.chat import apply_chat_template
 from jaxpaged.engine import Engine
 from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.pool_view import MAX_CELLS
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,15 @@ class _Add:
 class _Abort:
     request_id: str
     error: BaseException | None = None  # handed to the reader when it is still listening
+
+
+@dataclasses.dataclass
+class _PoolView:
+    max_cells: int
+    done: concurrent.futures.Future  # the view, drawn by the loop thread between steps
+
+
+POOL_VIEW_MAX_AGE_S = 0.2  # callers within this long of a view share it: watchers cannot load the engine thread
 
 
 class RequestStream:
@@ -142,11 +153,13 @@ class AsyncEngine:
         # Rust object must not be borrowed mutably from two threads at once).
         self.tokenizer = _private_copy(engine.tokenizer)
         self._cond = threading.Condition()
-        self._commands: collections.deque[_Add | _Abort] = collections.deque()
+        self._commands: collections.deque[_Add | _Abort | _PoolView] = collections.deque()
         self._streams: dict[str, RequestStream] = {}
         self._pending_adds = 0
         self._accepting = True
         self._stop = False
+        self._stopped = False  # the loop thread has exited: nobody would answer a command
+        self._view: tuple[int, float, concurrent.futures.Future] | None = None  # (max_cells, asked at, view)
         self._error: BaseException | None = None
         self._token_times: dict[str, tuple[float, int]] = {}  # request id -> (last output time, tokens so far)
         self._snapshot = self._take_snapshot()
@@ -156,23 +169,20 @@ class AsyncEngine:
     @classmethod
     def from_options(cls, model: str | None = None, max_waiting: int = 256, **engine_options) -> AsyncEngine:
         """Loads a model (path or None for the default) and starts the engine thread; options as for `LLM`."""
-        from jaxpaged.entrypoints.llm import _engine_config
-        from jaxpaged.loader import load_model
+        from jaxpaged.entrypoints.llm import load_engine
 
-        config = _engine_config(engine_options)
-        t0 = time.perf_counter()
-        loaded = load_model(model, dtype=config.dtype)
-        load_s = time.perf_counter() - t0
-        engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
-        engine.startup_times["load_s"] = load_s
-        logger.info("model %s loaded in %.1f s", loaded.source, load_s)
-        return cls(engine, max_waiting=max_waiting)
+        return cls(load_engine(model, **engine_options), max_waiting=max_waiting)
 
     # ---- facts about the model, for the API layer --------------------------------------------------------------
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model knows: [0, vocab_size)."""
+        return self.engine.model_config.vocab_size
 
     @property
     def is_running(self) -> bool:
@@ -274,6 +284,21 @@ class AsyncEngine:
             snap["num_pending_adds"] = self._pending_adds
         return snap
 
+    async def pool_view(self, max_cells: int = MAX_CELLS) -> dict:
+        """`Engine.pool_view(max_cells)`, drawn by the loop thread between steps (the event loop never reads the
+        block pool while a step changes it). A view at most POOL_VIEW_MAX_AGE_S old is shared."""
+        now = time.monotonic()
+        with self._cond:
+            view = self._view
+            if view is None or view[0] != max_cells or now - view[1] >= POOL_VIEW_MAX_AGE_S:
+                if self._stopped:
+                    raise EngineStoppedError("the engine has stopped")
+                view = self._view = (max_cells, now, concurrent.futures.Future())
+                self._commands.append(_PoolView(max_cells, view[2]))
+                self._cond.notify()
+        # Shielded: a caller that gives up must not cancel the view the others wait for.
+        return await asyncio.shield(asyncio.wrap_future(view[2]))
+
     def num_in_flight(self) -> int:
         with self._cond:
             return len(self._streams)
@@ -359,6 +384,13 @@ class AsyncEngine:
     def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[str, RequestOutput | BaseException]]:
         deliveries = []
         for cmd in commands:
+            if isinstance(cmd, _PoolView):
+                if cmd.done.set_running_or_notify_cancel():
+                    try:
+                        cmd.done.set_result(self.engine.pool_view(cmd.max_cells))
+                    except Exception as e:
+                        cmd.done.set_exception(e)
+                continue
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 self._token_times.pop(cmd.request_id, None)
@@ -442,11 +474,12 @@ class AsyncEngine:
                                                   f"the engine loop died: {self._error!r}")
         with self._cond:
             self._accepting = False
+            self._stopped = True
             leftover = list(self._commands)
             self._commands.clear()
             readers = list(self._streams)
         for cmd in leftover:
-            if isinstance(cmd, _Add) and cmd.done.set_running_or_notify_cancel():
+            if isinstance(cmd, (_Add, _PoolView)) and cmd.done.set_running_or_notify_cancel():
                 cmd.done.set_exception(error)
         for request_id in list(self.engine.requests):
             try:

@@ -30,6 +30,21 @@ def _engine_config(kwargs: dict) -> EngineConfig:
     return EngineConfig(**kwargs)
 
 
+def load_engine(model: str | None = None, **engine_options) -> Engine:
+    """Checks the options, loads the model (a path, or None for the default) and builds the engine: what `LLM()` and
+    the server's `AsyncEngine.from_options` share."""
+    from jaxpaged.loader import load_model
+
+    config = _engine_config(engine_options)  # before loading: a bad option fails in a moment, not after the load
+    t0 = time.perf_counter()
+    loaded = load_model(model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+    load_s = time.perf_counter() - t0
+    engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
+    engine.startup_times["load_s"] = load_s
+    logger.info("model %s loaded in %.1f s", loaded.source, load_s)
+    return engine
+
+
 class RequestFailedError(RuntimeError):
     """A request failed inside the engine (its step or its output processing); the other requests went on."""
 
@@ -52,15 +67,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_options):
-        from jaxpaged.loader import load_model
-
-        config = _engine_config(engine_options)
-        t0 = time.perf_counter()
-        loaded = load_model(model, dtype=config.dtype)
-        load_s = time.perf_counter() - t0
-        self.engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
-        self.engine.startup_times["load_s"] = load_s
-        logger.info("model %s loaded in %.1f s", loaded.source, load_s)
+        self.engine = load_engine(model, **engine_options)
         self._ids = itertools.count()
 
     @classmethod

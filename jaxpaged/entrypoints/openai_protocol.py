@@ -37,6 +37,9 @@ class _Body(BaseModel):
     # allow_inf_nan: "1e999" and "Infinity" parse as inf; no float field of the API means that
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
+    def check_unsupported(self) -> None:
+        """Refuses values the body parses but this server does not implement (OpenAIError naming the field)."""
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
@@ -319,6 +322,32 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize, vLLM's shape: a `prompt` string, or chat `messages` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt; chat templates add their own
+    return_token_strs: bool = False
+
+    def check_unsupported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError("send either 'prompt' (a string) or 'messages' (a chat), not both or neither",
+                              param="prompt" if self.prompt is None else "messages")
+        if self.messages is not None and self.add_special_tokens:
+            raise OpenAIError("add_special_tokens=true is not supported with messages: the chat template places "
+                              "the special tokens", param="add_special_tokens", code="unsupported_parameter")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_body(model: type[_Body], raw: bytes) -> _Body:
     """Validates a JSON body; every failure is an OpenAIError (400) naming the field."""
     if not raw.strip():
@@ -352,4 +381,5 @@ def _validation_error(e: ValidationError) -> OpenAIError:
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart", "ChatMessage",
                "NamedToolChoice", "Tool", "ToolCallMessage"}
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError", "error_body", "parse_body"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "OpenAIError",
+           "TokenizeRequest", "error_body", "parse_body"]

@@ -26,8 +26,11 @@ from jaxpaged.entrypoints.async_engine import (
 )
 from jaxpaged.entrypoints.openai_protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
 )
 from jaxpaged.entrypoints.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.tool_parsers import ToolCall, calls_from_required, tool_parser
@@ -123,18 +126,10 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest) -> dict | ChunkStream:
         model = self._check_model(body.model)
-        conversation = [m.as_template_message() for m in body.messages]
-        self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         if body.tool_mode == "auto" and self.tool_parser is None:
             raise OpenAIError('tool_choice "auto" needs the server started with --tool-call-parser; use "none", '
                               '"required" or a named function', param="tool_choice")
-        try:
-            ids = await self.prompt_tokenizer.apply_chat_template(conversation, body.add_generation_prompt,
-                                                                  body.template_tools())
-        except ValueError as e:
-            raise OpenAIError(str(e), param="messages") from e
-        except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors
-            raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from e
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
         structured, _ = body.structured_output_request()
@@ -154,6 +149,38 @@ class OpenAIServing:
                             "finish_reason": finish, "stop_reason": o.stop_reason})
         return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage([out])}
+
+    # ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) ----------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        """The prompt's token ids exactly as /v1/completions (prompt) or /v1/chat/completions (messages) would
+        feed them to the model. Not refused for exceeding max_model_len: `count` and `max_model_len` say so."""
+        self._check_model(body.model)
+        if body.messages is not None:
+            ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+        else:
+            self._check_chars(len(body.prompt), "prompt")
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            try:
+                ids = await self.prompt_tokenizer.encode(body.prompt, add_special)
+            except ValueError as e:
+                raise OpenAIError(str(e), param="prompt") from e
+        out = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = await self.prompt_tokenizer.token_strs(ids)
+        return out
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        vocab = self.engine.vocab_size
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < vocab:
+                raise OpenAIError(f"tokens[{i}]={t} is not a token id of this model: ids are in [0, {vocab})",
+                                  param="tokens")
+        try:
+            return {"prompt": await self.prompt_tokenizer.decode(body.tokens)}
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tokens") from e
 
     # ---- streaming ----------------------------------------------------------------------------------------------
 
@@ -278,6 +305,17 @@ class OpenAIServing:
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
     # ---- helpers ------------------------------------------------------------------------------------------------
+
+    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                        tools: list[dict] | None = None) -> list[int]:
+        conversation = [m.as_template_message() for m in messages]
+        self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
+        try:
+            return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt, tools)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="messages") from e
+        except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors
+            raise OpenAIError(f"the chat template rejected the messages: {e}", param="messages") from e
 
     async def _encode(self, text: str) -> list[int]:
         try:

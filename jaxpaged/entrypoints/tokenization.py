@@ -36,7 +36,7 @@ def default_max_prompt_chars(tokenizer, max_model_len: int) -> int:
 
 
 class PromptTokenizer:
-    """`encode` and `apply_chat_template` as coroutines that run on one worker thread."""
+    """`encode`, `apply_chat_template` and `decode` as coroutines that run on one worker thread."""
 
     def __init__(self, tokenizer, max_model_len: int, max_chars: int | None = None):
         if max_chars is not None and max_chars < 1:
@@ -46,21 +46,34 @@ class PromptTokenizer:
         # One worker: requests are tokenized one at a time, each with the whole tokenizer to itself.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-tokenizer")
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(self._encode, text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self._run(self._encode, text, add_special_tokens)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, special tokens included (so that decode inverts encode)."""
+        return await self._run(self._decode, token_ids)
 
     async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                                   tools: list[dict] | None = None) -> list[int]:
         return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt, tools)
 
+    async def token_strs(self, token_ids: list[int]) -> list[str]:
+        """Each token's vocabulary entry (vLLM's `token_strs`: byte-level pieces as the vocabulary spells them)."""
+        return await self._run(lambda: list(self._tokenizer.convert_ids_to_tokens(token_ids)))
+
     def close(self) -> None:
         """Drops queued work; a tokenization already running finishes on its own."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self._tokenizer is None:
             raise ValueError("this model has no tokenizer: send token ids")
-        return list(self._tokenizer(text)["input_ids"])
+        return list(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self._tokenizer is None:
+            raise ValueError("this model has no tokenizer to decode with")
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

@@ -20,11 +20,19 @@ import importlib.util
 import logging
 import os
 
+import jax
 import numpy as np
 from flax import nnx
 
 from jaxpaged.config import SUPPORTED_DTYPES, ModelConfig
-from jaxpaged.loader.checkpoint import CONFIG_NAME, PARAMS_DIR, is_checkpoint, read_checkpoint, write_checkpoint
+from jaxpaged.loader.checkpoint import (
+    CONFIG_NAME,
+    PARAMS_DIR,
+    is_checkpoint,
+    read_checkpoint,
+    read_checkpoint_sharded,
+    write_checkpoint,
+)
 from jaxpaged.loader.hf import SUPPORTED_MODEL_TYPES, is_hf_directory
 from jaxpaged.models import llama
 
@@ -68,14 +76,24 @@ def numpy_dtype(dtype: str):
 
 
 def cast_params(params: dict, dtype) -> dict:
-    """Every array as `dtype` (no copy for arrays already in it); a nested dict."""
-    return {k: cast_params(v, dtype) if isinstance(v, dict) else np.asarray(v).astype(dtype, copy=False)
-            for k, v in params.items()}
+    """Every array as `dtype` (no copy for arrays already in it); a nested dict. Device arrays (a checkpoint
+    restored into a mesh's shardings) stay on their devices."""
+    def cast(v):
+        if isinstance(v, dict):
+            return cast_params(v, dtype)
+        if isinstance(v, jax.Array):
+            return v if v.dtype == dtype else v.astype(dtype)
+        return np.asarray(v).astype(dtype, copy=False)
+
+    return {k: cast(v) for k, v in params.items()}
 
 
-def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str | None = None) -> LoadedModel:
+def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str | None = None,
+               tensor_parallel_size: int = 1) -> LoadedModel:
     """Loads `path`: a .gguf file, a Hugging Face directory (config.json + model.safetensors or a sharded index)
     or a checkpoint written by `save_checkpoint`; None loads the default model (`default_model_path()`).
+    With tensor_parallel_size > 1, a checkpoint whose heads split evenly is restored straight into the mesh's
+    shardings (device arrays); every other source gives host arrays that the engine places shard by shard.
     Raises FileNotFoundError / ValueError naming the path and what is wrong with it."""
     np_dtype = numpy_dtype(dtype)
     path = path or default_model_path()
@@ -94,7 +112,13 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
     elif is_checkpoint(path):
         from jaxpaged.loader.tokenizer import directory_tokenizer
 
-        config, params = read_checkpoint(path)
+        sharded = None
+        if tensor_parallel_size > 1:
+            from jaxpaged import parallel
+
+            parallel.check_tensor_parallel_size(tensor_parallel_size)
+            sharded = read_checkpoint_sharded(path, np_dtype, parallel.make_mesh(tensor_parallel_size))
+        config, params = sharded or read_checkpoint(path)
         tokenizer = directory_tokenizer(path)
     elif is_hf_directory(path):
         from jaxpaged.loader.hf import load_hf_directory

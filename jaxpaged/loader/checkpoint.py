@@ -87,6 +87,30 @@ def read_config(directory: str) -> ModelConfig:
     return ModelConfig(**cfg)
 
 
+def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, dict] | None:
+    """(config, params as a nested dict of jax.Arrays already split over `mesh`): Orbax reads each device's shard
+    of each tensor straight into it (in `dtype`), so no device ever holds a whole split tensor. None when the model's
+    heads do not split evenly over the mesh (they are rearranged on the host first: `read_checkpoint`)."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+
+    from jaxpaged import parallel
+
+    _quiet_orbax()
+    config = read_config(directory)
+    if not parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split:
+        return None
+    _, abstract = nnx.split(llama.abstract_model(config))
+    pure = nnx.to_pure_dict(abstract)
+    specs = parallel.llama_partition_specs(pure, mesh.size)
+    nnx.replace_by_pure_dict(abstract, jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, dtype, sharding=NamedSharding(mesh, spec)), pure, specs,
+        is_leaf=lambda x: isinstance(x, parallel.P)))
+    with ocp.StandardCheckpointer() as ckpt:
+        state = ckpt.restore(os.path.join(os.path.abspath(directory), PARAMS_DIR), abstract)
+    return config, nnx.to_pure_dict(state)
+
+
 def read_checkpoint(directory: str) -> tuple[ModelConfig, dict]:
     """(config, params as a nested dict of numpy arrays in the dtype they were saved in; `llama.param_state` makes
     it the module's state). Restored untargeted, so each array keeps its saved dtype."""

@@ -4,6 +4,12 @@ llama.cpp writes Mistral and Llama 2/3 as architecture "llama"; Qwen2 is "qwen2"
 permutes the rows of attn_q / attn_k (weights and biases) so that each head's rotary pairs sit next to each other
 (interleaved rope); `_unpermute` restores Hugging Face's rotate-half order. Qwen2 and Qwen3 ("qwen3", with
 attn_q_norm / attn_k_norm) use rotate-half in llama.cpp too, so their q/k are stored unpermuted.
+
+Gemma 3 ("gemma3", text only) is stored unpermuted as well (rotate-half rope), with per-head q/k norms and norms after
+attention and the MLP. llama.cpp's converter stores every Gemma norm weight as 1 + w (the scale Gemma's RMSNorm
+applies); we subtract the 1 again, as transformers does, so params hold Hugging Face's weights. What the file does
+not say (the layer pattern, the local layers' rope base, the query scale) follows llama.cpp's gemma3 defaults,
+which are the Hugging Face configs' values.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.loader.layout import assemble
 
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 MAGIC = b"GGUF"
 
 # our name -> GGUF tensor name ("{i}" is the layer)
@@ -25,6 +31,7 @@ _TENSORS = {
     "wv": "blk.{i}.attn_v.weight", "wo": "blk.{i}.attn_output.weight", "bq": "blk.{i}.attn_q.bias",
     "bk": "blk.{i}.attn_k.bias", "bv": "blk.{i}.attn_v.bias", "q_norm": "blk.{i}.attn_q_norm.weight",
     "k_norm": "blk.{i}.attn_k_norm.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
     "w_gate": "blk.{i}.ffn_gate.weight", "w_up": "blk.{i}.ffn_up.weight", "w_down": "blk.{i}.ffn_down.weight",
 }
 
@@ -69,6 +76,54 @@ def _llama3_scaling(rope_freqs: np.ndarray, theta: float, head_dim: int, origina
     return scaling
 
 
+# llama.cpp's gemma3 defaults (llama-model.cpp): every 6th layer is global, local layers use rope base 10000
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+NORM_NAMES = ("final_norm", "attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+
+
+def _gemma3_layer_types(pattern, num_layers: int) -> tuple[str, ...]:
+    """`{arch}.attention.sliding_window_pattern`: absent (llama.cpp's default period), a period n (layers
+    n-1, 2n-1, ... are global) or one bool per layer (True: sliding)."""
+    if pattern is None:
+        pattern = GEMMA3_GLOBAL_EVERY
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ValueError(f"gemma3.attention.sliding_window_pattern has {len(pattern)} entries for "
+                             f"block_count={num_layers} layers")
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    return tuple("sliding_attention" if s else "full_attention" for s in sliding)
+
+
+def _gemma3_fields(key, hidden: int, heads: int, head_dim: int, num_layers: int) -> dict:
+    """The ModelConfig fields only Gemma 3 sets. No soft-capping: Gemma 3 replaced Gemma 2's with the q/k norms
+    (llama.cpp's gemma3 graph has none; transformers ignores attn_logit_softcapping for Gemma 3)."""
+    return dict(
+        layer_types=_gemma3_layer_types(key("attention.sliding_window_pattern"), num_layers),
+        rope_local_theta=_f32(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)),
+        # As llama.cpp (after gemma_pytorch's configs): queries scale by 1/sqrt(head_dim), except the 27B
+        # (62 layers), scaled by 1/sqrt(hidden / heads)
+        query_pre_attn_scalar=float(hidden // heads if num_layers == 62 else head_dim),
+        hidden_act="gelu_pytorch_tanh", embedding_multiplier=math.sqrt(hidden), rms_norm_unit_offset=True,
+        post_norms=True)
+
+
+def _eog_ids(reader, arch: str) -> list[int]:
+    """Gemma's chat turns end with <end_of_turn>, which llama.cpp also stops at (it detects it by its text) and
+    Hugging Face's generation config lists; the GGUF names only <eos>."""
+    if arch != "gemma3":
+        return []
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
+    for i, part in enumerate(tokens.data):
+        if bytes(tokens.parts[part]) == b"<end_of_turn>":
+            return [i]
+    return []
+
+
 def model_config_from_gguf(reader) -> ModelConfig:
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
@@ -102,17 +157,19 @@ def model_config_from_gguf(reader) -> ModelConfig:
                    "original_max_position_embeddings": int(key("rope.scaling.original_context_length"))}
     elif kind not in (None, "none"):
         raise ValueError(f"{arch}.rope.scaling.type={kind!r} is not supported; supported: linear, yarn, llama3")
-    eos = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")] + _eog_ids(reader, arch)
+    num_layers = int(key("block_count"))
+    gemma = _gemma3_fields(key, hidden, heads, head_dim, num_layers) if arch == "gemma3" else {}
     return ModelConfig(
         vocab_size=int(tensors["token_embd.weight"].shape[1]), hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")), num_layers=int(key("block_count")), num_heads=heads,
+        intermediate_size=int(key("feed_forward_length")), num_layers=num_layers, num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=_f32(key("attention.layer_norm_rms_epsilon", 1e-5)), rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=int(key("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         sliding_window=key("attention.sliding_window"), bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)), architecture=arch)
+        eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos if i is not None)), architecture=arch, **gemma)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -143,6 +200,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict]:
     config = model_config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture == "llama"
+    # llama.cpp stored Gemma's norm scales (1 + w); params hold w
+    norm_shift = 1.0 if config.rms_norm_unit_offset else 0.0
 
     def fetch(name: str, layer: int | None) -> np.ndarray:
         key = _TENSORS[name].format(i=layer)
@@ -153,6 +212,8 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict]:
             a = _unpermute(a, config.num_heads)
         elif permuted and name in ("wk", "bk"):
             a = _unpermute(a, config.num_kv_heads)
+        elif norm_shift and name in NORM_NAMES:
+            a = a - np.float32(norm_shift)
         return a
 
     return config, assemble(config, fetch, np.float32)

@@ -4,10 +4,12 @@
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied: the model uses embed.T)
   layers (stacked on a leading layer axis L):
     attn_norm [L, H]; wq [L, H, Hq*D]; wk, wv [L, H, Hkv*D]; bq [L, Hq*D], bk, bv [L, Hkv*D] (attention_bias only);
-    q_norm, k_norm [L, D] (qk_norm only, Qwen3);
+    q_norm, k_norm [L, D] (qk_norm only: Qwen3, Gemma 3);
+    post_attn_norm, post_mlp_norm [L, H] (post_norms only: Gemma 3; on the attention / MLP output before the add);
     wo [L, Hq*D, H]; mlp_norm [L, H]; w_gate, w_up [L, H, I]; w_down [L, I, H]
 Matrices are stored for x @ W, i.e. transposed from torch's Linear [out, in]; q/k rows follow Hugging Face's
-rotary convention (rotate_half: the first and second halves of each head pair up).
+rotary convention (rotate_half: the first and second halves of each head pair up). Norm weights are Hugging Face's
+too: with rms_norm_unit_offset (Gemma) the scale is 1 + weight, and the weight is stored, not the scale.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from jaxpaged.config import ModelConfig
 LAYER_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
 LAYER_BIASES = ("bq", "bk", "bv")
 LAYER_QK_NORMS = ("q_norm", "k_norm")
+LAYER_POST_NORMS = ("post_attn_norm", "post_mlp_norm")
 
 
 def layer_names(config: ModelConfig) -> tuple[str, ...]:
     return (LAYER_WEIGHTS + (LAYER_BIASES if config.attention_bias else ())
-            + (LAYER_QK_NORMS if config.qk_norm else ()))
+            + (LAYER_QK_NORMS if config.qk_norm else ()) + (LAYER_POST_NORMS if config.post_norms else ()))
 
 
 def global_names(config: ModelConfig) -> tuple[str, ...]:
@@ -38,7 +41,8 @@ def expected_shapes(config: ModelConfig) -> dict:
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     per_layer = {"attn_norm": (H,), "wq": (H, q), "wk": (H, kv), "wv": (H, kv), "wo": (q, H), "mlp_norm": (H,),
                  "w_gate": (H, F), "w_up": (H, F), "w_down": (F, H), "bq": (q,), "bk": (kv,), "bv": (kv,),
-                 "q_norm": (config.head_dim,), "k_norm": (config.head_dim,)}
+                 "q_norm": (config.head_dim,), "k_norm": (config.head_dim,), "post_attn_norm": (H,),
+                 "post_mlp_norm": (H,)}
     shapes = {"embed": (V, H), "final_norm": (H,), "lm_head": (H, V)}
     out = {name: shapes[name] for name in global_names(config)}
     out["layers"] = {name: (L, *per_layer[name]) for name in layer_names(config)}

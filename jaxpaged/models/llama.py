@@ -108,10 +108,26 @@ class LlamaDecoderLayer(nnx.Module):
                            self.w_down[...]), kv_pool
 
 
+# ModelConfig fields at the values every Llama-family model has; others (Gemma 3's) this module does not implement
+_LLAMA_DEFAULTS = {"layer_types": None, "rope_local_theta": None, "query_pre_attn_scalar": None, "hidden_act": "silu",
+                   "embedding_multiplier": 1.0, "rms_norm_unit_offset": False, "post_norms": False,
+                   "final_logit_softcapping": None}
+
+
+def check_config(config: ModelConfig) -> None:
+    """Raises ValueError naming the fields this module would silently ignore (a Gemma 3 config, say)."""
+    unsupported = [name for name, value in _LLAMA_DEFAULTS.items() if getattr(config, name) != value]
+    if unsupported:
+        raise ValueError(f"architecture={config.architecture!r} cannot run as LlamaForCausalLM: it does not implement "
+                         f"{', '.join(unsupported)}. Gemma 3 has a dense reference forward (jaxpaged.models.gemma3) "
+                         "but no paged model in the engine yet")
+
+
 class LlamaForCausalLM(nnx.Module):
     """Embedding, `num_layers` stacked decoder layers, final norm and LM head (the embedding's transpose when tied)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        check_config(config)
         self.config = config
         H, V = config.hidden_size, config.vocab_size
         self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (V, H), dtype))

@@ -1,0 +1,203 @@
+"""Step anatomy: where one prefill step and one decode step of the throughput workload spend their time.
+
+Each part of the step is compiled on its own at the step's real shapes and timed on the device (median of runs,
+results blocked on): the model's matmuls (the 7 per layer plus the LM head, through the same stacked weights and
+layer loop), attention (the K/V write and the paged read through the engine's backend, every layer), the sampler;
+the rest of the step (embedding, norms, RoPE, residuals, layer-loop slicing) is the full step minus those. The
+host side is timed too: `prepare` (numpy batch building) and the dispatch of the step (the call returns before the
+device finishes). The matmul rate is compared with XLA's own dot rate on this machine at the same shapes.
+
+    python benchmarks/step_anatomy.py                      # float32, default model
+    python benchmarks/step_anatomy.py --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import write_json
+from flax import nnx
+from workload import workload_prompts
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
+    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(extras) or 'no avx512'})"
+
+
+def device_ms(fn, *args, runs: int = 7) -> float:
+    """Median wall time of fn(*args) with its result blocked on, after one warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def capture_batches(llm, num_prompts: int, new_tokens: int):
+    """Runs part of the workload; returns the largest prefill batch, the most frequent decode batch (by shape) and
+    the host's prepare time per step."""
+    from jaxpaged import SamplingParams
+
+    runner = llm.engine.runner
+    execute, prepare = runner.execute, runner.prepare
+    seen: dict = {}
+    counts: collections.Counter = collections.Counter()
+    prepare_s: list[tuple[bool, float]] = []
+
+    def timed_prepare(out, *args):
+        t = time.perf_counter()
+        batch = prepare(out, *args)
+        prepare_s.append((out.is_prefill, time.perf_counter() - t))
+        return batch
+
+    def keep(batch):
+        key = batch.shape_key
+        counts[key] += 1
+        seen.setdefault(key, jax.tree.map(np.copy, batch))
+        return execute(batch)
+
+    runner.execute, runner.prepare = keep, timed_prepare
+    prompts = workload_prompts(llm.tokenizer, num_prompts)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+    runner.execute, runner.prepare = execute, prepare
+    prefill = max((k for k in seen if k[4] is None), key=lambda k: k[0])
+    decode = max((k for k in seen if k[4] is not None), key=lambda k: (counts[k], k[1]))
+    host = {kind: 1000 * statistics.median([s for p, s in prepare_s if p == (kind == "prefill")])
+            for kind in ("prefill", "decode")}
+    return seen[prefill], seen[decode], host
+
+
+def matmul_part(config, dtype):
+    """jit(weights, x [T, H], rows [S, H]) -> the layer matmuls over all layers plus the LM head on S rows."""
+    def run(w, x, rows):
+        def layer(i, x):
+            def mm(a, name):
+                return jnp.dot(a, w["layers"][name][i], preferred_element_type=jnp.float32).astype(dtype)
+
+            q, k, v = mm(x, "wq"), mm(x, "wk"), mm(x, "wv")
+            o = mm(q, "wo") + 0 * (k.sum() + v.sum()).astype(dtype)  # keep k, v live
+            m = mm(mm(x, "w_gate") * mm(x, "w_up"), "w_down")
+            return x + o + m
+
+        x = jax.lax.fori_loop(0, config.num_layers, layer, x)
+        head = w["embed"].T if config.tie_word_embeddings else w["lm_head"]
+        return x, jnp.dot(rows, head, preferred_element_type=jnp.float32)
+
+    return jax.jit(run)
+
+
+def matmul_flops(config, tokens: int, rows: int) -> float:
+    H, F = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_token = 2 * (H * q + 2 * H * kv + q * H + 3 * H * F)
+    return config.num_layers * tokens * per_token + 2 * rows * H * config.vocab_size
+
+
+def attention_part(attn, config, dtype):
+    """jit(pool, q, k, v, md) -> pool after every layer's write + read (the pool donated, as in the step)."""
+    def run(pool, q, k, v, md):
+        def layer(i, carry):
+            out, pool = carry
+            o, pool = attn(q, k, v, pool, i, md, sliding_window=config.sliding_window)
+            return out + o.astype(out.dtype), pool
+
+        return jax.lax.fori_loop(0, config.num_layers, layer, (jnp.zeros_like(q), pool))
+
+    return jax.jit(run, donate_argnums=(0,))
+
+
+def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
+    """GFLOP/s of one plain XLA dot [tokens, k] @ [k, n] with float32 accumulation."""
+    x = jnp.ones((tokens, k), dtype)
+    w = jnp.ones((k, n), dtype)
+    f = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32))
+    return 2 * tokens * k * n / device_ms(f, x, w, runs=11) / 1e6
+
+
+def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
+    from jaxpaged import sampler
+    from jaxpaged.attention import attention_backend
+
+    runner, config = llm.engine.runner, llm.engine.model_config
+    T, S = len(batch.token_ids), len(batch.attn.context_lens)
+    step = runner._executable(batch)
+
+    def full(_):
+        out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
+        return out
+
+    step_ms = device_ms(full, None)
+    t = time.perf_counter()
+    out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
+    dispatch_ms = 1000 * (time.perf_counter() - t)
+    jax.block_until_ready(out)
+
+    weights = nnx.to_pure_dict(runner.params)
+    H = config.hidden_size
+    x, rows = jnp.ones((T, H), dtype), jnp.ones((S, H), dtype)
+    mm_ms = device_ms(matmul_part(config, dtype), weights, x, rows)
+
+    attn = attention_backend(llm.engine.config.attention_backend)
+    q = jnp.ones((T, config.num_heads, config.head_dim), dtype)
+    k = jnp.ones((T, config.num_kv_heads, config.head_dim), dtype)
+    attn_fn = attention_part(attn, config, dtype)
+
+    def attention(_):
+        out, runner.kv_pool = attn_fn(runner.kv_pool, q, k, k, batch.attn)
+        return out
+
+    attn_ms = device_ms(attention, None)
+    logits = jnp.ones((S, config.vocab_size), jnp.float32)
+    sample_ms = device_ms(jax.jit(sampler.sample), logits, batch.sampling)
+    flops = matmul_flops(config, T, S)
+    rest = step_ms - mm_ms - attn_ms - sample_ms
+    return {"kind": kind, "shape": str(batch.shape_key), "tokens": T, "seqs": S, "step_ms": step_ms,
+            "matmul_ms": mm_ms, "attention_ms": attn_ms, "sampler_ms": sample_ms, "rest_ms": rest,
+            "host_prepare_ms": host_prepare_ms, "dispatch_ms": dispatch_ms,
+            "matmul_GFLOPs": flops / mm_ms / 1e6, "xla_dot_GFLOPs": xla_dot_rate(T, H, config.intermediate_size, dtype),
+            "step_over_matmul": step_ms / mm_ms}
+
+
+def main():
+    from jaxpaged import LLM
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>.json")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+
+    llm = LLM(dtype=args.dtype, show_progress=False, enable_prefix_caching=False)
+    prefill, decode, host = capture_batches(llm, args.num_prompts, args.new_tokens)
+    rows = [anatomy(llm, prefill, "prefill", host["prefill"], dtype),
+            anatomy(llm, decode, "decode", host["decode"], dtype)]
+    cpu = cpu_name()
+    print(f"{cpu}, dtype {args.dtype}, pool {llm.engine.runner.kv_pool.dtype}")
+    cols = ["kind", "shape", "step_ms", "matmul_ms", "attention_ms", "sampler_ms", "rest_ms", "host_prepare_ms",
+            "dispatch_ms", "matmul_GFLOPs", "xla_dot_GFLOPs", "step_over_matmul"]
+    print(" | ".join(cols))
+    print(" | ".join("---" for _ in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    write_json(args.out or f"benchmarks/results/step_anatomy_{args.dtype}.json",
+               {"cpu": cpu, "dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Gemma 3 (text) as a pure-JAX reference over dense, non-paged attention: one sequence, every position.
+
+This pins down each Gemma 3 detail against transformers' `Gemma3ForCausalLM` before the paged model is written on
+the engine's model seam (it then becomes an nnx module whose layer body is `decoder_layer` with the paged attention
+backend in place of `dense_attention`). Per layer i, with x [T, H]:
+
+    h = embed[token_ids] * embedding_multiplier               (sqrt(hidden), rounded to the weight dtype as HF does)
+    a = rms(h) ; q, k, v = a @ wq, a @ wk, a @ wv ; q, k = rms_head(q), rms_head(k)   (per-head q/k norms)
+    q, k = rope(q, k; base = rope_local_theta on sliding layers, rope_theta (+ rope_scaling) on full ones)
+    o = softmax(q k^T * query_pre_attn_scalar ** -0.5 + causal & window mask) v   (window on sliding layers only)
+    h = h + rms(o @ wo)                                        (post-attention norm before the residual add)
+    h = h + rms(down(gelu_tanh(rms(h) @ w_gate) * (rms(h) @ w_up)))   (pre- and post-MLP norms)
+    logits = rms(h) @ embed.T                                  (tied; final_logit_softcapping if a config sets it)
+
+Every rms here is Gemma's: normalise in float32, scale by (1 + weight) in float32, cast back.
+
+Params are the loader's layout (`jaxpaged.loader.layout`): per-layer tensors stacked on a leading layer axis, so the
+layers run in one `fori_loop` and the per-layer differences (window, rope table) are data indexed by the layer,
+not separate traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.models.llama import rope_inv_freq
+
+NEG_INF = -1e30
+NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
+
+
+def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32, returned in x's dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
+    """RMSNorm over the last axis. Gemma (rms_norm_unit_offset) scales by (1 + weight) in float32 and casts after;
+    Llama casts first and scales by weight, as each family's HF code does (it matters in 16-bit dtypes)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + config.rms_norm_eps)
+    if config.rms_norm_unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * xf.astype(x.dtype)
+
+
+def layer_rope_tables(config: ModelConfig) -> np.ndarray:
+    """[L, D/2] float32 inverse frequencies of each layer: sliding layers use rope_local_theta without scaling
+    (Gemma 3's local base 10000), full ones rope_theta with rope_scaling."""
+    full = rope_inv_freq(config)
+    if config.rope_local_theta is None:
+        return np.stack([full] * config.num_layers)
+    local = rope_inv_freq(dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+    return np.stack([local if config.layer_window(i) is not None else full for i in range(config.num_layers)])
+
+
+def layer_windows(config: ModelConfig) -> np.ndarray:
+    """[L] int32 sliding window of each layer, NO_WINDOW (0) for layers that see their whole context."""
+    return np.asarray([config.layer_window(i) or NO_WINDOW for i in range(config.num_layers)], np.int32)
+
+
+def attention_scale(config: ModelConfig) -> float:
+    scalar = config.query_pre_attn_scalar or config.head_dim
+    return 1.0 / math.sqrt(scalar)
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, Hx, D]; cos, sin [T, 1, D/2] float32. HF convention: rotate the two halves."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _act(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+    if config.hidden_act == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu
+
+
+def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: jax.Array, *,
+                    scale: float) -> jax.Array:
+    """One sequence, no paging. q [T, Hq, D], k, v [T, Hkv, D], positions [T] int32 (of q and k alike);
+    window: int32 scalar, possibly traced, NO_WINDOW for none. Returns [T, Hq, D] in q's dtype.
+    Token t sees positions p <= t, and p > t - window when a window is set (HF's sliding_window_overlay)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("tkgd,skd->kgts", qg, k.astype(jnp.float32)) * scale  # [Hkv, G, T, T]
+    q_pos, kv_pos = positions[:, None], positions[None, :]
+    mask = (kv_pos <= q_pos) & ((window == NO_WINDOW) | (kv_pos > q_pos - window))  # [T, T]
+    probs = jax.nn.softmax(jnp.where(mask, scores, NEG_INF), axis=-1)
+    out = jnp.einsum("kgts,skd->tkgd", probs, v.astype(jnp.float32))
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+# (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], window int32 scalar) -> [T, Hq, D]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array, attend: Attend, *,
+                  config: ModelConfig) -> jax.Array:
+    """One Gemma 3 layer. p: this layer's params (the loader's per-layer names, unstacked); h [T, H];
+    cos, sin [T, 1, D/2] float32 of this layer's rope base; window int32 scalar. Returns h [T, H]."""
+    c = config
+    num_tokens = h.shape[0]
+    x = rms_norm(h, p["attn_norm"], c)
+    q = _matmul(x, p["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
+    k = _matmul(x, p["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+    v = _matmul(x, p["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:  # over each head's D values, before RoPE
+        q, k = rms_norm(q, p["q_norm"], c), rms_norm(k, p["k_norm"], c)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    out = _matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
+    h = h + (rms_norm(out, p["post_attn_norm"], c) if c.post_norms else out)
+    x = rms_norm(h, p["mlp_norm"], c)
+    out = _matmul(_act(c)(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    return h + (rms_norm(out, p["post_mlp_norm"], c) if c.post_norms else out)
+
+
+def embed(params: dict, token_ids: jax.Array, config: ModelConfig) -> jax.Array:
+    """token_ids [T] int32 -> [T, H] in the params' dtype, scaled by embedding_multiplier rounded to that dtype
+    (HF multiplies by the scale cast to the weight dtype: 25.30 is 25.25 in bf16)."""
+    h = params["embed"][token_ids]
+    if config.embedding_multiplier != 1.0:
+        h = h * jnp.asarray(config.embedding_multiplier, h.dtype)
+    return h
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def forward_dense(params: dict, token_ids: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """One sequence at positions 0..T-1: token_ids [T] int32 -> hidden [T, H] before the final norm."""
+    positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)  # [T]
+    inv_freq = jnp.asarray(layer_rope_tables(config))  # [L, D/2] float32
+    windows = jnp.asarray(layer_windows(config))  # [L] int32
+    scale = attention_scale(config)
+
+    def attend(q, k, v, window):
+        return dense_attention(q, k, v, positions, window, scale=scale)
+
+    def layer_step(i, h):
+        p = jax.tree.map(lambda x: x[i], params["layers"])
+        angles = positions.astype(jnp.float32)[:, None] * inv_freq[i][None, :]  # [T, D/2]
+        cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+        return decoder_layer(p, h, cos, sin, windows[i], attend, config=config)
+
+    return jax.lax.fori_loop(0, config.num_layers, layer_step, embed(params, token_ids, config))
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """hidden [N, H] -> logits [N, V] float32: final norm, LM head (embed.T when tied), final soft-cap."""
+    h = rms_norm(hidden, params["final_norm"], config)
+    lm_head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
+    out = jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+    return _soft_cap(out, config.final_logit_softcapping)
+
+
+def greedy(params: dict, prompt: list[int], num_tokens: int, *, config: ModelConfig) -> list[int]:
+    """`num_tokens` greedy tokens after `prompt`, recomputing the whole sequence each step (a test oracle, not a
+    server: no cache, O(n^2) work). The sequence is padded to its final length so one trace serves every step:
+    attention is causal, so the padding after position n does not change position n's hidden state."""
+    total = len(prompt) + num_tokens
+    ids = np.zeros(total, np.int32)  # [prompt + new] int32, filled as tokens are chosen
+    ids[:len(prompt)] = prompt
+    for n in range(len(prompt), total):
+        hidden = forward_dense(params, jnp.asarray(ids), config=config)  # [total, H]
+        ids[n] = int(jnp.argmax(logits(params, hidden[n - 1:n], config=config)[0]))
+    return ids[len(prompt):].tolist()
