@@ -319,13 +319,14 @@ async def stats(request: web.Request) -> web.Response:
 def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None = None,
               max_body_bytes: int = 4 * 2**20, *, metrics_without_auth: bool = False,
               max_prompt_chars: int | None = None, body_timeout: float = 30.0,
-              write_timeout: float = 30.0, max_prompts_per_request: int = 64) -> web.Application:
+              write_timeout: float = 30.0, max_prompts_per_request: int = 64,
+              tool_call_parser: str | None = None) -> web.Application:
     # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
     open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
     app[ENGINE] = engine
-    app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request)
+    app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser)
     app[LIFECYCLE] = Lifecycle()
     app[MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT] = body_timeout
@@ -436,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a stream whose client reads nothing for this many seconds is aborted and closed")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                   help='parses tool calls out of chat outputs for tool_choice "auto" (required/named need none)')
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     for name in ("max_body_bytes", "max_waiting", "max_prompts_per_request"):
@@ -470,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, names, args.api_key, args.max_body_bytes, metrics_without_auth=args.metrics_without_auth,
                     max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
                     write_timeout=args.write_timeout,
-                    max_prompts_per_request=args.max_prompts_per_request)
+                    max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.keepalive_timeout))
     except OSError as e:  # e.g. the port is taken

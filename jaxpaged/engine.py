@@ -26,6 +26,7 @@ from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
+from jaxpaged.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,20 @@ class _Request:
     arrival_time: float
     beam: BeamState | None = None
     beam_results: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # seq_id -> top
+    grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
+    matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
+
+    def matcher(self, seq: Sequence):
+        """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one."""
+        if self.grammar is None:
+            return None
+        m = self.matchers.get(seq.seq_id)
+        if m is None:
+            m = self.matchers[seq.seq_id] = self.grammar.deep_copy()
+            if seq.output_token_ids and not m.consume_tokens(seq.output_token_ids):
+                raise ValueError(f"structured output: the grammar rejects the tokens so far: {m.get_error()}")
+        return m
 
     def seed_of(self, seq: Sequence) -> int:
         """Sample i of a seeded request draws from its own stream, reproducibly."""
@@ -86,6 +101,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
         self._rng = np.random.default_rng(config.seed)
@@ -126,8 +142,27 @@ class Engine:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
         arrival = arrival_time or time.monotonic()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        so = params.structured_outputs
+        grammar = self.grammars.matcher(so.kind, so.spec) if so is not None else None
+        bad_words_ids = self._bad_words_ids(params.bad_words)
         parent = Sequence(request_id, token_ids, params, arrival_time=arrival, fork_pending=params.n - 1)
-        return _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival)
+        return _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival, grammar=grammar,
+                        bad_words_ids=bad_words_ids)
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and
+        in its middle)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        out: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def make_beam_request(self, request_id: str, prompt: str | list[int] | dict,
                           params: BeamSearchParams) -> _Request:
@@ -343,7 +378,24 @@ class Engine:
         tables = [self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled]
         seeds = [self.requests[s.seq.request_id].seed_of(s.seq) for s in out.scheduled]
         banned = [self._banned(s.seq) for s in out.scheduled]
-        return self.runner.prepare(out, tables, seeds, banned)
+        bitmasks = [self._bitmask(self.requests[s.seq.request_id], s.seq) if s.samples else None
+                    for s in out.scheduled]
+        return self.runner.prepare(out, tables, seeds, banned, bitmasks)
+
+    def _bitmask(self, req: _Request, seq: Sequence) -> np.ndarray | None:
+        """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
+        allowed tokens, minus its bad words (one-token words always, longer ones when the rest was just generated).
+        """
+        matcher = req.matcher(seq)
+        if matcher is None and not req.bad_words_ids:
+            return None
+        mask = np.full(bitmask_words(self.model_config.vocab_size), -1, np.int32)
+        if matcher is not None:
+            fill_bitmask(matcher, mask)
+        out = seq.output_token_ids
+        ban(mask, [w[-1] for w in req.bad_words_ids
+                   if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])])
+        return mask
 
     @contextlib.contextmanager
     def _device_guard(self, out: SchedulerOutput, failed: list[RequestOutput]):
@@ -378,9 +430,9 @@ class Engine:
                              metrics={"arrival_time": req.arrival_time}, error=message)
 
     def _banned(self, seq: Sequence) -> list[int]:
-        """Below min_tokens, EOS and the stop token ids may not be sampled."""
+        """Below min_tokens, EOS and the stop token ids may not be sampled (unless a grammar decides when to end)."""
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        if len(seq.output_token_ids) >= p.min_tokens or p.structured_outputs is not None:
             return []
         eos = [] if p.ignore_eos else sorted(self.eos_token_ids)
         return eos + p.stop_token_ids
@@ -395,6 +447,9 @@ class Engine:
                                                       result["top_logprobs"][row][:p.logprobs], strict=True)}
             top[token] = float(result["logprobs"][row])
             seq.output_top_logprobs.append(top)
+        matcher = req.matcher(seq)
+        if matcher is not None and not matcher.consume_token(token):
+            raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
         detok = req.detokenizers[req.seqs.index(seq)]
         before = len(detok.text)
         detok.add(seq.output_token_ids)
@@ -407,11 +462,14 @@ class Engine:
                 reason, stop_reason = "stop", token
             elif detok.check_stop(len(detok.text) - before) is not None:
                 reason, stop_reason = "stop", detok.stopped_on
+        if reason is None and matcher is not None and matcher.is_stopped():  # the grammar allows nothing more
+            reason = "stop"
         if reason is None and ((p.max_tokens is not None and num_out >= p.max_tokens)
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop_reason
+            req.matchers.pop(seq.seq_id, None)
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:

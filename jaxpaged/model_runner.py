@@ -181,17 +181,15 @@ def pool_block_bytes(config: ModelSpec, block_size: int, dtype, fmt: Format | No
     return 2 * (allocated(2) - allocated(1))
 
 
-def dummy_batch(t: int, s: int, w: int, tile: int, decode_blocks: int | None) -> Batch:
-    """An all-padding batch of one step shape: T tokens, S sequences, block-table width W."""
+def dummy_batch(t: int, s: int, w: int, tile: int, decode_blocks: int | None, vocab_size: int = 0,
+                max_len: int = 0) -> Batch:
+    """An all-padding batch of one step shape: T tokens, S sequences, block-table width W; the sampling metadata's
+    bitmask covers vocab_size tokens and its seen-token rows hold max_len (the model's, fixed at start-up)."""
     attn = AttentionMetadata(
         positions=np.full(t, -1, np.int32), slot_mapping=np.zeros(t, np.int32), block_tables=np.zeros((s, w), np.int32),
         context_lens=np.zeros(s, np.int32), query_start_loc=np.zeros(s + 1, np.int32),
         logits_indices=np.zeros(s, np.int32), tile_size=tile, decode_blocks=decode_blocks)
-    sampling = SamplingMetadata(
-        temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
-        min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
-        step=np.zeros(s, np.int32), want_logprobs=np.array(False),
-        banned=np.full((s, sampler.MAX_BANNED), -1, np.int32))
+    sampling = SamplingMetadata.padding(s, vocab_size, max_len)
     return Batch(np.zeros(t, np.int32), attn, sampling)
 
 
@@ -260,7 +258,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         for shape in tqdm(self.all_shapes(), desc="compiling step shapes", disable=not progress):
-            self._executable(dummy_batch(*shape))
+            self._executable(dummy_batch(*shape, **self._sampling_dims))
         self.warmed_up = True
         return time.perf_counter() - t0
 
@@ -274,16 +272,21 @@ class ModelRunner:
         return self._executables[key]
 
     @property
+    def _sampling_dims(self) -> dict:
+        return {"vocab_size": self.config.vocab_size, "max_len": self.max_model_len}
+
+    @property
     def compiled_shapes(self) -> set[tuple]:
         return set(self._executables)
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
     def prepare(self, out: SchedulerOutput, block_tables: list[list[int]], seeds: list[int],
-                banned: list[list[int]]) -> Batch:
+                banned: list[list[int]], bitmasks: list[np.ndarray | None] | None = None) -> Batch:
         """Lays the scheduled sequences out as one padded batch.
 
-        block_tables, seeds (63-bit), banned (token ids not to sample this step): one per scheduled sequence.
+        block_tables, seeds (63-bit), banned (token ids not to sample this step), bitmasks (the tokens allowed,
+        [ceil(V / 32)] int32, None = all): one per scheduled sequence.
         """
         bs = self.block_size
         n = len(out.scheduled)
@@ -298,7 +301,7 @@ class ModelRunner:
             num_tokens = num_seqs = pick_bucket(self.decode_buckets, n)
             width, decode_blocks = self.max_width, pick_bucket(self.flat_block_buckets(num_seqs), sum(blocks))
 
-        b = dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks)
+        b = dummy_batch(num_tokens, num_seqs, width, tile, decode_blocks, **self._sampling_dims)
         a, sm = b.attn, b.sampling
         start = 0
         for i, (sched, length) in enumerate(zip(out.scheduled, lengths, strict=True)):
@@ -318,6 +321,16 @@ class ModelRunner:
             sm.seed_lo[i], sm.seed_hi[i] = seeds[i] & 0xFFFFFFFF, (seeds[i] >> 32) & 0xFFFFFFFF
             sm.step[i] = len(seq.output_token_ids)
             sm.banned[i, :len(banned[i])] = banned[i][:sampler.MAX_BANNED]
+            if bitmasks is not None and bitmasks[i] is not None:
+                sm.bitmask[i], sm.constrained = bitmasks[i], np.array(True)
+            if p.has_penalties:
+                seen = seq.token_ids
+                sm.seen_tokens[i, :len(seen)], sm.output_start[i] = seen, len(seq.prompt_token_ids)
+                sm.presence_penalty[i], sm.frequency_penalty[i] = p.presence_penalty, p.frequency_penalty
+                sm.repetition_penalty[i], sm.penalized = p.repetition_penalty, np.array(True)
+            if p.logit_bias:
+                sm.bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+                sm.bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
             start += length
         a.query_start_loc[n:] = start
         sm.want_logprobs = np.array(any(s.seq.params.logprobs for s in out.scheduled))

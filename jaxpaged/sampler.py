@@ -12,16 +12,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_BANNED = 8  # EOS / stop token ids masked while a request is below its min_tokens
 
+_FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "step", "want_logprobs", "banned",
+           "bitmask", "constrained", "presence_penalty", "frequency_penalty", "repetition_penalty", "seen_tokens",
+           "output_start", "penalized", "bias_ids", "bias_values"]
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "step", "want_logprobs", "banned"],
-    meta_fields=[])
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=[])
 @dataclasses.dataclass
 class SamplingMetadata:
     """How each of a step's S sequences samples: numpy on the host (built by `ModelRunner.prepare`), device arrays
@@ -36,6 +38,32 @@ class SamplingMetadata:
     step: jax.Array  # [S] int32, index of the token being sampled (folded into the row's key)
     want_logprobs: jax.Array  # [] bool, any row wants top-k log-probs
     banned: jax.Array  # [S, MAX_BANNED] int32, token ids that may not be sampled; -1 = none
+    # Structured output and bad words: bit j of word i allows token 32 i + j; all ones for a free row.
+    bitmask: jax.Array  # [S, ceil(V / 32)] int32
+    constrained: jax.Array  # [] bool, any row's bitmask is not all ones
+    presence_penalty: jax.Array  # [S] float32, 0 = off
+    frequency_penalty: jax.Array  # [S] float32, 0 = off
+    repetition_penalty: jax.Array  # [S] float32, 1 = off
+    # A penalized row's tokens, prompt then output (-1 = padding); fixed width, so no request changes a shape.
+    seen_tokens: jax.Array  # [S, max_model_len] int32
+    output_start: jax.Array  # [S] int32, index in seen_tokens of the first generated token
+    penalized: jax.Array  # [] bool, any row has a penalty
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, -1 = none
+    bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] float32
+
+    @classmethod
+    def padding(cls, s: int, vocab_size: int = 0, max_len: int = 0) -> SamplingMetadata:
+        """Numpy metadata for S rows that sample freely (greedy); the engine fills the scheduled rows."""
+        return cls(
+            temperature=np.zeros(s, np.float32), top_p=np.ones(s, np.float32), top_k=np.full(s, -1, np.int32),
+            min_p=np.zeros(s, np.float32), seed_lo=np.zeros(s, np.uint32), seed_hi=np.zeros(s, np.uint32),
+            step=np.zeros(s, np.int32), want_logprobs=np.array(False),
+            banned=np.full((s, MAX_BANNED), -1, np.int32),
+            bitmask=np.full((s, (vocab_size + 31) // 32), -1, np.int32), constrained=np.array(False),
+            presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
+            repetition_penalty=np.ones(s, np.float32), seen_tokens=np.full((s, max_len), -1, np.int32),
+            output_start=np.zeros(s, np.int32), penalized=np.array(False),
+            bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, np.int32), bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -79,11 +107,46 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
-    """Picks one token per row. logits [S, V] float32."""
+def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+    """Repetition (HF: on prompt and output), frequency and presence (OpenAI: on output) penalties, from the rows'
+    token counts built here. logits [S, V] float32."""
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    seen = s.seen_tokens  # [S, L]
+    valid = seen >= 0
+    ids = jnp.maximum(seen, 0)
+    is_output = valid & (jnp.arange(seen.shape[1])[None, :] >= s.output_start[:, None])
+    counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
+    anywhere = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].max(valid)
+    rep = s.repetition_penalty[:, None]
+    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+
+
+def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's bit is clear. logits [S, V] float32, bitmask [S, W] int32 (tokens past 32 W allowed)."""
+    num_rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])), constant_values=True)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def process_logits(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+    """What a request asks of its logits before sampling: penalties, logit_bias, the structured-output / bad-words
+    bitmask and the min_tokens bans. logits [S, V] float32."""
     rows = jnp.arange(logits.shape[0])[:, None]
+    logits = jax.lax.cond(s.penalized, lambda x: _penalize(x, s), lambda x: x, logits)
+    logits = logits.at[rows, jnp.maximum(s.bias_ids, 0)].add(jnp.where(s.bias_ids >= 0, s.bias_values, 0.0))
+    logits = jax.lax.cond(s.constrained, lambda x: _apply_bitmask(x, s.bitmask), lambda x: x, logits)
     banned = s.banned
-    logits = logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+    return logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
+
+
+def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
+    """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing)."""
+    raw = logits
+    logits = process_logits(logits, s)
     greedy = s.temperature <= 0.0
     temp = jnp.where(greedy, 1.0, s.temperature)
     scaled = logits / temp[:, None]
@@ -94,7 +157,7 @@ def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
     sampled = jnp.argmax(scaled + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(raw, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
     def top(lp):

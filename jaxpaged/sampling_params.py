@@ -20,6 +20,10 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TOKENS = 2**31 - 1  # the device batch holds token counts as int32
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 300  # entries; the sampler holds them at this fixed width
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
+MAX_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
 # Temperatures below this are greedy: logits / 1e-300 overflows float32 and the argmax is what such a request means.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -49,6 +53,63 @@ def _bool(name: str, value) -> None:
         raise TypeError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_CHOICES = 256
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a grammar (vLLM's names): exactly one of a JSON schema (a dict or its JSON text),
+    a regex, a list of choices, a Lark / GBNF grammar, or `json_object=True` (any JSON object).
+
+    The spec is checked here by the grammar engine (llguidance), so an invalid schema is a ValueError that names
+    the field: "structured_outputs.json: ..."."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {', '.join(given) or 'none'}")
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "json" and not isinstance(value, (dict, str)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                            f"not {type(value).__name__}")
+        if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise TypeError(f"structured_outputs.{kind} must be a non-empty string")
+        if kind == "choice":
+            if not isinstance(value, (list, tuple)) or not value or len(value) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} strings")
+            if not all(isinstance(c, str) and c for c in value):
+                raise TypeError("structured_outputs.choice must hold non-empty strings")
+            self.choice = list(value)
+        if kind == "json_object" and value is not True:
+            raise TypeError(f"structured_outputs.json_object must be True or unset, not {value!r}")
+        from jaxpaged.structured_output import validate
+
+        validate(self.kind, self.spec)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The spec as one string (the grammar cache's key with `kind`)."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            return value
+        return _json.dumps(value, sort_keys=True) if self.kind in ("json", "choice") else str(value)
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -71,6 +132,12 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return the chosen token's logprob (and the top-k ones if > 0)
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # minus this times how often each token was generated
+    repetition_penalty: float = 1.0  # HF's: logits of prompt or generated tokens divided (> 0) or multiplied by it
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    bad_words: list[str] | None = None  # words whose tokens may not be generated
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -98,6 +165,21 @@ class SamplingParams:
             _bool(name, getattr(self, name))
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name}={value} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is off)")
+        self.logit_bias = self._logit_bias(self.logit_bias)
+        self.bad_words = self._bad_words(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, "
+                            f"not {type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:
@@ -130,11 +212,50 @@ class SamplingParams:
             _int("stop_token_ids", t, 0, 2**31 - 1)
         return [int(t) for t in ids]
 
+    @staticmethod
+    def _logit_bias(bias) -> dict[int, float]:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias={bias!r} must be a dict of token id -> bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        out = {}
+        for t, b in bias.items():
+            _int("logit_bias", t, 0, 2**31 - 1)
+            b = _float("logit_bias", b)
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias[{t}]={b} must be in [-100, 100]")
+            out[int(t)] = b
+        return out
+
+    @staticmethod
+    def _bad_words(words) -> list[str]:
+        if words is None:
+            return []
+        if isinstance(words, str) or not isinstance(words, (list, tuple)):
+            raise TypeError(f"bad_words={words!r} must be a list of strings")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(words)} strings; at most {MAX_BAD_WORDS} are allowed")
+        for w in words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must hold non-blank strings, got {w!r}")
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words strings must be at most {MAX_BAD_WORD_CHARS} characters")
+        return list(words)
+
     def check_against_model(self, vocab_size: int) -> None:
         """What needs the model: every token id must name a token of its vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

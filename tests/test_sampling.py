@@ -70,11 +70,8 @@ def test_sampled_tokens_follow_the_model_distribution():
 
     vocab, rows = 24, 4000
     logits = np.tile(np.linspace(-3.0, 1.5, vocab, dtype=np.float32), (rows, 1))
-    s = sampler.SamplingMetadata(
-        temperature=jnp.full(rows, 0.8), top_p=jnp.ones(rows), top_k=jnp.full(rows, -1, jnp.int32),
-        min_p=jnp.zeros(rows), seed_lo=jnp.arange(rows, dtype=jnp.uint32), seed_hi=jnp.zeros(rows, jnp.uint32),
-        step=jnp.zeros(rows, jnp.int32), want_logprobs=jnp.array(False),
-        banned=jnp.full((rows, sampler.MAX_BANNED), -1, jnp.int32))
+    s = sampler.SamplingMetadata.padding(rows, vocab)
+    s.temperature, s.seed_lo = jnp.full(rows, 0.8), jnp.arange(rows, dtype=jnp.uint32)
     got = np.bincount(np.asarray(sampler.sample(jnp.asarray(logits), s).tokens), minlength=vocab) / rows
     p = np.exp(logits[0] / 0.8)
     p /= p.sum()

@@ -7,12 +7,13 @@ neutral value, with a 400 that names the field.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -44,6 +45,18 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(_Body):
     """The sampling fields both endpoints share (OpenAI's names; top_k, min_p and the rest as vLLM extends them)."""
 
@@ -63,7 +76,14 @@ class _SamplingRequest(_Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # vLLM's extensions
+    bad_words: list[str] | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -71,17 +91,6 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise OpenAIError(f"{name}={value} is not supported by this server; only 0 (the default) is",
-                                  param=name, code="unsupported_parameter")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise OpenAIError(f"repetition_penalty={self.repetition_penalty} is not supported; only 1.0 is",
-                              param="repetition_penalty", code="unsupported_parameter")
-        if self.logit_bias:
-            raise OpenAIError("logit_bias is not supported by this server", param="logit_bias",
-                              code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
 
@@ -89,7 +98,43 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The one structured-output constraint the body sets (response_format, structured_outputs or a guided_*
+        field) and the field that set it; two at once is a 400."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise OpenAIError("response_format of type 'json_schema' needs json_schema.schema",
+                                  param="response_format")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                given.append((f"guided_{kind}", {kind: value}))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            raise OpenAIError(f"{given[0][0]} and {given[1][0]} both constrain the output; set one",
+                              param=given[1][0])
+        param, spec = given[0]
+        try:
+            return StructuredOutputsParams(**spec), param
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"{param}: {e}", param=param) from e
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        if structured is None:
+            structured = self.structured_output_request()[0]
+        try:
+            bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise OpenAIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -97,7 +142,10 @@ class _SamplingRequest(_Body):
                 min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=bias, bad_words=self.bad_words, structured_outputs=structured)
         except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
             field = re.match(r"[a-z_]+", str(e))
             raise OpenAIError(str(e), param=field.group(0) if field else None) from e
@@ -141,10 +189,23 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
 
     def as_template_message(self) -> dict:
         content = self.content if isinstance(self.content, str) or self.content is None else \
@@ -153,11 +214,44 @@ class ChatMessage(_Body):
         message = {"role": role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # Templates iterate over the arguments as a mapping (as transformers' own examples pass them).
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return message
 
 
-class ResponseFormat(_Body):
-    type: str
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_tool(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -167,24 +261,57 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     add_generation_prompt: bool = True
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise OpenAIError("tools (function calling) are not supported by this server", param="tools",
-                              code="unsupported_parameter")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise OpenAIError("tool_choice is not supported by this server", param="tool_choice",
-                              code="unsupported_parameter")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise OpenAIError(f"response_format type {self.response_format.type!r} is not supported; only 'text'",
-                              param="response_format", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise OpenAIError("tool_choice needs tools: there is no function to call", param="tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise OpenAIError("tools must have distinct function names", param="tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise OpenAIError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not in "
+                              f"tools ({', '.join(names)})", param="tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (the default: "auto" with tools, "none" without)."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict] | None:
+        return [t.as_template_tool() for t in self.tools] if self.tools else None
+
+    def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """tool_choice "required" or a named function constrains the output to valid calls of the tools."""
+        from jaxpaged.entrypoints.tool_parsers import parameters_schema, required_schema
+
+        structured, param = super().structured_output_request()
+        mode = self.tool_mode
+        if mode not in ("required", "named"):
+            return structured, param
+        if structured is not None:
+            raise OpenAIError(f"tool_choice={mode!r} already constrains the output; {param} cannot be set with it",
+                              param=param)
+        tools = [t.as_template_tool() for t in self.tools]
+        if mode == "named":
+            chosen = next(t for t in tools if t["function"]["name"] == self.tool_choice.function.name)
+            schema = parameters_schema(chosen["function"])
+        else:
+            schema = required_schema(tools)
+        try:
+            return StructuredOutputsParams(json=schema), "tools"
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"tools: a function's parameters are not a valid JSON schema: {e}",
+                              param="tools") from e
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -251,7 +378,8 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     return OpenAIError(message, param=param)
 
 
-_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart", "ChatMessage"}
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart", "ChatMessage",
+               "NamedToolChoice", "Tool", "ToolCallMessage"}
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "OpenAIError",
            "TokenizeRequest", "error_body", "parse_body"]

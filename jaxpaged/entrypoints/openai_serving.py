@@ -33,6 +33,7 @@ from jaxpaged.entrypoints.openai_protocol import (
     TokenizeRequest,
 )
 from jaxpaged.entrypoints.tokenization import PromptTokenizer
+from jaxpaged.entrypoints.tool_parsers import ToolCall, calls_from_required, tool_parser
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 
 
@@ -57,9 +58,10 @@ class OpenAIServing:
     the longest text that could fit in max_model_len tokens (see `tokenization.py`)."""
 
     def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompt_chars: int | None = None,
-                 max_prompts_per_request: int = 64):
+                 max_prompts_per_request: int = 64, tool_call_parser: str | None = None):
         if not model_names:
             raise ValueError("model_names must name at least one model")
+        self.tool_parser = tool_parser(tool_call_parser)  # None: tool_choice "auto" is refused
         self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
@@ -124,17 +126,27 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest) -> dict | ChunkStream:
         model = self._check_model(body.model)
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+        if body.tool_mode == "auto" and self.tool_parser is None:
+            raise OpenAIError('tool_choice "auto" needs the server started with --tool-call-parser; use "none", '
+                              '"required" or a named function', param="tool_choice")
+        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
+        structured, _ = body.structured_output_request()
         ctx = await self._start("chatcmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.engine_logprobs))
+                                body.sampling_params(max_tokens, body.engine_logprobs, structured))
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason} for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            content, calls, finish = self._tool_calls(body, o)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            choices.append({"index": o.index, "message": message,
+                            "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
+                            "finish_reason": finish, "stop_reason": o.stop_reason})
         return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage([out])}
 
@@ -227,8 +239,58 @@ class OpenAIServing:
         if body.include_usage and final is not None:
             yield chunk([], usage=_usage([final]))
 
+    def _tool_calls(self, body: ChatCompletionRequest, o: CompletionOutput) -> tuple[str | None, list[ToolCall], str]:
+        """(content, tool calls, finish_reason) of a finished choice."""
+        mode = body.tool_mode
+        if mode == "none" or o.finish_reason not in ("stop", "length"):
+            return o.text, [], o.finish_reason
+        try:
+            if mode == "named":
+                return None, [ToolCall(body.tool_choice.function.name, o.text)], o.finish_reason
+            if mode == "required":
+                return None, calls_from_required(o.text), "tool_calls"
+        except ValueError:  # cut off by max_tokens before the JSON closed
+            return o.text, [], o.finish_reason
+        content, calls = self.tool_parser.extract(o.text)
+        return content, calls, "tool_calls" if calls else o.finish_reason
+
+    def _chat_tool_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
+                         states: dict[int, _ChoiceState]) -> dict | None:
+        """Streaming with tools: a named function's arguments stream as they are generated (after one delta with
+        its id and name); "required" and "auto" outputs are parsed when the choice finishes."""
+        st = states.setdefault(o.index, _ChoiceState())
+        if st.done:
+            return None
+        finished = o.finish_reason is not None
+        delta: dict = {}
+        if body.tool_mode == "named" and o.finish_reason in (None, "stop", "length"):
+            piece = o.text[st.chars:]
+            call = {"index": 0, "function": {"arguments": piece}}
+            if not st.started:
+                call = ToolCall(body.tool_choice.function.name, piece).as_openai(index=0)
+            if piece or not st.started:
+                delta = {"tool_calls": [call]}
+            st.started = True
+            finish = o.finish_reason
+        elif finished:
+            content, calls, finish = self._tool_calls(body, o)
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [c.as_openai(index=i) for i, c in enumerate(calls)]
+        else:
+            return None
+        st.done = finished
+        st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
+        if not (delta or finished):
+            return None
+        lp = self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs and finished else None
+        return {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                "stop_reason": o.stop_reason}
+
     def _chat_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
                     states: dict[int, _ChoiceState]) -> dict | None:
+        if body.tool_mode != "none":
+            return self._chat_tool_delta(body, o, states)
         st = states.setdefault(o.index, _ChoiceState())
         if st.done:
             return None
@@ -244,11 +306,12 @@ class OpenAIServing:
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
-    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                        tools: list[dict] | None = None) -> list[int]:
         conversation = [m.as_template_message() for m in messages]
         self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt, tools)
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
         except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors

@@ -53,8 +53,9 @@ class PromptTokenizer:
         """The text of `token_ids`, special tokens included (so that decode inverts encode)."""
         return await self._run(self._decode, token_ids)
 
-    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt)
+    async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                                  tools: list[dict] | None = None) -> list[int]:
+        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt, tools)
 
     async def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each token's vocabulary entry (vLLM's `token_strs`: byte-level pieces as the vocabulary spells them)."""

@@ -1,0 +1,104 @@
+"""Tool calls in a chat model's output text, as vLLM's `--tool-call-parser` names them, and the JSON schemas that
+make `tool_choice` "required" / a named function a structured-output constraint (so the call is always valid).
+
+    hermes   <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (Qwen 2.5+, Hermes, many others);
+             the text outside them is the message content
+    llama3_json  the whole output is {"name": ..., "parameters": {...}} (or several joined by ";"), optionally
+             after <|python_tag|>
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+
+    def as_openai(self, index: int | None = None) -> dict:
+        call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call(obj, args_keys: tuple[str, ...]) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser:
+    _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls); the text is content alone when a block does not parse."""
+        if "<tool_call>" not in text:
+            return text, []
+        calls = []
+        for m in self._BLOCK.finditer(text):
+            try:
+                call = _call(json.loads(m.group(1).strip()), ("arguments", "parameters"))
+            except ValueError:
+                return text, []
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = self._BLOCK.sub("", text).strip()
+        return content or None, calls
+
+
+class Llama3JsonToolParser:
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        decoder = json.JSONDecoder()
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except ValueError:
+                return text, []
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            pos = end
+            while pos < len(body) and body[pos] in " \n\t;":
+                pos += 1
+        return None, calls
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+
+def tool_parser(name: str | None):
+    if name is None:
+        return None
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"tool_call_parser={name!r}; choose one of {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()
+
+
+def parameters_schema(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+def required_schema(tools: list[dict]) -> dict:
+    """tool_choice "required": a non-empty JSON array of {"name", "parameters"} calls of the given functions."""
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                          "parameters": parameters_schema(t["function"])},
+         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+
+
+def calls_from_required(text: str) -> list[ToolCall]:
+    """The calls of a "required" output (a JSON array, valid by construction)."""
+    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
