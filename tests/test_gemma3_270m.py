@@ -195,16 +195,19 @@ def test_engine_greedy_tokens_and_first_logprobs_match_transformers(llm, hf, pro
     assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
 
 
-def test_chat_template_and_end_of_turn(llm, hf):
-    """The GGUF's chat template (as transformers renders it) and <end_of_turn> as EOS: a chat answer stops."""
+def test_chat_template_and_end_of_turn(llm):
+    """The GGUF carries no chat template, so the loader gives Gemma 3's (GEMMA3_CHAT_TEMPLATE), and <end_of_turn>
+    is an EOS id. (This 270M is the base model, not instruction-tuned: it does not answer chats, so only the prompt
+    and the stop ids are checked here, not an answer.)"""
     from jaxpaged import SamplingParams
 
-    _, tokenizer = hf
-    conversation = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    tokenizer = llm.tokenizer
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is the capital of France?"}]
     ids = llm.apply_chat_template(conversation)
-    assert ids == tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
-    assert end_of_turn in llm.engine.eos_token_ids
-    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=32), use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and len(out.token_ids) < 32, out
-    assert "Paris" in out.text, out.text
+    text = ("<bos><start_of_turn>user\nBe brief.\n\nWhat is the capital of France?<end_of_turn>\n"
+            "<start_of_turn>model\n")
+    assert ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
+    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4
