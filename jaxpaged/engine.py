@@ -19,7 +19,7 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
-from jaxpaged.models import check_model, llama
+from jaxpaged.models import check_model, families
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.pool_view import MAX_CELLS, pool_view
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
@@ -72,8 +72,9 @@ class _Request:
 class Engine:
     def __init__(self, model_config: ModelConfig, params: dict | nnx.State, tokenizer,
                  config: EngineConfig | None = None):
-        """A Llama-family model from its config and parameters (`jaxpaged.loader`'s layout, a dict or nnx.State)."""
-        self._setup(llama.from_params(model_config, params), tokenizer, config)
+        """The architecture's model (`jaxpaged.models.families`: the Llama family, Gemma 3) from its config and
+        parameters (`jaxpaged.loader`'s layout, a dict or nnx.State)."""
+        self._setup(families.from_params(model_config, params), tokenizer, config)
 
     @classmethod
     def from_model(cls, model: nnx.Module, tokenizer, config: EngineConfig | None = None) -> Engine:

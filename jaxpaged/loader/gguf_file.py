@@ -219,7 +219,30 @@ def load_gguf(path: str) -> tuple[ModelConfig, dict]:
     return config, assemble(config, fetch, np.float32)
 
 
+# Gemma 3's chat format (google/gemma-3-*-it's tokenizer_config.json, its text part), for Gemma GGUFs that carry no
+# template (llama.cpp knows the format by the model, not from the file): a system message prefixes the first user
+# turn; assistant turns are "model" turns; every turn ends with <end_of_turn>.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
 def chat_template_of(path: str) -> str | None:
+    """The file's tokenizer.chat_template; for a gemma3 file without one, Gemma 3's (GEMMA3_CHAT_TEMPLATE)."""
     from gguf import GGUFReader
 
-    return field(GGUFReader(path), "tokenizer.chat_template")
+    reader = GGUFReader(path)
+    template = field(reader, "tokenizer.chat_template")
+    if template is None and field(reader, "general.architecture") == "gemma3":
+        return GEMMA3_CHAT_TEMPLATE
+    return template

@@ -1,8 +1,8 @@
 """Gemma 3 (text) as a pure-JAX reference over dense, non-paged attention: one sequence, every position.
 
-This pins down each Gemma 3 detail against transformers' `Gemma3ForCausalLM` before the paged model is written on
-the engine's model seam (it then becomes an nnx module whose layer body is `decoder_layer` with the paged attention
-backend in place of `dense_attention`). Per layer i, with x [T, H]:
+This pins down each Gemma 3 detail against transformers' `Gemma3ForCausalLM`; the paged model the engine serves,
+`Gemma3ForCausalLM` at the end of this file, is an nnx module whose layer body is the same `decoder_layer` with the
+paged attention backend in place of `dense_attention`. Per layer i, with x [T, H]:
 
     h = embed[token_ids] * embedding_multiplier               (sqrt(hidden), rounded to the weight dtype as HF does)
     a = rms(h) ; q, k, v = a @ wq, a @ wk, a @ wv ; q, k = rms_head(q), rms_head(k)   (per-head q/k norms)
@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import rope_inv_freq
@@ -179,3 +180,110 @@ def greedy(params: dict, prompt: list[int], num_tokens: int, *, config: ModelCon
         hidden = forward_dense(params, jnp.asarray(ids), config=config)  # [total, H]
         ids[n] = int(jnp.argmax(logits(params, hidden[n - 1:n], config=config)[0]))
     return ids[len(prompt):].tolist()
+
+
+# --- the paged module the engine serves ------------------------------------------------------------------------------
+
+
+def layer_period(config: ModelConfig) -> int:
+    """The shortest P with layer i's type equal to layer (i mod P)'s for every layer (Gemma 3: 6, five sliding
+    layers then a full one; 1 when every layer has the same window). The paged model runs the layers in groups of P
+    whose windows and rope bases are static, and the last num_layers % P layers unrolled after them."""
+    types = config.layer_types or ("same",) * config.num_layers
+    return next(p for p in range(1, len(types) + 1) if all(types[i] == types[i % p] for i in range(len(types))))
+
+
+class Gemma3Layers(nnx.Module):
+    """Every decoder layer's parameters, stacked on a leading layer axis under the loader's names (`layers/wq`
+    [L, H, Hq*D], ...; `jaxpaged.loader.layout`). Random init: matrices N(0, 1/fan_in), norm weights 0 (scale 1)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        from jaxpaged.loader.layout import expected_shapes, layer_names
+
+        shapes = expected_shapes(config)["layers"]
+        self.names = layer_names(config)
+        for name in self.names:
+            shape = shapes[name]
+            if len(shape) == 3:
+                value = nnx.initializers.normal(1.0 / math.sqrt(shape[1]))(rngs.params(), shape, dtype)
+            else:
+                value = jnp.zeros(shape, dtype)
+            setattr(self, name, nnx.Param(value))
+
+    def stacked(self) -> dict:
+        return {name: getattr(self, name)[...] for name in self.names}
+
+
+class Gemma3ForCausalLM(nnx.Module):
+    """Gemma 3 (text) over the paged KV pool, on the model contract (`jaxpaged.models.contract`):
+
+        hidden, kv_pool = model(token_ids, kv_pool, md, attn)   # [T] int32 -> [T, H], pool written and returned
+        logits = model.logits(hidden)                          # [S, H] -> [S, V] float32
+
+    The layer body is `decoder_layer` (the dense reference's), with the attention backend in place of dense
+    attention. Sliding and full layers differ in a static argument of the kernels (`sliding_window`) and in their
+    rope base, so the layers run in a `fori_loop` over groups of `layer_period(config)` layers (Gemma 3: 5 sliding
+    + 1 full) whose body unrolls the group with each layer's static window and rope table; the last
+    num_layers % period layers (Gemma 3 1B: 26 = 4 * 6 + 2) are unrolled after the loop. Pool layer of group g's
+    j-th layer: g * period + j. The loop carries the pool, so it is updated in place; compile time grows with the
+    period, not with depth. Queries scale by query_pre_attn_scalar ** -0.5 (`scale=`)."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.config = config
+        H, V = config.hidden_size, config.vocab_size
+        self.embed = nnx.Param(nnx.initializers.normal(1.0)(rngs.params(), (V, H), dtype))
+        self.layers = Gemma3Layers(config, rngs=rngs, dtype=dtype)
+        self.final_norm = nnx.Param(jnp.zeros((H,), dtype))
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(H))(rngs.params(), (H, V), dtype))
+
+    def __call__(self, token_ids: jax.Array, kv_pool, md, attn) -> tuple[jax.Array, object]:
+        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written)."""
+        c = self.config
+        period = layer_period(c)
+        num_groups = c.num_layers // period
+        scale = attention_scale(c)
+        stacked = self.layers.stacked()  # name -> [L, ...]
+        tables = layer_rope_tables(c)  # [L, D/2] numpy, constants of the architecture
+        positions = jnp.maximum(md.positions, 0).astype(jnp.float32)[:, None]  # [T, 1]; padding (-1) -> 0
+        rope: dict = {}  # table bytes -> (cos, sin) [T, 1, D/2], built before the loop and shared by its layers
+        for j in range(period):
+            key = tables[j].tobytes()
+            if key not in rope:
+                angles = positions * jnp.asarray(tables[j])[None, :]  # [T, D/2]
+                rope[key] = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+
+        def run_layer(layer, j: int, h, pool):
+            """Layer `layer` (traced in the loop, static in the tail), of the same type as layer j < period."""
+            window = c.layer_window(j)
+            p = jax.tree.map(lambda x: x[layer], stacked)
+            box = [pool]
+
+            def attend(q, k, v, _window):
+                out, box[0] = attn(q, k, v, box[0], layer, md, scale=scale, sliding_window=window)
+                return out
+
+            cos, sin = rope[tables[j].tobytes()]
+            h = decoder_layer(p, h, cos, sin, jnp.int32(window or NO_WINDOW), attend, config=c)
+            return h, box[0]
+
+        def group(g, carry):
+            h, pool = carry
+            for j in range(period):
+                h, pool = run_layer(g * period + j, j, h, pool)
+            return h, pool
+
+        carry = (embed({"embed": self.embed[...]}, token_ids, c), kv_pool)
+        if num_groups:
+            carry = jax.lax.fori_loop(0, num_groups, group, carry)
+        for i in range(num_groups * period, c.num_layers):
+            carry = run_layer(i, i % period, *carry)
+        return carry
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [S, H] -> logits [S, V] float32: final norm, LM head (embed.T when tied), final soft-cap."""
+        c = self.config
+        h = rms_norm(hidden, self.final_norm[...], c)
+        lm_head = self.embed[...].T if c.tie_word_embeddings else self.lm_head[...]  # [H, V]
+        return _soft_cap(jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32),
+                         c.final_logit_softcapping)

@@ -119,8 +119,8 @@ def check_config(config: ModelConfig) -> None:
     unsupported = [name for name, value in _LLAMA_DEFAULTS.items() if getattr(config, name) != value]
     if unsupported:
         raise ValueError(f"architecture={config.architecture!r} cannot run as LlamaForCausalLM: it does not implement "
-                         f"{', '.join(unsupported)}. Gemma 3 has a dense reference forward (jaxpaged.models.gemma3) "
-                         "but no paged model in the engine yet")
+                         f"{', '.join(unsupported)}. Gemma 3 (architecture='gemma3') "
+                         "is served by jaxpaged.models.gemma3.Gemma3ForCausalLM (jaxpaged.models.families picks it)")
 
 
 class LlamaForCausalLM(nnx.Module):
