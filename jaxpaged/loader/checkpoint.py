@@ -100,7 +100,7 @@ def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, d
     config = read_config(directory)
     if not parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split:
         return None
-    _, abstract = nnx.split(llama.abstract_model(config))
+    _, abstract = nnx.split(families.abstract_model(config))
     pure = nnx.to_pure_dict(abstract)
     specs = parallel.llama_partition_specs(pure, mesh.size)
     nnx.replace_by_pure_dict(abstract, jax.tree.map(
