@@ -161,7 +161,7 @@ def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
     `jaxpaged.parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter placed straight
     into its shards (cast on the host first, so no device ever holds a whole split tensor)."""
     from jaxpaged import parallel
-    from jaxpaged.models import llama
+    from jaxpaged.models import families, llama
 
     if not isinstance(model, llama.LlamaForCausalLM):
         raise ValueError(f"tensor_parallel_size > 1 splits Llama-family models (LlamaForCausalLM); "
@@ -180,7 +180,7 @@ def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
         params = parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
         placed = parallel.place(params, parallel.llama_partition_specs(params, tp), mesh, dtype)
     config = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
-    graphdef, state = nnx.split(llama.from_params(config, placed))
+    graphdef, state = nnx.split(families.from_params(config, placed))
     return graphdef, state, config
 
 

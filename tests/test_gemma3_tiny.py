@@ -156,9 +156,9 @@ def test_the_llama_module_refuses_a_gemma_config():
     Llama's layers (the engine serves Gemma 3 with Gemma3ForCausalLM, picked by jaxpaged.models.families)."""
     from jaxpaged.models import llama
 
-    config, params = ours(hf_model("base"))
+    config, _ = ours(hf_model("base"))
     with pytest.raises(ValueError, match="architecture='gemma3' cannot run as LlamaForCausalLM.*post_norms"):
-        llama.param_state(config, params)
+        llama.abstract_model(config)
 
 
 def test_bad_gemma_config_fields_are_named():

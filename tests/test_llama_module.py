@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from jaxpaged.loader.layout import expected_shapes
-from jaxpaged.models import llama
+from jaxpaged.models import families, llama
 from tests.tiny import random_params, tiny_config
 
 
@@ -26,12 +26,12 @@ def test_module_state_is_the_loader_layout_with_layers_stacked(kw):
 def test_from_params_names_what_does_not_fit():
     config = tiny_config()
     params = random_params(config)
-    model = llama.from_params(config, params)
+    model = families.from_params(config, params)
     np.testing.assert_array_equal(np.asarray(model.layers.wq[...]), params["layers"]["wq"])
     del params["layers"]["w_up"]
     with pytest.raises(ValueError, match=r"params/layers: missing \['w_up'\]"):
-        llama.from_params(config, params)
+        families.from_params(config, params)
     params = random_params(config)
     params["embed"] = params["embed"][:, :-1]
     with pytest.raises(ValueError, match=r"params/embed has shape \(96, 31\), expected \(96, 32\)"):
-        llama.from_params(config, params)
+        families.from_params(config, params)

@@ -39,7 +39,7 @@ from jaxpaged.model_runner import (
     pool_block_bytes,
     pool_format,
 )
-from jaxpaged.models import llama
+from jaxpaged.models import families
 from pallas_kernels.attention import paged_attention
 from tests.hlo_checks import computations_with, pool_copies
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
@@ -74,7 +74,7 @@ def compile_tpu_step(device, fmt: Format | None, shape: tuple) -> tuple[str, tup
     def abstract(x, where=sharding):
         return jax.ShapeDtypeStruct(np.shape(x), jnp.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=where)
 
-    graphdef, state = nnx.split(llama.from_params(config, random_params(config)))
+    graphdef, state = nnx.split(families.from_params(config, random_params(config)))
     state = jax.tree.map(abstract, state)  # bfloat16, as build_runner casts them
     pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     pool = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16, sharding=fmt or sharding)

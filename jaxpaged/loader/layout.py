@@ -1,5 +1,5 @@
 """The params pytree every loader assembles, one tensor at a time: the pure-dict form of the `nnx.State` of
-`jaxpaged.models.llama.LlamaForCausalLM` (`llama.param_state` wraps it).
+`jaxpaged.models.llama.LlamaForCausalLM` (`models.families.param_state` wraps it).
 
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied: the model uses embed.T)
   layers (stacked on a leading layer axis L):

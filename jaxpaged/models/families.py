@@ -8,6 +8,7 @@ Both hold their parameters in `jaxpaged.loader.layout`'s layout, so `nnx.to_pure
 
 from __future__ import annotations
 
+import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
@@ -28,6 +29,7 @@ def abstract_model(config: ModelConfig) -> nnx.Module:
     cls = module_class(config)
     return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
 
+
 def param_state(config: ModelConfig, params: dict | nnx.State) -> nnx.State:
     """The architecture's module state holding `params` (layout dict or State; arrays kept as they are).
     Raises ValueError naming a missing, extra or misshapen tensor."""
@@ -40,11 +42,20 @@ def from_params(config: ModelConfig, params: dict | nnx.State) -> nnx.Module:
 
 
 def _split_with(config: ModelConfig, params: dict | nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
-    from jaxpaged.models.llama import _check_tree
-
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
     graphdef, state = nnx.split(abstract_model(config))
     _check_tree(params, nnx.to_pure_dict(state), "")
     nnx.replace_by_pure_dict(state, params)
     return graphdef, state
+
+
+def _check_tree(got: dict, want: dict, where: str) -> None:
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise ValueError(f"params{where}: missing {missing}, unexpected {extra} for this config")
+    for key, w in want.items():
+        if isinstance(w, dict):
+            _check_tree(got[key], w, f"{where}/{key}")
+        elif tuple(np.shape(got[key])) != tuple(w.shape):
+            raise ValueError(f"params{where}/{key} has shape {tuple(np.shape(got[key]))}, expected {tuple(w.shape)}")

@@ -1,7 +1,7 @@
 """The Llama family (Llama 2/3 incl. llama3 rope scaling, Mistral with a sliding window, Qwen2 with q/k/v biases,
 Qwen3 with per-head q/k RMSNorm, SmolLM2) as `flax.nnx` modules over a paged KV pool.
 
-    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))        # random weights, or `from_params(config, params)`
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))   # random weights; families.from_params(config, params)
     hidden, kv_pool = model(token_ids, kv_pool, md, attn)     # [T] int32 -> [T, H]; the pool written and returned
     logits = model.logits(hidden[md.logits_indices])          # [S, H] -> [S, V] float32
 
@@ -168,37 +168,6 @@ class LlamaForCausalLM(nnx.Module):
 def abstract_model(config: ModelConfig) -> LlamaForCausalLM:
     """The module with ShapeDtypeStructs for parameters: its structure, nothing allocated or initialised."""
     return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-
-
-def param_state(config: ModelConfig, params: dict | nnx.State) -> nnx.State:
-    """The module's `nnx.State` holding `params` (a nested dict in `jaxpaged.loader.layout`'s layout, or a State;
-    numpy or JAX arrays, kept as they are). Raises ValueError naming a missing, extra or misshapen tensor."""
-    return _split_with(config, params)[1]
-
-
-def from_params(config: ModelConfig, params: dict | nnx.State) -> LlamaForCausalLM:
-    """The module with the given parameters (see `param_state`)."""
-    return nnx.merge(*_split_with(config, params))
-
-
-def _split_with(config: ModelConfig, params: dict | nnx.State) -> tuple[nnx.GraphDef, nnx.State]:
-    if isinstance(params, nnx.State):
-        params = nnx.to_pure_dict(params)
-    graphdef, state = nnx.split(abstract_model(config))
-    _check_tree(params, nnx.to_pure_dict(state), "")
-    nnx.replace_by_pure_dict(state, params)
-    return graphdef, state
-
-
-def _check_tree(got: dict, want: dict, where: str) -> None:
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if missing or extra:
-        raise ValueError(f"params{where}: missing {missing}, unexpected {extra} for this config")
-    for key, w in want.items():
-        if isinstance(w, dict):
-            _check_tree(got[key], w, f"{where}/{key}")
-        elif tuple(np.shape(got[key])) != tuple(w.shape):
-            raise ValueError(f"params{where}/{key} has shape {tuple(np.shape(got[key]))}, expected {tuple(w.shape)}")
 
 
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
