@@ -237,3 +237,23 @@ def test_requests_too_big_for_the_engine_are_refused_and_leak_nothing(llm):
         llm.beam_search([{"prompt_token_ids": [3] * 40}], BeamSearchParams(beam_width=2, max_tokens=30),
                         use_tqdm=False)
     still_serves(llm)
+
+
+def test_llm_chat_renders_tools_through_the_template():
+    """LLM.chat(tools=...) hands OpenAI function definitions to the chat template, as vLLM's LLM.chat does."""
+    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                         "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}")
+    config = tiny_config(vocab_size=TINY_VOCAB)
+    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
+                          precompile=False, show_progress=False)
+    conversation = [{"role": "user", "content": "what is the weather"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with_tools = llm.apply_chat_template(conversation, tools=tools)
+    assert with_tools == tok("tools: get_weather user: what is the weather ")["input_ids"]
+    assert llm.apply_chat_template(conversation) == tok("user: what is the weather ")["input_ids"]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False,
+                   tools=tools)[0]
+    assert out.prompt_token_ids == with_tools and len(out.outputs[0].token_ids) == 3

@@ -158,17 +158,20 @@ class LLM:
             for o in out.outputs])
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template."""
+             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+        """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template.
+        tools: OpenAI function definitions, rendered by the template (as vLLM's `LLM.chat`; the text is returned as
+        generated: constrain it with `SamplingParams(structured_outputs=...)` to get a valid call)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, tools)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools)
 
     def stats(self) -> dict:
         return self.engine.stats()
