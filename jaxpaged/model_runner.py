@@ -333,7 +333,7 @@ class ModelRunner:
                 sm.bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
             start += length
         a.query_start_loc[n:] = start
-        sm.want_logprobs = np.array(any(s.seq.params.logprobs for s in out.scheduled))
+        sm.want_logprobs = np.array(any(s.seq.params.logprobs is not None for s in out.scheduled))
         return b
 
     def execute(self, batch: Batch) -> dict[str, np.ndarray]:

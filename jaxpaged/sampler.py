@@ -36,7 +36,7 @@ class SamplingMetadata:
     seed_lo: jax.Array  # [S] uint32, low half of the request's 64-bit seed
     seed_hi: jax.Array  # [S] uint32
     step: jax.Array  # [S] int32, index of the token being sampled (folded into the row's key)
-    want_logprobs: jax.Array  # [] bool, any row wants top-k log-probs
+    want_logprobs: jax.Array  # [] bool, any row wants log-probs (its chosen token's, and the top-k)
     banned: jax.Array  # [S, MAX_BANNED] int32, token ids that may not be sampled; -1 = none
     # Structured output and bad words: bit j of word i allows token 32 i + j; all ones for a free row.
     bitmask: jax.Array  # [S, ceil(V / 32)] int32
@@ -71,7 +71,7 @@ class SamplingMetadata:
 @dataclasses.dataclass
 class SamplerOutput:
     tokens: jax.Array  # [S] int32
-    logprobs: jax.Array  # [S] float32, of the chosen token under the model's distribution
+    logprobs: jax.Array  # [S] float32, of the chosen token under the model's distribution (0 unless want_logprobs)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 (zeros unless want_logprobs)
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
@@ -152,21 +152,27 @@ def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
     scaled = logits / temp[:, None]
     needs_filter = jnp.any(~greedy & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)))
     scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
-    keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1)
+    # Greedy rows pay for no randomness and nobody pays for log-probs unasked: a step whose rows are all greedy
+    # draws no Gumbel noise over the vocabulary, and one where no row wants log-probs computes no log-softmax. Each
+    # row's result is the same either way (its noise comes from its own key), so batch invariance holds.
+    def draw(x):
+        keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
+        return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+
+    sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), scaled)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
 
-    logp = jax.nn.log_softmax(raw, axis=-1)
-    chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    def with_logprobs(raw):
+        logp = jax.nn.log_softmax(raw, axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        vals, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+        return chosen, ids.astype(jnp.int32), vals
 
-    def top(lp):
-        vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-        return ids.astype(jnp.int32), vals
+    def without(raw):
+        n = raw.shape[0]
+        return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
 
-    def no_top(lp):
-        n = lp.shape[0]
-        return jnp.zeros((n, MAX_LOGPROBS), jnp.int32), jnp.zeros((n, MAX_LOGPROBS), jnp.float32)
-
-    top_ids, top_lps = jax.lax.cond(s.want_logprobs, top, no_top, logp)
+    chosen, top_ids, top_lps = jax.lax.cond(s.want_logprobs, with_logprobs, without, raw)
     return SamplerOutput(tokens, chosen, top_ids, top_lps)
