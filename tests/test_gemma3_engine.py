@@ -27,7 +27,8 @@ import transformers
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import families, gemma3
 from tests.hlo_checks import pool_copies
-from tests.test_gemma3_tiny import BASE, CASES, ours
+from tests.test_gemma3_tiny import CASES, ours
+from tests.test_gemma3_tiny import hf_model as tiny_hf_model
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
 PROMPT_LENS = (9, 23, 30, 14)
@@ -37,21 +38,7 @@ LOGPROB_ATOL = 1e-4
 
 def hf_model(case: str) -> transformers.Gemma3ForCausalLM:
     """As test_gemma3_tiny's (spread random weights), with 7 layers of period 3."""
-    cfg = transformers.Gemma3TextConfig(**{**BASE, **CASES[case], "num_hidden_layers": len(LAYER_TYPES),
-                                           "layer_types": LAYER_TYPES})
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(0.0, 0.3)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 1.0)
-            elif name == "lm_head.weight":
-                p.normal_(0.0, cfg.hidden_size ** -0.5)
-            else:
-                p.normal_(0.0, p.shape[1] ** -0.5)
-    return model
+    return tiny_hf_model(case, num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

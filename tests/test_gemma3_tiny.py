@@ -53,10 +53,10 @@ LAYER_MAP = {
 }
 
 
-def hf_model(case: str) -> transformers.Gemma3ForCausalLM:
+def hf_model(case: str, **overrides) -> transformers.Gemma3ForCausalLM:
     """Random weights drawn so logits are spread: matrices N(0, 1/fan_in), embeddings N(0, 1) (times
     sqrt(hidden) in the model, so the tied LM head is N(0, 1/hidden)), norm weights N(0, 0.3^2)."""
-    cfg = transformers.Gemma3TextConfig(**{**BASE, **CASES[case]})
+    cfg = transformers.Gemma3TextConfig(**{**BASE, **CASES[case], **overrides})
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():
