@@ -94,10 +94,10 @@ def matmul_part(config, dtype):
             return x + o + m
 
         x = jax.lax.fori_loop(0, config.num_layers, layer, x)
-        head = w["embed"].T if config.tie_word_embeddings else w["lm_head"]
+        head = w["lm_head"] if "lm_head" in w else w["head_t"] if "head_t" in w else w["embed"].T  # as the model's
         return x, jnp.dot(rows, head, preferred_element_type=jnp.float32)
 
-    return jax.jit(run)
+    return run
 
 
 def matmul_flops(config, tokens: int, rows: int) -> float:
@@ -131,6 +131,7 @@ def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
 def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     from jaxpaged import sampler
     from jaxpaged.attention import attention_backend
+    from jaxpaged.model_runner import step_compiler_options
 
     runner, config = llm.engine.runner, llm.engine.model_config
     T, S = len(batch.token_ids), len(batch.attn.context_lens)
@@ -149,7 +150,10 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     weights = nnx.to_pure_dict(runner.params)
     H = config.hidden_size
     x, rows = jnp.ones((T, H), dtype), jnp.ones((S, H), dtype)
-    mm_ms = device_ms(matmul_part(config, dtype), weights, x, rows)
+    # Compiled with the step's own XLA options (model_runner.step_compiler_options).
+    matmuls = jax.jit(matmul_part(config, dtype)).lower(weights, x, rows).compile(
+        compiler_options=step_compiler_options(runner.params))
+    mm_ms = device_ms(matmuls, weights, x, rows)
 
     attn = attention_backend(llm.engine.config.attention_backend)
     q = jnp.ones((T, config.num_heads, config.head_dim), dtype)

@@ -147,7 +147,15 @@ def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
 
 def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
-    every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype."""
+    every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype.
+
+    On CPU with a 16-bit dtype, the Llama family and Gemma 3 with tied embeddings first get a transposed copy of
+    the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step)."""
+    from jaxpaged.models import gemma3, llama
+
+    if (isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)) and model.config.tie_word_embeddings
+            and jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize == 2):
+        llama.keep_transposed_head(model, dtype)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(x):

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.llama import rope_inv_freq
+from jaxpaged.models.llama import lm_head, rope_inv_freq
 
 NEG_INF = -1e30
 NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
@@ -164,8 +164,8 @@ def forward_dense(params: dict, token_ids: jax.Array, *, config: ModelConfig) ->
 def logits(params: dict, hidden: jax.Array, *, config: ModelConfig) -> jax.Array:
     """hidden [N, H] -> logits [N, V] float32: final norm, LM head (embed.T when tied), final soft-cap."""
     h = rms_norm(hidden, params["final_norm"], config)
-    lm_head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
-    out = jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+    head = params["embed"].T if config.tie_word_embeddings else params["lm_head"]  # [H, V]
+    out = jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
     return _soft_cap(out, config.final_logit_softcapping)
 
 
@@ -284,6 +284,6 @@ class Gemma3ForCausalLM(nnx.Module):
         """hidden [S, H] -> logits [S, V] float32: final norm, LM head (embed.T when tied), final soft-cap."""
         c = self.config
         h = rms_norm(hidden, self.final_norm[...], c)
-        lm_head = self.embed[...].T if c.tie_word_embeddings else self.lm_head[...]  # [H, V]
-        return _soft_cap(jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32),
+        head = lm_head(self)  # [H, V]
+        return _soft_cap(jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32),
                          c.final_logit_softcapping)

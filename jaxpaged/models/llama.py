@@ -59,6 +59,27 @@ def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+class TransposedHead(nnx.Variable):
+    """A tied LM head's [H, V] copy of the embedding's transpose, made once at load (`keep_transposed_head`); not an
+    `nnx.Param`, so checkpoints and parameter trees do not carry it."""
+
+
+def keep_transposed_head(model: nnx.Module, dtype) -> None:
+    """Gives a tied model (`embed` [V, H], config.tie_word_embeddings) a `TransposedHead` in `dtype` for `lm_head`.
+
+    XLA CPU runs a 16-bit x @ embed.T by converting the whole embedding to float32 every step (5x slower than
+    x @ W with W stored [H, V]: benchmarks/step_anatomy.py); the copy costs V * H * itemsize bytes once."""
+    model.head_t = TransposedHead(jnp.asarray(model.embed[...].T, dtype))
+
+
+def lm_head(model: nnx.Module) -> jax.Array:
+    """The [H, V] LM head of a model with `embed` [V, H]: its own `lm_head`, the kept transpose, or embed.T."""
+    if not model.config.tie_word_embeddings:
+        return model.lm_head[...]
+    head_t = getattr(model, "head_t", None)
+    return head_t[...] if head_t is not None else model.embed[...].T
+
+
 def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # As Hugging Face does: normalise in float32, cast back, then scale.
     xf = x.astype(jnp.float32)
@@ -161,8 +182,8 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""
         h = _rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
-        lm_head = self.embed[...].T if self.config.tie_word_embeddings else self.lm_head[...]  # [H, V]
-        return jnp.dot(h.astype(lm_head.dtype), lm_head, preferred_element_type=jnp.float32)
+        head = lm_head(self)  # [H, V]
+        return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
 
 
 def abstract_model(config: ModelConfig) -> LlamaForCausalLM:
