@@ -30,7 +30,9 @@ def _option(default, help: str, choices: tuple | None = None):
 class EngineConfig:
     """Every engine option, with vLLM's names where it has one. Checked when built, before any model is loaded."""
 
-    dtype: str = _option("float32", "weights and activations (matmuls accumulate in float32)", SUPPORTED_DTYPES)
+    dtype: str = _option("auto", "weights and activations (matmuls accumulate in float32); auto: bfloat16 on GPU, "
+                                 "TPU and CPUs with bfloat16 dot instructions, else float32",
+                         ("auto", *SUPPORTED_DTYPES))
     kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes",
                                   ("auto", *SUPPORTED_DTYPES))
     block_size: int = _option(16, "tokens per KV block", SUPPORTED_BLOCK_SIZES)
@@ -70,6 +72,11 @@ class EngineConfig:
         self.cache_config()
         self.scheduler_config(self.max_model_len)
 
+    @property
+    def model_dtype(self) -> str:
+        """`dtype` with "auto" resolved for this platform (`resolve_dtype`)."""
+        return resolve_dtype(self.dtype)
+
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
                            gpu_memory_utilization=self.gpu_memory_utilization, num_blocks=self.num_blocks,
@@ -102,6 +109,27 @@ def enable_compilation_cache(directory: str | None) -> str:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+def cpu_has_bf16_dots() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (x86 AVX512-BF16 or AMX-BF16, Arm BF16)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+
+
+def resolve_dtype(requested: str, platform: str | None = None) -> str:
+    """The model dtype for `requested`: itself, or for "auto" bfloat16 on GPU and TPU and on CPUs with bfloat16 dot
+    instructions, float32 on other CPUs (XLA would emulate bfloat16 dots there, slower than float32). On a CPU
+    with native bfloat16 the throughput workload runs faster in bfloat16 than in float32 (benchmarks/throughput.py
+    in README), so "auto" never picks the slower one."""
+    if requested != "auto":
+        return requested
+    platform = platform or jax.default_backend()
+    return "bfloat16" if platform != "cpu" or cpu_has_bf16_dots() else "float32"
 
 
 def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype:
@@ -216,7 +244,10 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     sched = config.scheduler_config(max_model_len)
     enable_compilation_cache(config.compilation_cache_dir)
 
-    dtype = jnp.dtype(config.dtype)
+    dtype = jnp.dtype(config.model_dtype)
+    if config.dtype == "auto":
+        logger.info("dtype auto: %s on %s%s", dtype.name, jax.default_backend(),
+                    " (bfloat16 dot instructions)" if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else "")
     if mesh is None:
         graphdef, state = split_model(model, dtype)
     else:

@@ -39,8 +39,8 @@ class CharTokenizer:
 @pytest.fixture(scope="module")
 def engine():
     return Engine(CONFIG, random_params(CONFIG), CharTokenizer(),
-                  EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
-                               num_blocks=40, precompile=False, show_progress=False))
+                  EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                               block_size=8, num_blocks=40, precompile=False, show_progress=False))
 
 
 @pytest.fixture
@@ -258,8 +258,8 @@ def test_a_step_that_lost_its_donated_pool_stops_the_engine():
     """After a device step raised with the pool donated, nothing can run: the loop stops, readers get an error,
     is_running turns false (the server's /health answers 503) and new requests are refused."""
     dead = Engine(CONFIG, random_params(CONFIG), CharTokenizer(),
-                  EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
-                               num_blocks=40, precompile=False, show_progress=False))
+                  EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                               block_size=8, num_blocks=40, precompile=False, show_progress=False))
 
     def execute_and_lose_the_pool(batch):
         dead.runner.kv_pool.k.delete()

@@ -13,8 +13,9 @@ CONFIG = tiny_config()
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM.from_params(CONFIG, random_params(CONFIG), None, max_num_seqs=4, max_num_batched_tokens=64,
-                           max_model_len=64, block_size=8, num_blocks=40, precompile=False, show_progress=False)
+    return LLM.from_params(CONFIG, random_params(CONFIG), None, dtype="float32", max_num_seqs=4,
+                           max_num_batched_tokens=64, max_model_len=64, block_size=8, num_blocks=40, precompile=False,
+                           show_progress=False)
 
 
 def still_serves(llm):

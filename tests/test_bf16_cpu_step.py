@@ -105,3 +105,25 @@ def test_the_fast_bfloat16_step_gives_the_tokens_and_logprobs_of_the_plain_one(m
     for f, p in zip(fast, plain, strict=True):
         assert f.token_ids == p.token_ids
         np.testing.assert_allclose(f.cumulative_logprob, p.cumulative_logprob, atol=5e-2)
+
+
+def test_auto_dtype_is_bfloat16_where_bfloat16_dots_are_native(monkeypatch):
+    from jaxpaged import engine_setup
+
+    assert engine_setup.resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
+    assert engine_setup.resolve_dtype("auto", "gpu") == engine_setup.resolve_dtype("auto", "tpu") == "bfloat16"
+    monkeypatch.setattr(engine_setup, "cpu_has_bf16_dots", lambda: False)
+    assert engine_setup.resolve_dtype("auto", "cpu") == "float32"
+    monkeypatch.setattr(engine_setup, "cpu_has_bf16_dots", lambda: True)
+    assert engine_setup.resolve_dtype("auto", "cpu") == "bfloat16"
+    llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="auto")
+    assert llm.engine.runner.params["embed"][...].dtype == jnp.bfloat16
+
+
+def test_this_cpus_flags_decide_auto():
+    from jaxpaged import engine_setup
+
+    with open("/proc/cpuinfo") as f:
+        native = any(flag in f.read().split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))
+    assert engine_setup.cpu_has_bf16_dots() == native
+    assert engine_setup.resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")

@@ -123,8 +123,8 @@ def test_the_test_model_follows_the_contract(model):
 def test_own_model_through_the_engine_equals_its_dense_forward(model, prompts):
     # 12 usable blocks of 8 tokens: the prompts (7 blocks) are admitted together, but 20 new tokens each need 18
     # blocks, so decoding runs the pool dry and preempts.
-    llm = LLM.from_model(model, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN, block_size=8,
-                         num_blocks=13, precompile=False, show_progress=False)
+    llm = LLM.from_model(model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=MAX_LEN,
+                         block_size=8, num_blocks=13, precompile=False, show_progress=False)
     first = llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)
     expected = [dense_greedy(model, p, NEW_TOKENS) for p in prompts]

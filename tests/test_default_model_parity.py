@@ -26,7 +26,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, kv_cache_memory="256MiB",
+    return LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, kv_cache_memory="256MiB",
                precompile=False, show_progress=False)
 
 

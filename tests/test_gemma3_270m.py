@@ -139,7 +139,7 @@ def llm(gguf_path, tmp_path_factory):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXPAGED_CACHE_DIR", str(tmp_path_factory.mktemp("gemma_cache")))
-        yield LLM(model=gguf_path, max_model_len=256, block_size=16, num_blocks=40, max_num_seqs=4,
+        yield LLM(model=gguf_path, dtype="float32", max_model_len=256, block_size=16, num_blocks=40, max_num_seqs=4,
                   precompile=False, show_progress=False)
 
 

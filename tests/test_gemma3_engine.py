@@ -75,8 +75,8 @@ def test_engine_equals_transformers(case, backend):
     name, config, params, prompts, first, greedy = case
     # 12 usable blocks of 8 tokens: the prompts need 11, and 16 new tokens each need 8 more, so decoding runs
     # the pool dry and preempts; a 32-token budget chunks the longer prompts.
-    llm = LLM.from_params(config, params, None, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                          block_size=8, num_blocks=13, precompile=False, show_progress=False,
+    llm = LLM.from_params(config, params, None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                          max_model_len=64, block_size=8, num_blocks=13, precompile=False, show_progress=False,
                           attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)

@@ -13,8 +13,8 @@ BS = 8
 
 
 def make_llm(**kw) -> LLM:
-    opts = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128, block_size=BS, num_blocks=200,
-                precompile=False, show_progress=False)
+    opts = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128, block_size=BS,
+                num_blocks=200, precompile=False, show_progress=False)
     opts.update(kw)
     return LLM.from_params(CONFIG, PARAMS, None, **opts)
 

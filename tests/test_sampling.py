@@ -14,8 +14,9 @@ CONFIG = tiny_config()
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM.from_params(CONFIG, random_params(CONFIG), None, max_num_seqs=8, max_num_batched_tokens=128,
-                           max_model_len=128, block_size=8, num_blocks=200, precompile=False, show_progress=False)
+    return LLM.from_params(CONFIG, random_params(CONFIG), None, dtype="float32", max_num_seqs=8,
+                           max_num_batched_tokens=128, max_model_len=128, block_size=8, num_blocks=200,
+                           precompile=False, show_progress=False)
 
 
 def ids(prompts):

@@ -13,8 +13,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
 def make_llm(**kw) -> LLM:
-    opts = dict(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128, block_size=8, num_blocks=200,
-                precompile=False, show_progress=False)
+    opts = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=128, max_model_len=128, block_size=8,
+                num_blocks=200, precompile=False, show_progress=False)
     opts.update(kw)
     return LLM.from_params(CONFIG, PARAMS, None, **opts)
 

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 128
 MAX_BODY = 20_000
 MODEL = "tiny"
-ENGINE_ARGS = ["--no-precompile", "--max-num-seqs", "16", "--max-num-batched-tokens", "256", "--max-model-len",
-               str(MAX_MODEL_LEN), "--block-size", "16", "--kv-cache-memory", "4MiB"]
+ENGINE_ARGS = ["--dtype", "float32", "--no-precompile", "--max-num-seqs", "16", "--max-num-batched-tokens", "256",
+               "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16", "--kv-cache-memory", "4MiB"]
 PROMPT = "The lighthouse keeper kept a ledger of every ship"
 
 

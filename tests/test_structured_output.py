@@ -37,7 +37,7 @@ PROMPT = "The lighthouse keeper kept a ledger of every ship"
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = make_tiny_hf_model(tmp_path_factory.mktemp("tiny"), "llama")
-    return LLM(path, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, block_size=16,
+    return LLM(path, dtype="float32", max_num_seqs=16, max_num_batched_tokens=256, max_model_len=256, block_size=16,
                num_blocks=400, precompile=False, show_progress=False)
 
 

@@ -40,7 +40,7 @@ def test_matches_transformers(case, tmp_path):
     path = make_tiny_hf_model(tmp_path / case, kind, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ps = prompts(hf.config.vocab_size)
-    llm = LLM(path, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8,
+    llm = LLM(path, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128, block_size=8,
               kv_cache_memory="16MiB", precompile=False, show_progress=False)
 
     first = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0.0, max_tokens=1,

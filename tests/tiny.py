@@ -46,6 +46,7 @@ def tiny_llm(config: ModelConfig | None = None, params: dict | None = None, **op
 
     config = config or tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
     params = params if params is not None else random_params(config)
+    options.setdefault("dtype", "float32")  # the numbers tests compare are float32's
     return LLM.from_params(config, params, None, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                            block_size=8, num_blocks=48, precompile=False, show_progress=False, **options)
 

@@ -17,8 +17,8 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.beam_search import BeamSearchParams
 from tests.tiny import random_params, tiny_config
 
-ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8, precompile=False,
-              show_progress=False)
+ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
+              precompile=False, show_progress=False)
 
 
 def model(case: str):

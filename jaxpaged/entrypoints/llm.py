@@ -37,7 +37,7 @@ def load_engine(model: str | None = None, **engine_options) -> Engine:
 
     config = _engine_config(engine_options)  # before loading: a bad option fails in a moment, not after the load
     t0 = time.perf_counter()
-    loaded = load_model(model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size)
+    loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size)
     load_s = time.perf_counter() - t0
     engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
     engine.startup_times["load_s"] = load_s
