@@ -4,9 +4,15 @@ Open loop: requests arrive as a Poisson process at each --rates value (requests/
 clients each send their next request as soon as the last one finished. Every request streams
 (`/v1/completions`, greedy, EOS ignored, a fixed number of new tokens) so the client sees its first token.
 
-Reports request throughput, output tokens/s, TTFT (time to first token) and TPOT (time per output token after
-the first) p50/p99; prints a table, writes benchmarks/results/serving.json and plots them against the rate in
+Reports request throughput, output tokens/s, TTFT (time to first token), TPOT (time per output token after
+the first) p50/p99 and ITL (inter-token latency: the gap between two chunks of one stream that carry text)
+p50/p99/max; prints a table, writes benchmarks/results/serving.json and plots them against the rate in
 benchmarks/results/serving.png.
+
+Interference run (--long-prompts K, default 4): --concurrency streams decode alone for a while, then K long prompts
+(--long-prompt-tokens each) arrive while they decode. Its rows give the streams' ITL alone (a decode step's time,
+about) and with the long prompts being prefilled: a stream stalls for as long as a step that carries a prefill
+chunk takes, so ITL p99 over the "alone" p50 says how much a prefill disturbs running streams.
 
     python benchmarks/serving.py --url http://127.0.0.1:8000          # a running server
     python benchmarks/serving.py --start-server                       # starts server.py on the default model
@@ -43,6 +49,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
     start = time.perf_counter()
     first = None
     tokens = 0
+    arrivals: list[float] = []  # when each chunk carrying text arrived
     try:
         async with session.post(f"{url}/v1/completions", json=body) as resp:
             if resp.status != 200:
@@ -56,14 +63,16 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
                     return {"ok": False, "error": chunk["error"]["message"]}
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-                if first is None and any(c.get("text") for c in chunk.get("choices", [])):
-                    first = time.perf_counter()
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    arrivals.append(time.perf_counter())
+                    first = first or arrivals[-1]
     except aiohttp.ClientError as e:
         return {"ok": False, "error": repr(e)}
     end = time.perf_counter()
     first = first or end
     return {"ok": True, "start": start, "ttft": first - start, "latency": end - start, "tokens": tokens,
-            "tpot": (end - first) / (tokens - 1) if tokens > 1 else None}
+            "tpot": (end - first) / (tokens - 1) if tokens > 1 else None, "arrivals": arrivals,
+            "itl": np.diff(arrivals).tolist()}
 
 
 # ---- the two load shapes ------------------------------------------------------------------------------------------
@@ -100,16 +109,62 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], concurrenc
     return results, time.perf_counter() - t0
 
 
-def summarize(label: str, rate: float | None, results: list[dict], elapsed: float) -> dict:
+async def interference(url: str, model: str, prompts: list[list[int]], long_prompts: list[list[int]],
+                       concurrency: int, max_tokens: int, alone_s: float) -> tuple[list[dict], float, float]:
+    """`concurrency` streams of `max_tokens` start together; `alone_s` seconds later the long prompts arrive (one
+    new token each). Returns the streams' results, the long prompts' arrival time and the elapsed time."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        streams = [asyncio.create_task(one_request(session, url, model, p, max_tokens))
+                   for p in prompts[:concurrency]]
+        await asyncio.sleep(alone_s)
+        arrival = time.perf_counter()
+        longs = [asyncio.create_task(one_request(session, url, model, p, 1)) for p in long_prompts]
+        results = await asyncio.gather(*streams)
+        await asyncio.gather(*longs)
+    return results, arrival, time.perf_counter() - t0
+
+
+def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps that ended before the long prompts arrived, and those that ended after."""
+    alone, disturbed = [], []
+    for r in results:
+        if r["ok"]:
+            for end, gap in zip(r["arrivals"][1:], r["itl"], strict=True):
+                (alone if end < arrival else disturbed).append(gap)
+    return alone, disturbed
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def summarize(label: str, rate: float | None, results: list[dict], elapsed: float,
+              itl: list[float] | None = None) -> dict:
     ok = [r for r in results if r["ok"]]
     ttft = [r["ttft"] for r in ok]
     tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
-    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None
+    itl = [g for r in ok for g in r["itl"]] if itl is None else itl
     return {"run": label, "rate": rate, "requests": len(results), "failed": len(results) - len(ok),
             "errors": sorted({r["error"] for r in results if not r["ok"]})[:3], "duration_s": elapsed,
             "request_throughput": len(ok) / elapsed, "output_tokens_per_s": sum(r["tokens"] for r in ok) / elapsed,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "tpot_p50_s": pct(tpot, 50),
-            "tpot_p99_s": pct(tpot, 99), "latency_p50_s": pct([r["latency"] for r in ok], 50)}
+            "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99), "tpot_p50_s": _pct(tpot, 50),
+            "tpot_p99_s": _pct(tpot, 99), "latency_p50_s": _pct([r["latency"] for r in ok], 50),
+            "itl_p50_s": _pct(itl, 50), "itl_p99_s": _pct(itl, 99), "itl_max_s": max(itl) if itl else None}
+
+
+def long_prompts(prompts: list[list[int]], count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, each the workload's prompts joined from a different start."""
+    out = []
+    for i in range(count):
+        ids: list[int] = []
+        j = i
+        while len(ids) < length:
+            ids += prompts[j % len(prompts)]
+            j += 1
+        out.append(ids[:length])
+    return out
 
 
 # ---- server handling ----------------------------------------------------------------------------------------------
@@ -156,12 +211,13 @@ def served_model(url: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     ms = lambda v: f"{v * 1000:.0f}" if v is not None else "-"
-    print(f"\n{'run':<16} {'req':>4} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'TPOT p50':>9} {'TPOT p99':>9}   (times in ms)")
+    print(f"\n{'run':<24} {'req':>4} {'fail':>4} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+          f"{'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'ITL max':>8}   (times in ms)")
     for r in rows:
-        print(f"{r['run']:<16} {r['requests']:>4} {r['failed']:>4} {r['request_throughput']:>7.2f} "
+        print(f"{r['run']:<24} {r['requests']:>4} {r['failed']:>4} {r['request_throughput']:>7.2f} "
               f"{r['output_tokens_per_s']:>9.1f} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} "
-              f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9}")
+              f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9} {ms(r['itl_p50_s']):>8} {ms(r['itl_p99_s']):>8} "
+              f"{ms(r['itl_max_s']):>8}")
         for e in r["errors"]:
             print(f"    error: {e}")
 
@@ -177,7 +233,7 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     open_rows = [r for r in rows if r["rate"] is not None]
-    closed = [r for r in rows if r["rate"] is None]
+    closed = [r for r in rows if r["run"].startswith("closed")]
     rates = [r["rate"] for r in open_rows]
     # (key in the rows, axis label, scale, [(suffix, line style, legend tag)])
     pcts = [("_p50_s", "o-", "p50"), ("_p99_s", "s--", "p99")]
@@ -213,15 +269,20 @@ def parse_args():
     ap.add_argument("--startup-timeout", type=float, default=900.0)
     ap.add_argument("--rates", default="0.5,1,2,4", help="Poisson request rates (req/s), comma separated")
     ap.add_argument("--concurrency", type=int, default=16, help="clients in the closed-loop run (0: skip it)")
+    ap.add_argument("--long-prompts", type=int, default=4, help="long prompts in the interference run (0: skip it)")
+    ap.add_argument("--long-prompt-tokens", type=int, default=1536)
+    ap.add_argument("--alone-s", type=float, default=5.0, help="seconds the streams decode before long prompts come")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help=f"16 prompts, 32 new tokens, rates 1 and 4, 8 clients; server: {QUICK_SERVER_ARGS}")
+                    help=f"16 prompts, 32 new tokens, rates 1 and 4, 8 clients, long prompts of 384 tokens; server: "
+                         f"{QUICK_SERVER_ARGS}")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "serving.json"))
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.max_tokens, args.rates, args.concurrency = 16, 32, "1,4", 8
+        args.long_prompt_tokens = min(args.long_prompt_tokens, 384)
         args.server_args = args.server_args or QUICK_SERVER_ARGS
     if not args.url and not args.start_server:
         ap.error("give --url of a running server or --start-server")
@@ -250,6 +311,16 @@ def main():
             print(f"closed loop, {args.concurrency} clients ...", file=sys.stderr)
             results, elapsed = asyncio.run(closed_loop(url, model, prompts, args.concurrency, args.max_tokens))
             rows.append(summarize(f"closed x{args.concurrency}", None, results, elapsed))
+        if args.long_prompts > 0 and args.concurrency > 0:
+            print(f"interference: {args.concurrency} streams, then {args.long_prompts} prompts of "
+                  f"{args.long_prompt_tokens} tokens ...", file=sys.stderr)
+            longs = long_prompts(prompts, args.long_prompts, args.long_prompt_tokens)
+            results, arrival, elapsed = asyncio.run(interference(url, model, prompts, longs, args.concurrency,
+                                                                 args.max_tokens, args.alone_s))
+            alone, disturbed = itl_split(results, arrival)
+            rows.append(summarize(f"streams alone x{args.concurrency}", None, results, elapsed, alone))
+            rows.append(summarize(f"+ {args.long_prompts} x {args.long_prompt_tokens}-token prompts", None, results,
+                                  elapsed, disturbed))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
