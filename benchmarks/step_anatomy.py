@@ -5,7 +5,8 @@ results blocked on): the model's matmuls (the 7 per layer plus the LM head, thro
 layer loop), attention (the K/V write and the paged read through the engine's backend, every layer), the sampler;
 the rest of the step (embedding, norms, RoPE, residuals, layer-loop slicing) is the full step minus those. The
 host side is timed too: `prepare` (numpy batch building) and the dispatch of the step (the call returns before the
-device finishes). The matmul rate is compared with XLA's own dot rate on this machine at the same shapes.
+device finishes). The matmul rate is compared with XLA's own dot rate on this machine at the same shapes. Last, each
+step's top operations by XLA's own timing (jax.profiler's trace of the compiled step).
 
     python benchmarks/step_anatomy.py                      # float32, default model
     python benchmarks/step_anatomy.py --dtype bfloat16
@@ -79,6 +80,43 @@ def capture_batches(llm, num_prompts: int, new_tokens: int):
     host = {kind: 1000 * statistics.median([s for p, s in prepare_s if p == (kind == "prefill")])
             for kind in ("prefill", "decode")}
     return seen[prefill], seen[decode], host
+
+
+def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]:
+    """XLA's own per-operation timing of one step (jax.profiler: the CPU runtime records each thunk it runs): the
+    `top` operations by time per step, each with its output shape and what it computes (the HLO's op_name).
+    Independent operations may run at once on the intra-op threads, so the times can add up to more than the step.
+    """
+    import glob
+    import gzip
+    import json
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for _ in range(runs):
+                jax.block_until_ready(step_fn(None))
+        path = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)[0]
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "while")):
+            total[name] += e["dur"]
+            count[name] += 1
+    hlo = executable.as_text()
+    rows = []
+    for name, us in total.most_common(top):
+        line = re.search(rf"^\s*%{re.escape(name)} = (\([^)]*\)|\S+) (.*)$", hlo, re.MULTILINE)
+        op = re.search(r'op_name="([^"]*)"', line.group(2)) if line else None
+        shape = line.group(1) if line else ""
+        op = op.group(1).split("/")[-1] if op else (line.group(2).split("(")[0].split()[-1] if line else "")
+        rows.append({"op": name, "ms_per_step": us / 1000 / runs, "calls_per_step": count[name] // runs,
+                     "shape": shape, "what": op})
+    return rows
 
 
 def matmul_part(config, dtype):
@@ -169,7 +207,8 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     sample_ms = device_ms(jax.jit(sampler.sample), logits, batch.sampling)
     flops = matmul_flops(config, T, S)
     rest = step_ms - mm_ms - attn_ms - sample_ms
-    return {"kind": kind, "shape": str(batch.shape_key), "tokens": T, "seqs": S, "step_ms": step_ms,
+    ops = profile_ops(full, step)
+    return {"kind": kind, "shape": str(batch.shape_key), "tokens": T, "seqs": S, "step_ms": step_ms, "profile": ops,
             "matmul_ms": mm_ms, "attention_ms": attn_ms, "sampler_ms": sample_ms, "rest_ms": rest,
             "host_prepare_ms": host_prepare_ms, "dispatch_ms": dispatch_ms,
             "matmul_GFLOPs": flops / mm_ms / 1e6, "xla_dot_GFLOPs": xla_dot_rate(T, H, config.intermediate_size, dtype),
@@ -199,6 +238,12 @@ def main():
     print(" | ".join("---" for _ in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    for r in rows:
+        print(f"\n{r['kind']} step {r['shape']}: XLA's per-operation profile (jax.profiler), top {len(r['profile'])}")
+        print("op | ms per step | calls | output shape | what")
+        print("--- | --- | --- | --- | ---")
+        for o in r["profile"]:
+            print(f"{o['op']} | {o['ms_per_step']:.1f} | {o['calls_per_step']} | {o['shape']} | {o['what']}")
     write_json(args.out or f"benchmarks/results/step_anatomy_{args.dtype}.json",
                {"cpu": cpu, "dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype), "rows": rows})
 
