@@ -146,3 +146,19 @@ def test_stop_string_is_cut_and_held_back_while_streaming():
         shown.append(d.visible_text(finished=False))
     assert d.stopped_on == "END" and d.text == "abc "
     assert all("abc ".startswith(s) for s in shown)
+
+
+def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows():
+    """The sampler's two-reduction argmax picks what jnp.argmax picks: the first of tied maxima, and index 0 of a row
+    masked to -inf everywhere."""
+    import jax.numpy as jnp
+
+    from jaxpaged.sampler import _argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 1000)).astype(np.float32)
+    x[3, [7, 500, 999]] = 10.0  # ties: the first wins
+    x[4] = -np.inf
+    x[5, :] = 1.0
+    x[6, -1] = 99.0
+    np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
