@@ -113,6 +113,9 @@ class PagedAttention:
     name: str
     kernel: Kernel
     dtypes: tuple[np.dtype, ...] | None = None
+    # Whether a decode step's cost follows `decode_blocks` (the reference gathers that many blocks; the GPU kernel
+    # sizes its splits by it): the runner then compiles decode steps for several block counts, else for one.
+    reads_flat_blocks: bool = True
 
     def __call__(self, q, k, v, kv_pool: KVPool, layer, md: AttentionMetadata, *, scale=None, sliding_window=None,
                  soft_cap=None):
@@ -149,7 +152,8 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
         if cpu_native.available():
             strict = backend == "native"
             return PagedAttention("native" if strict else "native_decode_else_reference",
-                                  functools.partial(cpu_native.native_decode_else_reference, strict=strict))
+                                  functools.partial(cpu_native.native_decode_else_reference, strict=strict),
+                                  reads_flat_blocks=False)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
         logger.info("native CPU attention unavailable (%s); using the reference", cpu_native.unavailable_reason())
@@ -168,7 +172,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
     implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
                                                                                           "pallas_interpret")
     return PagedAttention(implementation, functools.partial(paged_attention, implementation=implementation),
-                          KERNEL_DTYPES)
+                          KERNEL_DTYPES, reads_flat_blocks=implementation != "pallas_tpu")
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "PagedAttention",

@@ -47,6 +47,17 @@ def pow2_buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+def batch_buckets(lo: int, hi: int) -> list[int]:
+    """Sequence counts of decode steps: powers of two from lo, with the 1.5x points between them from 16 up (24, 48,
+    96, ...), so a batch is padded by at most a third above 16 rows (a decode step costs per row), and hi last."""
+    out = []
+    for b in pow2_buckets(lo, hi):
+        if b >= 32 and b // 4 * 3 > (out[-1] if out else 0):
+            out.append(b // 4 * 3)
+        out.append(b)
+    return sorted(set(x for x in out if x <= hi))
+
+
 def pick_bucket(buckets: list[int], n: int) -> int:
     for b in buckets:
         if b >= n:
@@ -241,11 +252,12 @@ class ModelRunner:
         max_width = -(-max_model_len // block_size)
         self.max_width = max_width
         self.width_buckets = pow2_buckets(min(4, max_width), max_width)
-        self.decode_buckets = pow2_buckets(min(4, max_num_seqs), max_num_seqs)
+        self.decode_buckets = batch_buckets(min(4, max_num_seqs), max_num_seqs)
         self.max_prefill_tokens = round_up(max_num_batched_tokens, PREFILL_TILE)
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
         param_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
+        self.attn = attn
         self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings)
         self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3, mesh=mesh)
         self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4, mesh=mesh)
@@ -255,7 +267,12 @@ class ModelRunner:
     # ---- shapes -------------------------------------------------------------------------------------------------
 
     def flat_block_buckets(self, num_seqs: int) -> list[int]:
-        return pow2_buckets(min(max(num_seqs, 16), num_seqs * self.max_width), num_seqs * self.max_width)
+        """Block counts a decode step of num_seqs is compiled for: powers of two up to every row at full width, or
+        only that when the attention's cost does not follow the count (`reads_flat_blocks`)."""
+        most = num_seqs * self.max_width
+        if not getattr(self.attn, "reads_flat_blocks", True):
+            return [most]
+        return pow2_buckets(min(max(num_seqs, 16), most), most)
 
     def all_shapes(self) -> list[tuple]:
         """Every (tokens, seqs, width, tile, decode_blocks) the engine can produce."""

@@ -199,6 +199,10 @@ class ShardedAttention:
     def name(self) -> str:
         return f"{self.inner.name} x tp={self.mesh.size}"
 
+    @property
+    def reads_flat_blocks(self) -> bool:
+        return getattr(self.inner, "reads_flat_blocks", True)
+
     def check_dtypes(self, *dtypes) -> None:
         self.inner.check_dtypes(*dtypes)
 
