@@ -150,11 +150,18 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: min(model's max_position_embeddings, 4096)
+    # Prefill tokens per step while other sequences are decoding (None: max_num_batched_tokens). A decoding stream
+    # waits one prefill step between two tokens, so this bounds its inter-token latency.
+    max_prefill_tokens_while_decoding: int | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 16:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 16")
+        chunk = self.max_prefill_tokens_while_decoding
+        if chunk is not None and not 16 <= chunk <= self.max_num_batched_tokens:
+            raise ValueError(f"max_prefill_tokens_while_decoding={chunk} must be in [16, max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}]")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")

@@ -47,6 +47,9 @@ class EngineConfig:
                                    ("recompute", "swap"))
     max_num_seqs: int = _option(64, "sequences per step")
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
+    max_prefill_tokens_while_decoding: int | None = _option(
+        None, "prefill tokens per step while other sequences decode (default: max_num_batched_tokens); a decoding "
+              "stream waits one prefill step between tokens, so a smaller value bounds its inter-token latency")
     max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "
@@ -85,6 +88,7 @@ class EngineConfig:
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                               max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                                max_model_len=max_model_len)
 
 

@@ -135,6 +135,9 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput) -> None:
         budget = self.config.max_num_batched_tokens
+        if self.config.max_prefill_tokens_while_decoding is not None and any(
+                self._decodable(s) for s in self.running):
+            budget = self.config.max_prefill_tokens_while_decoding
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
             self._fork(seq)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before

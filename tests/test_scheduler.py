@@ -82,3 +82,45 @@ def test_outputs_come_back_in_input_order(prompts):
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, len(prompts) + 1))
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+
+
+def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts):
+    """max_prefill_tokens_while_decoding: a prompt that arrives while sequences decode is prefilled at most that many
+    tokens per step (so a decoding stream waits at most one such step between tokens); with nothing decoding it gets
+    the whole budget; the tokens are those of the unbounded engine."""
+    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=32)
+    sched = llm.engine.scheduler
+    steps = []
+    original = sched.schedule
+
+    def spy():
+        decoding = any(sched._decodable(s) for s in sched.running)
+        out = original()
+        if out is not None:
+            steps.append((decoding, out.is_prefill, out.num_tokens))
+        return out
+
+    sched.schedule = spy
+    engine = llm.engine
+    engine.add_request("first", prompts[0], GREEDY)
+    while not any(s.output_token_ids for s in sched.running):  # "first" is decoding now
+        engine.step()
+    long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
+    engine.add_request("long", long_prompt, GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert steps[0] == (False, True, steps[0][2]) and steps[0][2] > 32  # alone: the whole prompt at once
+    chunks = [n for decoding, prefill, n in steps[1:] if prefill]
+    assert chunks and max(chunks) <= 32 and sum(chunks) >= 100
+    assert outputs["first"] == reference[0]
+    assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_bounded_prefill_chunk_must_fit_the_step_budget():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make_llm(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=128)
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
+        make_llm(max_prefill_tokens_while_decoding=8)
