@@ -119,10 +119,10 @@ def implementations(batch: dict, *, decode: bool, interpret: bool, cpu: bool = F
             batch["context_lens"], batch["query_start_loc"], batch["positions"])
     flat = dict(decode_blocks=batch["decode_blocks"]) if decode else {}
     if cpu:
-        from pallas_kernels.cpu_native import paged_decode_attention_native
+        from pallas_kernels.cpu_native import paged_attention_native
 
         return {name: (jax.jit(functools.partial(fn, **common, **flat)), args) for name, fn in
-                (("reference", ragged_paged_attention_reference), ("native_cpu", paged_decode_attention_native))}
+                (("reference", ragged_paged_attention_reference), ("native_cpu", paged_attention_native))}
     impls = {
         "reference": (jax.jit(functools.partial(ragged_paged_attention_reference, **common, **flat)), args),
         "pallas_gpu": (jax.jit(functools.partial(ragged_paged_attention_gpu, **common, **flat,

@@ -271,7 +271,9 @@ def parse_args():
     ap.add_argument("--concurrency", type=int, default=16, help="clients in the closed-loop run (0: skip it)")
     ap.add_argument("--long-prompts", type=int, default=4, help="long prompts in the interference run (0: skip it)")
     ap.add_argument("--long-prompt-tokens", type=int, default=1536)
-    ap.add_argument("--alone-s", type=float, default=5.0, help="seconds the streams decode before long prompts come")
+    ap.add_argument("--alone-s", type=float, default=3.0, help="seconds the streams decode before long prompts come")
+    ap.add_argument("--stream-tokens", type=int, default=320,
+                    help="new tokens of each stream in the interference run (enough to outlast the long prompts)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--seed", type=int, default=0)
@@ -282,7 +284,7 @@ def parse_args():
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.max_tokens, args.rates, args.concurrency = 16, 32, "1,4", 8
-        args.long_prompt_tokens = min(args.long_prompt_tokens, 384)
+        args.long_prompt_tokens, args.stream_tokens = min(args.long_prompt_tokens, 384), min(args.stream_tokens, 128)
         args.server_args = args.server_args or QUICK_SERVER_ARGS
     if not args.url and not args.start_server:
         ap.error("give --url of a running server or --start-server")
@@ -316,7 +318,7 @@ def main():
                   f"{args.long_prompt_tokens} tokens ...", file=sys.stderr)
             longs = long_prompts(prompts, args.long_prompts, args.long_prompt_tokens)
             results, arrival, elapsed = asyncio.run(interference(url, model, prompts, longs, args.concurrency,
-                                                                 args.max_tokens, args.alone_s))
+                                                                 args.stream_tokens, args.alone_s))
             alone, disturbed = itl_split(results, arrival)
             rows.append(summarize(f"streams alone x{args.concurrency}", None, results, elapsed, alone))
             rows.append(summarize(f"+ {args.long_prompts} x {args.long_prompt_tokens}-token prompts", None, results,

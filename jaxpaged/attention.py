@@ -137,9 +137,9 @@ class PagedAttention:
 
 
 def attention_backend(backend: str = "auto") -> PagedAttention:
-    """The paged-attention backend by option name: Pallas on GPU and TPU; on CPU ('auto') the native decode kernel
-    (pallas_kernels/cpu_native, built with g++ on first use) for decode steps and the pure-JAX reference for
-    prefill, or the reference alone when the native kernel cannot be built (the reason is logged).
+    """The paged-attention backend by option name: Pallas on GPU and TPU; on CPU ('auto') the native ragged kernel
+    (pallas_kernels/cpu_native, built with g++ on first use) for every step, or the pure-JAX reference when the
+    native kernel cannot be built (the reason is logged).
 
     'native' is the CPU path with the native kernel required (an error names why it is unavailable). 'pallas' on
     CPU runs the GPU kernel in the Pallas interpreter (slow; tests use it on tiny models)."""
@@ -151,8 +151,8 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
 
         if cpu_native.available():
             strict = backend == "native"
-            return PagedAttention("native" if strict else "native_decode_else_reference",
-                                  functools.partial(cpu_native.native_decode_else_reference, strict=strict),
+            return PagedAttention("native" if strict else "native_else_reference",
+                                  functools.partial(cpu_native.native_else_reference, strict=strict),
                                   reads_flat_blocks=False)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")

@@ -6,7 +6,7 @@ sliding layer in the unrolled tail, so both paths and the pool index g * period 
 with 8-token blocks and prompts of up to 30 tokens: the window bites in prefill and in decode, across blocks.
 Through the engine (batched ragged steps, prompts chunked by a 32-token budget, preemption forced by a 12-block
 pool), first-token log-probs equal transformers' (< 1e-4) and 16 greedy tokens equal transformers' (each chosen by a
-full forward pass over the sequence so far), with the reference attention backend and the native CPU decode kernel.
+full forward pass over the sequence so far), with the reference attention backend and the native CPU kernel.
 Every compiled step writes the pool in place.
 
 (Greedy by full forward passes rather than `generate`: in the soft-capped, rope-scaled case transformers' own

@@ -1,4 +1,5 @@
-"""The native CPU decode-attention kernel (pallas_kernels/cpu_native) against a float64 dense oracle and the engine.
+"""The native CPU ragged paged-attention kernel (pallas_kernels/cpu_native) against a float64 dense oracle and the
+engine: decode batches, prefill batches (whole prompts and chunks), and both in one batch.
 
 Skips only where the kernel cannot be built (no g++), with the reason; CI has g++, so it runs there.
 """
@@ -15,14 +16,14 @@ import pytest
 
 from pallas_kernels.cpu_native import native
 from pallas_kernels.reference import ragged_paged_attention_reference
-from tests.attention_cases import GEMMA3_HEADS, decode_case, dense_attention_np, prefill_case, tolerance
+from tests.attention_cases import GEMMA3_HEADS, build_case, decode_case, dense_attention_np, prefill_case, tolerance
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
 
 
 def run_native(case, **extra):
-    return native.paged_decode_attention_native(*case.args, **case.kwargs(decode_blocks=case.decode_blocks, **extra))
+    return native.paged_attention_native(*case.args, **case.kwargs(decode_blocks=case.decode_blocks, **extra))
 
 
 def check(case, **extra):
@@ -31,9 +32,7 @@ def check(case, **extra):
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, case.expected(**extra), **tolerance(case.dtype))
     # Rows no real sequence owns are exactly 0.
-    owned = np.zeros(case.num_tokens, bool)
-    owned[case.token_starts] = True
-    assert not out[~owned].any()
+    assert not out[~case.valid_tokens].any()
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -96,12 +95,12 @@ def test_out_of_range_block_ids_are_clipped_not_read_out_of_bounds():
         return args
 
     # Too large: clipped to NB - 1, as jnp indexing (the reference) does.
-    out = native.paged_decode_attention_native(*with_table(b1=10_000), **kw)
+    out = native.paged_attention_native(*with_table(b1=10_000), **kw)
     want = ragged_paged_attention_reference(*with_table(b1=10_000), **kw)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=2e-5, atol=2e-5)
     # Negative: clipped to 0 (jnp would wrap around; the kernel never reads before the pool).
-    out = native.paged_decode_attention_native(*with_table(b2=-5, b1=num_blocks + 3), **kw)
-    want = native.paged_decode_attention_native(*with_table(b2=0, b1=num_blocks - 1), **kw)
+    out = native.paged_attention_native(*with_table(b2=-5, b1=num_blocks + 3), **kw)
+    want = native.paged_attention_native(*with_table(b2=0, b1=num_blocks - 1), **kw)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
 
 
@@ -116,7 +115,7 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
     @jax.jit
     def all_layers(q, k, v, tables, lens, qsl, pos):
         def body(i, acc):
-            out = native.paged_decode_attention_native(q, k, v, i, tables, lens, qsl, pos, scale=c.scale,
+            out = native.paged_attention_native(q, k, v, i, tables, lens, qsl, pos, scale=c.scale,
                                                        decode_blocks=c.decode_blocks)
             return acc.at[i].set(out)
         return jax.lax.fori_loop(0, num_layers, body, jnp.zeros((num_layers, *q.shape), q.dtype))
@@ -136,26 +135,62 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
     assert not re.search(rf"f32\[{pool}\]\S* copy\(", hlo), "the pool is copied around the custom call"
 
 
-def test_auto_dispatch_uses_reference_for_prefill_and_float16():
+# --- prefill and mixed batches ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
+def test_prefill_whole_prompts_and_chunks(block_size, heads):
+    """Whole prompts (q_len == context) and chunks of longer ones (q_len < context: the chunk's tokens attend to the
+    cached part and causally to each other), 16-token tiles with padding between segments."""
+    num_q_heads, num_kv_heads = heads
+    check(prefill_case([(20, 20), (33, 5), (1, 1), (100, 37), (block_size, block_size)], num_q_heads=num_q_heads,
+                       num_kv_heads=num_kv_heads, block_size=block_size, num_padding_seqs=2, num_padding_tokens=5,
+                       seed=block_size))
+
+
+def test_mixed_decodes_and_prefill_chunks_without_tile_padding():
+    """One batch of decodes (q_len 1) and prefill chunks packed back to back (tile 1): the layout a mixed step has."""
+    check(build_case([(7, 1), (40, 40), (100, 1), (64, 30), (3, 1), (129, 17)], tile_size=1, num_q_heads=6,
+                     num_kv_heads=2, block_size=16, num_padding_seqs=1, num_padding_tokens=4, seed=11))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("extra", [{}, dict(sliding_window=5), dict(sliding_window=40, soft_cap=2.0)],
+                         ids=["full", "window5", "window40-cap"])
+def test_prefill_windows_soft_cap_and_gemma3_heads(dtype, extra):
+    check(prefill_case([(50, 50), (90, 20), (17, 17)], **GEMMA3_HEADS, block_size=16, dtype=dtype,
+                       num_padding_seqs=1, seed=5), **extra)
+
+
+def test_prefill_matches_the_reference_with_random_pool_values():
+    case = prefill_case([(20, 20), (70, 33), (5, 5)], poison=False, num_q_heads=6, num_kv_heads=3, block_size=8,
+                        seed=3)
+    want = np.asarray(ragged_paged_attention_reference(*case.args, **case.kwargs()))
+    got = np.asarray(run_native(case))
+    np.testing.assert_allclose(got[case.valid_tokens], want[case.valid_tokens], rtol=2e-5, atol=2e-5)
+
+
+def test_auto_dispatch_uses_native_for_every_batch_and_reference_for_float16():
+    fn = functools.partial(native.native_else_reference)
     case = prefill_case([(20, 20), (33, 5)], block_size=8)
-    fn = functools.partial(native.native_decode_else_reference)
     out = fn(*case.args, **case.kwargs())
     np.testing.assert_allclose(np.asarray(out)[case.valid_tokens], case.expected()[case.valid_tokens],
                                **tolerance(case.dtype))
-    half = decode_case([5, 17], dtype=jnp.float16)
-    out = fn(*half.args, **half.kwargs(decode_blocks=half.decode_blocks))
-    np.testing.assert_allclose(np.asarray(out, np.float32), half.expected(), rtol=2e-2, atol=2e-2)
     jaxpr = str(jax.make_jaxpr(functools.partial(fn, **case.kwargs()))(*case.args))
-    assert native.TARGET not in jaxpr
+    assert native.TARGET in jaxpr
     dec = decode_case([5, 17])
     jaxpr = str(jax.make_jaxpr(functools.partial(fn, **dec.kwargs(decode_blocks=dec.decode_blocks)))(*dec.args))
     assert native.TARGET in jaxpr
+    half = decode_case([5, 17], dtype=jnp.float16)
+    out = fn(*half.args, **half.kwargs(decode_blocks=half.decode_blocks))
+    np.testing.assert_allclose(np.asarray(out, np.float32), half.expected(), rtol=2e-2, atol=2e-2)
+    jaxpr = str(jax.make_jaxpr(functools.partial(fn, **half.kwargs(decode_blocks=half.decode_blocks)))(*half.args))
+    assert native.TARGET not in jaxpr
 
 
 @pytest.mark.parametrize("change, message", [
     (dict(dtype=jnp.float16), "float32 or bfloat16"),
-    (dict(tile_size=16), "decode batches only"),
-    (dict(decode_blocks=None), "decode batches only"),
     (dict(k_dtype=jnp.bfloat16), "one dtype"),
     (dict(q_heads=3), "multiple of Hkv"),
     (dict(float_tables=True), "block_tables must be int32"),
@@ -166,10 +201,6 @@ def test_bad_input_raises_value_error(change, message):
     case = decode_case([5, 17], dtype=change.pop("dtype", jnp.float32))
     q, k, v, layer, tables, lens, qsl, pos = case.args
     kw = case.kwargs(decode_blocks=case.decode_blocks)
-    if "tile_size" in change:
-        kw["tile_size"] = change.pop("tile_size")
-    if "decode_blocks" in change:
-        kw["decode_blocks"] = change.pop("decode_blocks")
     if "sliding_window" in change:
         kw["sliding_window"] = change.pop("sliding_window")
     if change.pop("k_dtype", None) is not None:
@@ -181,7 +212,7 @@ def test_bad_input_raises_value_error(change, message):
     if change.pop("short_positions", False):
         pos = pos[:-1]
     with pytest.raises(ValueError, match=message):
-        native.paged_decode_attention_native(q, k, v, layer, tables, lens, qsl, pos, **kw)
+        native.paged_attention_native(q, k, v, layer, tables, lens, qsl, pos, **kw)
 
 
 def test_engine_native_backend_gives_the_reference_tokens():
@@ -193,7 +224,7 @@ def test_engine_native_backend_gives_the_reference_tokens():
     prompts = random_prompts(4, 3, 30, seed=9)
     assert (greedy_tokens(config, params, prompts, attention_backend="native", max_tokens=12)
             == greedy_tokens(config, params, prompts, attention_backend="reference", max_tokens=12))
-    assert attention_backend("auto").kernel.func is native.native_decode_else_reference  # CPU: native decodes
+    assert attention_backend("auto").kernel.func is native.native_else_reference  # CPU: native for every step
 
 
 def test_unavailable_kernel_falls_back_on_auto_and_names_the_reason_on_native(monkeypatch):

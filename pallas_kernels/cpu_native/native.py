@@ -1,17 +1,16 @@
-"""Native CPU decode attention: paged_decode.cc as an XLA FFI custom call, built with g++ on first use.
+"""Native CPU ragged paged attention: paged_attention.cc as an XLA FFI custom call, built with g++ on first use.
 
-    paged_decode_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc,
-                                  positions, scale=..., tile_size=1, sliding_window=None, soft_cap=None,
-                                  decode_blocks=N)
+    paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
+                           scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None)
 
-Arguments and result are those of `ragged_paged_attention_reference` (reference.py states every layout) for a
-decode batch: tile_size 1 and decode_blocks set (sequence s has exactly one query, token query_start_loc[s]).
-decode_blocks only marks the batch as a decode batch; the kernel walks each sequence's own blocks. q and the pools
-are float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passed whole with the layer index,
-so no per-layer slice is copied, and the call works inside jit and lax.fori_loop.
+Arguments and result are those of `ragged_paged_attention_reference` (reference.py states every layout), for any
+batch: decodes, prefill chunks, or both. tile_size and decode_blocks are accepted for the contract's sake and
+ignored: each query token reads exactly the blocks its sequence holds up to its own position. q and the pools are
+float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passed whole with the layer index, so no
+per-layer slice is copied, and the call works inside jit and lax.fori_loop.
 
 The build: `g++ -std=c++17 -O3 -march=native -fno-math-errno -fPIC -shared` against `jax.ffi.include_dir()`,
-into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `paged_decode-<hash>.so`, the hash covering
+into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `paged_attention-<hash>.so`, the hash covering
 the source, the compiler and its version, the flags, the jaxlib version, `platform.machine()` and the CPU's flags
 (-march=native code must not move to an older CPU). It is written to a temporary file and renamed into place, so
 concurrent builds are safe. `$JAXPAGED_CXX` picks the compiler; `JAXPAGED_NATIVE=0` disables the kernel. If the
@@ -38,9 +37,9 @@ from pallas_kernels.validation import KERNEL_DTYPES
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_decode.cc")
-SYMBOL = "JaxpagedPagedDecodeAttention"
-TARGET = "jaxpaged_paged_decode_attention"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cc")
+SYMBOL = "JaxpagedPagedAttention"
+TARGET = "jaxpaged_paged_attention"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -80,11 +79,11 @@ def _build() -> str:
         key.update(part)
         key.update(b"\0")
     directory = cache_dir()
-    path = os.path.join(directory, f"paged_decode-{key.hexdigest()[:24]}.so")
+    path = os.path.join(directory, f"paged_attention-{key.hexdigest()[:24]}.so")
     if os.path.exists(path):
         return path
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=directory)
     os.close(fd)
     try:
         cmd = [compiler_path, *FLAGS, "-I", include, SOURCE, "-o", tmp]
@@ -95,7 +94,7 @@ def _build() -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the native CPU decode-attention kernel: %s", path)
+    logger.info("built the native CPU paged-attention kernel: %s", path)
     return path
 
 
@@ -120,7 +119,7 @@ def available() -> bool:
                 _state["ok"], _state["reason"] = True, ""
             except Exception as e:  # noqa: BLE001 - any failure means: use the reference
                 _state["ok"], _state["reason"] = False, f"{type(e).__name__}: {e}"
-                logger.warning("native CPU decode attention unavailable, using the pure-JAX reference: %s",
+                logger.warning("native CPU paged attention unavailable, using the pure-JAX reference: %s",
                                _state["reason"])
         return _state["ok"]
 
@@ -140,7 +139,7 @@ def _int32(name: str, x, ndim: int) -> jax.Array:
     return x.astype(jnp.int32)
 
 
-def paged_decode_attention_native(
+def paged_attention_native(
     q: jax.Array,
     k_cache: jax.Array,
     v_cache: jax.Array,
@@ -156,10 +155,8 @@ def paged_decode_attention_native(
     soft_cap: float | None = None,
     decode_blocks: int | None = None,
 ) -> jax.Array:
-    """Decode-batch paged attention on the CPU by the native kernel; see the module docstring."""
-    if tile_size != 1 or decode_blocks is None:
-        raise ValueError(f"the native kernel runs decode batches only (tile_size=1 with decode_blocks set), got "
-                         f"tile_size={tile_size}, decode_blocks={decode_blocks}; prefill uses the reference")
+    """Ragged paged attention on the CPU by the native kernel; see the module docstring."""
+    del tile_size, decode_blocks  # the kernel walks each token's own blocks, whatever the batch's layout
     if q.ndim != 3 or k_cache.ndim != 5:
         raise ValueError(f"q must be [T, Hq, D] and k_cache [L, NB, BS, Hkv, D], got {q.shape} and {k_cache.shape}")
     if k_cache.shape != v_cache.shape:
@@ -189,28 +186,26 @@ def paged_decode_attention_native(
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap={soft_cap} must be positive or None")
     if not available():
-        raise RuntimeError(f"native CPU decode attention is unavailable: {unavailable_reason()}")
+        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                 scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
 
 
-def native_decode_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
-    """The CPU attention: native for decode batches, the pure-JAX reference for prefill.
+def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
+    """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
     strict=False ('auto') falls back to the reference for dtypes the kernel lacks; strict=True ('native') raises.
     Queries of another dtype than the pool's are cast to it (and the output back)."""
     from pallas_kernels.reference import ragged_paged_attention_reference
 
-    decode = kwargs.get("tile_size", 1) == 1 and kwargs.get("decode_blocks") is not None
     q, pool = args[0], args[1]
-    if decode and (strict or np.dtype(pool.dtype) in KERNEL_DTYPES):
+    if strict or np.dtype(pool.dtype) in KERNEL_DTYPES:
         # Queries in the pool's dtype (e.g. a bfloat16 model over the engine's float32 CPU pool); with strict, an
         # unsupported dtype is the kernel's ValueError.
-        return paged_decode_attention_native(q.astype(pool.dtype), *args[1:], **kwargs).astype(q.dtype)
+        return paged_attention_native(q.astype(pool.dtype), *args[1:], **kwargs).astype(q.dtype)
     return ragged_paged_attention_reference(*args, **kwargs)
 
 
-__all__ = ["available", "unavailable_reason", "paged_decode_attention_native",
-           "native_decode_else_reference", "cache_dir"]
+__all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "cache_dir"]

@@ -1,13 +1,15 @@
-// Native CPU paged decode attention, an XLA FFI custom call (built and registered by native.py).
+// Native CPU ragged paged attention, an XLA FFI custom call (built and registered by native.py).
 //
-// Decode batches only: sequence s has exactly one query, token query_start_loc[s]. The rules are those of
+// Any ragged batch: sequence s owns the query tokens [query_start_loc[s], query_start_loc[s + 1]) (one for a
+// decode, a chunk of its prompt for a prefill), and every query token attends causally to its sequence's cache,
+// which already holds this step's K/V (the engine writes them first). The rules are those of
 // pallas_kernels/reference.py; layouts (row-major, C order):
 //   q               [T, Hq, D]            float32 or bfloat16   queries of the step's tokens
 //   k_cache/v_cache [L, NB, BS, Hkv, D]   q's dtype             the whole stacked pool (no per-layer slice)
 //   layer           [] int32                                    which layer of the pool to read
 //   block_tables    [S, W] int32                                logical -> physical block of each sequence
 //   context_lens    [S] int32                                   cached tokens of sequence s (0: padding sequence)
-//   query_start_loc [S + 1] int32                               sequence s's query is token query_start_loc[s]
+//   query_start_loc [S + 1] int32                               sequence s's queries are tokens [qsl[s], qsl[s+1])
 //   positions       [T] int32                                   absolute position of each token (-1: padding)
 //   attributes      scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
 //   out             [T, Hq, D]            q's dtype             0 on rows that no real sequence owns
@@ -15,18 +17,21 @@
 // Query head h reads kv head h / G, G = Hq / Hkv. Sequence s's query at position p sees the cached positions
 // [lo, hi) with hi = min(context_lens[s], p + 1, W * BS) and lo = max(0, p - sliding_window + 1) (0 without a
 // window): only the blocks and offsets of that range are read, so pool slots outside the context (which may hold
-// NaN) are never touched. Block ids are clipped to [0, NB) and the layer to [0, L), so nothing is read out of
-// bounds; a query token outside [0, T) gives no output row.
+// NaN) are never touched, and a prefill token reads only the blocks up to its own position (causal: no masked
+// work). Block ids are clipped to [0, NB) and the layer to [0, L), so nothing is read out of bounds; a token that
+// no sequence owns, or with position -1, gives a 0 row.
 //
-// Work item = one sequence and a range of its kv heads (all of them when the batch has enough sequences to keep
+// Work item = one query token and a range of its kv heads (all of them when the batch has enough tokens to keep
 // every thread busy, so each block is read as one contiguous run; else one kv head per item). The item's query
 // vectors are loaded once (as float32), then the sequence's blocks are walked through its block table; per block
 // the (query heads) x (offsets in range) scores, an online softmax (running max m and sum l per query head,
-// float32) and acc += p @ V in float32. Items are claimed from an atomic counter by the calling thread and by
-// helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for items
-// that were claimed, so it is correct with a pool of any size, including none. The inner loops are written over
-// fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a vectorisable
-// polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf propagate.
+// float32) and acc += p @ V in float32. A prefill chunk's tokens walk the same blocks one after the other, so
+// those blocks are read from cache after the first. Items are claimed from an atomic counter by the calling thread
+// and by helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for
+// items that were claimed, so it is correct with a pool of any size, including none. The inner loops are written
+// over fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a
+// vectorisable polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf
+// propagate.
 
 #include <algorithm>
 #include <atomic>
@@ -129,20 +134,19 @@ struct Scratch {
       : q(heads * head_dim), acc(heads * head_dim), scores(heads * block_size), m(heads), l(heads) {}
 };
 
-// One work item: sequence s, kv heads [kh0, kh1) and their query heads [kh0 * G, kh1 * G) (H of them, contiguous
-// in q and out). Writes out[token, kh0 * G : kh1 * G]. Per block, the rows of the item's kv heads are contiguous
-// (a whole block when the item has every kv head).
+// One work item: query token `token` of sequence s, kv heads [kh0, kh1) and their query heads [kh0 * G, kh1 * G)
+// (H of them, contiguous in q and out). Writes out[token, kh0 * G : kh1 * G]. Per block, the rows of the item's
+// kv heads are contiguous (a whole block when the item has every kv head).
 template <typename T>
-void DecodeItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s, int64_t kh0,
-                int64_t kh1, Scratch& scratch) {
+void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s, int64_t token,
+                int64_t kh0, int64_t kh1, Scratch& scratch) {
   const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
   const int64_t G = p.num_q_heads / Hkv;
   const int64_t H = (kh1 - kh0) * G;
   const int64_t context = p.context_lens[s];
   if (context <= 0) return;  // padding sequence: its rows stay 0
-  const int64_t token = p.query_start_loc[s];
-  if (token < 0 || token >= p.num_tokens) return;
   const int64_t pos = p.positions[token];
+  if (pos < 0) return;  // padding token
   const int64_t hi = std::min({context, pos + 1, p.width * BS});  // exclusive
   const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
   if (hi <= lo) return;  // nothing visible: 0, as the reference
@@ -212,13 +216,14 @@ void DecodeItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
 // caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
 // so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
 template <typename T>
-struct ParallelDecode {
+struct ParallelAttention {
   Problem p;
   const T *q, *k, *v;
   T* out;
-  int64_t kv_per_item;    // kv heads per work item
-  int64_t items_per_seq;  // ceil(Hkv / kv_per_item)
-  int64_t total;          // num_seqs * items_per_seq
+  std::vector<int32_t> token_seq, tokens;  // the owning sequence of each query token; the tokens, in order
+  int64_t kv_per_item;      // kv heads per work item
+  int64_t items_per_token;  // ceil(Hkv / kv_per_item)
+  int64_t total;            // tokens.size() * items_per_token
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
@@ -229,8 +234,10 @@ struct ParallelDecode {
     if (i >= total) return;  // nothing left: return before reading anything
     Scratch scratch(kv_per_item * (p.num_q_heads / p.num_kv_heads), p.head_dim, p.block_size);
     for (; i < total; i = next.fetch_add(1)) {
-      const int64_t kh0 = (i % items_per_seq) * kv_per_item;
-      DecodeItem(p, q, k, v, out, i / items_per_seq, kh0, std::min(kh0 + kv_per_item, p.num_kv_heads), scratch);
+      const int64_t kh0 = (i % items_per_token) * kv_per_item;
+      const int64_t token = tokens[i / items_per_token];
+      AttendItem(p, q, k, v, out, token_seq[token], token, kh0, std::min(kh0 + kv_per_item, p.num_kv_heads),
+                 scratch);
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -245,18 +252,32 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, c
   if (p.num_seqs == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
 
-  auto state = std::make_shared<ParallelDecode<T>>();
+  auto state = std::make_shared<ParallelAttention<T>>();
   state->p = p;
   state->q = q;
   state->k = k;
   state->v = v;
   state->out = out;
-  // Whole sequences (every kv head: each block is read as one contiguous run) when there are enough of them to
-  // balance the threads (8 items per thread); else each sequence's kv heads are split over several items.
-  const int64_t splits = std::clamp<int64_t>((8 * threads + p.num_seqs - 1) / p.num_seqs, 1, p.num_kv_heads);
+  // The real query tokens and their sequences (a token claimed by two sequences' ranges goes to the first).
+  state->token_seq.assign(p.num_tokens, -1);
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    if (p.context_lens[s] <= 0) continue;
+    const int64_t t0 = std::max<int64_t>(p.query_start_loc[s], 0);
+    const int64_t t1 = std::min<int64_t>(p.query_start_loc[s + 1], p.num_tokens);
+    for (int64_t t = t0; t < t1; ++t)
+      if (state->token_seq[t] < 0 && p.positions[t] >= 0) {
+        state->token_seq[t] = static_cast<int32_t>(s);
+        state->tokens.push_back(static_cast<int32_t>(t));
+      }
+  }
+  const int64_t num_items = static_cast<int64_t>(state->tokens.size());
+  if (num_items == 0) return ffi::Error::Success();
+  // Whole tokens (every kv head: each block is read as one contiguous run) when there are enough of them to
+  // balance the threads (8 items per thread); else each token's kv heads are split over several items.
+  const int64_t splits = std::clamp<int64_t>((8 * threads + num_items - 1) / num_items, 1, p.num_kv_heads);
   state->kv_per_item = (p.num_kv_heads + splits - 1) / splits;
-  state->items_per_seq = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
-  state->total = p.num_seqs * state->items_per_seq;
+  state->items_per_token = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
+  state->total = num_items * state->items_per_token;
   // The caller is one worker; XLA's pool (num_threads() may be 0: no pool) supplies the others.
   const int64_t helpers = std::min(threads, state->total) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
@@ -266,7 +287,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, c
   return ffi::Error::Success();
 }
 
-ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
                                     ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
@@ -275,10 +296,10 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   auto td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument("paged_decode_attention: q must be [T, Hq, D], the pools [L, NB, BS, Hkv, D]"
+    return ffi::Error::InvalidArgument("paged_attention: q must be [T, Hq, D], the pools [L, NB, BS, Hkv, D]"
                                        " and block_tables [S, W]");
   for (int i = 0; i < 5; ++i)
-    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("paged_decode_attention: k_cache and v_cache differ");
+    if (kd[i] != vd[i]) return ffi::Error::InvalidArgument("paged_attention: k_cache and v_cache differ");
   Problem p;
   p.num_tokens = qd[0];
   p.num_q_heads = qd[1];
@@ -290,17 +311,17 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   p.num_seqs = td[0];
   p.width = td[1];
   if (kd[4] != p.head_dim || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0)
-    return ffi::Error::InvalidArgument("paged_decode_attention: head_dim or head counts do not match");
+    return ffi::Error::InvalidArgument("paged_attention: head_dim or head counts do not match");
   if (context_lens.element_count() != static_cast<size_t>(p.num_seqs) ||
       query_start_loc.element_count() != static_cast<size_t>(p.num_seqs + 1) ||
       positions.element_count() != static_cast<size_t>(p.num_tokens) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("paged_decode_attention: context_lens, query_start_loc or positions has the "
+    return ffi::Error::InvalidArgument("paged_attention: context_lens, query_start_loc or positions has the "
                                        "wrong length");
   if (q.element_type() != k_cache.element_type() || q.element_type() != v_cache.element_type() ||
       q.element_type() != out->element_type())
-    return ffi::Error::InvalidArgument("paged_decode_attention: q, the pools and the output need one dtype");
+    return ffi::Error::InvalidArgument("paged_attention: q, the pools and the output need one dtype");
   if (p.num_blocks <= 0 || p.num_layers <= 0)
-    return ffi::Error::InvalidArgument("paged_decode_attention: empty pool");
+    return ffi::Error::InvalidArgument("paged_attention: empty pool");
   p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
   p.block_tables = block_tables.typed_data();
   p.context_lens = context_lens.typed_data();
@@ -319,13 +340,13 @@ ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
       return Run<uint16_t>(pool, p, q.reinterpret_data<uint16_t>(), k_cache.reinterpret_data<uint16_t>(),
                            v_cache.reinterpret_data<uint16_t>(), out->reinterpret_data<uint16_t>());
     default:
-      return ffi::Error::InvalidArgument("paged_decode_attention: dtype must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged_attention: dtype must be float32 or bfloat16");
   }
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedDecodeAttention, PagedDecodeAttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()          // q
