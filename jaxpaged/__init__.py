@@ -5,7 +5,7 @@ from jaxpaged.engine import Engine
 from jaxpaged.engine_setup import EngineConfig
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "Engine",
-           "EngineConfig", "RequestOutput", "SamplingParams"]
+           "EngineConfig", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -81,7 +81,8 @@ class AttentionMetadata:
     context_lens: jax.Array  # [S] int32, tokens in the cache once this step's K/V are written (0 = padding row)
     query_start_loc: jax.Array  # [S + 1] int32, sequence s owns tokens [qsl[s], qsl[s + 1])
     logits_indices: jax.Array  # [S] int32, the token whose hidden state gives sequence s's next-token logits
-    tile_size: int  # static: tokens per query tile, 16 for prefill steps (segments start at multiples), 1 for decode
+    tile_size: int  # static: tokens per query tile: 16 for prefill steps (segments start at multiples), 1 for decode
+    # and for the mixed steps of a backend that `mixes_steps`
     decode_blocks: int | None  # static: flat K/V block count of a decode-only step; None for prefill
 
     @property
@@ -116,6 +117,10 @@ class PagedAttention:
     # Whether a decode step's cost follows `decode_blocks` (the reference gathers that many blocks; the GPU kernel
     # sizes its splits by it): the runner then compiles decode steps for several block counts, else for one.
     reads_flat_blocks: bool = True
+    # Whether the kernel's cost does not depend on how a step's tokens are laid out (the native CPU kernel works per
+    # query token): prompt chunks then run at query tile 1 beside decodes in one step (the scheduler's mixed steps).
+    # The reference and the Pallas kernels pad prompts to query tiles, so they keep prefill and decode steps apart.
+    mixes_steps: bool = False
 
     def __call__(self, q, k, v, kv_pool: KVPool, layer, md: AttentionMetadata, *, scale=None, sliding_window=None,
                  soft_cap=None):
@@ -153,7 +158,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
             strict = backend == "native"
             return PagedAttention("native" if strict else "native_else_reference",
                                   functools.partial(cpu_native.native_else_reference, strict=strict),
-                                  reads_flat_blocks=False)
+                                  reads_flat_blocks=False, mixes_steps=True)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
         logger.info("native CPU attention unavailable (%s); using the reference", cpu_native.unavailable_reason())

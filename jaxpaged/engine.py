@@ -23,7 +23,7 @@ from jaxpaged.models import check_model, families
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.pool_view import MAX_CELLS, pool_view
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
 from jaxpaged.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
@@ -48,6 +48,7 @@ class _Request:
     grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
+    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # DELTA: seq_id -> (tokens, chars) out
 
     def matcher(self, seq: Sequence):
         """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one."""
@@ -96,7 +97,8 @@ class Engine:
                                           num_cpu_blocks=self._num_cpu_blocks(self.cache_config),
                                           reserve_tokens=self.max_model_len if config.kv_allocation == "contiguous"
                                           else 0)
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager,
+                                   mixed_steps=getattr(self.runner.attn, "mixes_steps", False))
         self.scheduler.make_children = self._make_children
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -109,6 +111,7 @@ class Engine:
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
         self.startup_times = {"setup_s": time.perf_counter() - t0, "compile_s": 0.0}
+        self.step_times = {"host_s": 0.0, "device_s": 0.0}  # summed over the steps that ran the model
         if config.precompile:
             self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
             logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
@@ -305,6 +308,7 @@ class Engine:
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        t_start = time.perf_counter()
         out = self.scheduler.schedule()
         if out is None:
             return []
@@ -317,10 +321,12 @@ class Engine:
         batch = self._prepare(out, failed)
         if batch is None:
             return failed
+        t_device = time.perf_counter()
         with self._device_guard(out, failed):
             result = self.runner.execute(batch)
         if failed:
             return failed
+        t_host = time.perf_counter()
 
         self.counters["steps"] += 1
         self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1
@@ -329,9 +335,9 @@ class Engine:
         finished_beams: list[RequestOutput] = []
         for i, sched in enumerate(out.scheduled):
             seq, samples = sched.seq, sched.samples
-            seq.num_computed_tokens += sched.num_new_tokens
-            if out.is_prefill:
+            if seq.is_prefill:
                 self.counters["prompt_tokens"] += sched.num_new_tokens
+            seq.num_computed_tokens += sched.num_new_tokens
             req = self.requests.get(seq.request_id)
             if not samples or req is None:  # None: failed earlier in this loop
                 continue
@@ -352,7 +358,12 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             touched[req.request_id] = req
-        return [self._output(req) for req in touched.values()] + finished_beams + failed
+        outputs = [self._output(req) for req in touched.values()
+                   if req.finished or req.seqs[0].params.output_kind != RequestOutputKind.FINAL_ONLY]
+        # Host time of the step (scheduling, batch building, output processing) and the device step's wall time.
+        self.step_times["host_s"] += (t_device - t_start) + (time.perf_counter() - t_host)
+        self.step_times["device_s"] += t_host - t_device
+        return outputs + finished_beams + failed
 
     def _prepare(self, out: SchedulerOutput, failed: list[RequestOutput]):
         """The step's device batch. If laying it out raises, the rows that raise on their own are failed (their
@@ -475,12 +486,18 @@ class Engine:
 
     def _output(self, req: _Request) -> RequestOutput:
         finished = req.finished
+        delta = req.seqs[0].params.output_kind == RequestOutputKind.DELTA
         outs = []
         for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers, strict=True)):
             logprobs = seq.output_top_logprobs if seq.params.logprobs is not None else None
             cum = float(sum(seq.output_logprobs)) if seq.params.logprobs is not None else None
-            outs.append(CompletionOutput(i, detok.visible_text(seq.finished), list(seq.output_token_ids), cum,
-                                         logprobs, seq.finish_reason, seq.stop_reason))
+            text, tokens = detok.visible_text(seq.finished), seq.output_token_ids
+            if delta:  # what is new since this sequence's previous output
+                sent_tokens, sent_chars = req.sent.get(seq.seq_id, (0, 0))
+                req.sent[seq.seq_id] = (len(tokens), max(sent_chars, len(text)))
+                text, tokens = text[sent_chars:], tokens[sent_tokens:]
+                logprobs = logprobs[sent_tokens:] if logprobs is not None else None
+            outs.append(CompletionOutput(i, text, list(tokens), cum, logprobs, seq.finish_reason, seq.stop_reason))
         seq0 = req.seqs[0]
         metrics = {"arrival_time": req.arrival_time, "first_token_time": seq0.first_token_time or 0.0}
         if finished:
@@ -557,6 +574,7 @@ class Engine:
             "preemptions_swap": self.scheduler.num_preemptions["swap"],
             **self.counters,
             **self.startup_times,
+            **self.step_times,
         }
 
 

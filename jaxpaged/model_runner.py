@@ -4,8 +4,9 @@ Every array the jitted step sees is padded up to a bucket, so XLA compiles a few
 request's length never reaches a jitted shape:
   decode steps   tokens = sequences = S in `decode_buckets`; block tables at the full width; the K/V read as a
                  flat list of B blocks, B in `flat_block_buckets(S)` (the blocks in use, rounded up)
-  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / 16), block-table width W in
-                 `width_buckets`, tile 16
+  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / tile), block-table width W in
+                 `width_buckets`, tile 16; or tile 1 when the attention `mixes_steps` (then a prefill step may
+                 carry decodes too, and every sequence's tokens start right after the previous one's)
 
 The pool's device layout (`pool_format`): on TPU the pool is allocated, and passes through every jitted function
 that takes it (the step, the block copy, the swap-in write), in an explicit row-major format, the layout the Pallas
@@ -258,6 +259,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         param_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
         self.attn = attn
+        self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
         self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings)
         self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3, mesh=mesh)
         self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4, mesh=mesh)
@@ -277,12 +279,12 @@ class ModelRunner:
     def all_shapes(self) -> list[tuple]:
         """Every (tokens, seqs, width, tile, decode_blocks) the engine can produce."""
         shapes = [(s, s, self.max_width, 1, b) for s in self.decode_buckets for b in self.flat_block_buckets(s)]
-        shapes += [(t, self._prefill_seqs(t), w, PREFILL_TILE, None) for t in self.prefill_buckets
+        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None) for t in self.prefill_buckets
                    for w in self.width_buckets]
         return shapes
 
     def _prefill_seqs(self, num_tokens: int) -> int:
-        return max(1, min(self.max_num_seqs, num_tokens // PREFILL_TILE))
+        return max(1, min(self.max_num_seqs, num_tokens // self.prefill_tile))
 
     def warm_up(self, progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every shape, running none; returns seconds spent."""
@@ -322,7 +324,7 @@ class ModelRunner:
         """
         bs = self.block_size
         n = len(out.scheduled)
-        tile = PREFILL_TILE if out.is_prefill else 1
+        tile = self.prefill_tile if out.is_prefill else 1
         lengths = [round_up(s.num_new_tokens, tile) for s in out.scheduled]
         blocks = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in out.scheduled]
         if out.is_prefill:

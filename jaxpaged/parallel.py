@@ -203,6 +203,10 @@ class ShardedAttention:
     def reads_flat_blocks(self) -> bool:
         return getattr(self.inner, "reads_flat_blocks", True)
 
+    @property
+    def mixes_steps(self) -> bool:
+        return getattr(self.inner, "mixes_steps", False)
+
     def check_dtypes(self, *dtypes) -> None:
         self.inner.check_dtypes(*dtypes)
 

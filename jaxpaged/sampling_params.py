@@ -9,6 +9,7 @@ size) is checked by `check_against_model`, which the engine calls before it queu
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 
@@ -110,6 +111,15 @@ class StructuredOutputsParams:
         return _json.dumps(value, sort_keys=True) if self.kind in ("json", "choice") else str(value)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request carries (vLLM's names): everything so far, only what is new since the
+    previous output, or one output when the request finishes (what `LLM.generate` asks for)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -138,6 +148,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words whose tokens may not be generated
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -180,6 +191,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError(f"structured_outputs must be a StructuredOutputsParams, "
                             f"not {type(self.structured_outputs).__name__}")
+        _int("output_kind", self.output_kind, 0, len(RequestOutputKind) - 1)
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:

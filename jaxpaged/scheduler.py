@@ -1,12 +1,17 @@
 """Continuous batching: which sequences run in the next step, and who is preempted when the pool runs dry.
 
-Policy (vLLM v0's default, first-come-first-served):
-- A step is either a prefill step or a decode step. Prefill steps run prompt chunks (and recomputed requests) of
-  sequences in arrival order under the token budget; decode steps run one token of every running sequence.
-  Waiting prefills go first, so new requests join the running batch at the next step, but never twice in a row
-  while running sequences wait for a token: a decode step comes between. We keep the two kinds
-  apart because the pure-JAX attention (the CPU path) pads each prefill sequence to query tiles of
-  `PREFILL_TILE` tokens: a decode in a prefill step would cost a whole tile.
+Policy (first-come-first-served), in one of two forms picked by the attention backend:
+- Mixed steps (`mixed_steps=True`, vLLM v1's policy; the native CPU kernel, whose cost does not depend on how a
+  step's tokens are laid out): every step runs one token of every decoding sequence first, then prompt chunks (and
+  recomputed requests) in arrival order with the token budget that is left. A running stream gets a token every
+  step, whatever prompts arrive.
+- Separate steps (the other backends): a step is either a prefill step or a decode step. Prefill steps run prompt
+  chunks in arrival order under the token budget; decode steps run one token of every running sequence. Waiting
+  prefills go first, so new requests join the running batch at the next step, but never twice in a row while
+  running sequences wait for a token: a decode step comes between. The two kinds stay apart because those kernels
+  pad each prefill sequence to query tiles of `PREFILL_TILE` tokens: a decode in a prefill step would cost a tile.
+- `max_prefill_tokens_while_decoding` bounds the prompt tokens of a step that also has (or keeps waiting) decoding
+  sequences, and so the time between a stream's tokens.
 - A prompt longer than the token budget is chunked over several prefill steps.
 - When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
   is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
@@ -47,7 +52,7 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    is_prefill: bool
+    is_prefill: bool  # the step runs prompt tokens (and, in a mixed step, decodes too): the runner's prefill shapes
     scheduled: list[ScheduledSeq]
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) device blocks
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
@@ -60,8 +65,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager):
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, block_manager: BlockManager,
+                 mixed_steps: bool = False):
         self.config = scheduler_config
+        self.mixed_steps = mixed_steps
         self.cache_config = cache_config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -101,15 +108,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         out = SchedulerOutput(is_prefill=True, scheduled=[])
         self._swap_in(out)
-        # After a prefill step, running sequences that wait for a token get a decode step before the next prefill,
-        # so a long queue of prompts never stalls the streams already running for more than one prefill step.
-        decodes_waiting = self._last_was_prefill and any(self._decodable(s) for s in self.running)
-        if not decodes_waiting:
-            self._schedule_prefills(out)
-        if not out.scheduled:
-            out.is_prefill = False
+        if self.mixed_steps:
             self._schedule_decodes(out)
-        self._last_was_prefill = out.is_prefill and bool(out.scheduled)
+            decodes = {id(s) for s in out.scheduled}
+            self._schedule_prefills(out, self.config.max_num_batched_tokens - len(decodes))
+            out.is_prefill = any(id(s) not in decodes for s in out.scheduled)
+        else:
+            # After a prefill step, running sequences that wait for a token get a decode step before the next
+            # prefill, so a long queue of prompts never stalls the streams already running for more than one step.
+            decodes_waiting = self._last_was_prefill and any(self._decodable(s) for s in self.running)
+            if not decodes_waiting:
+                self._schedule_prefills(out, self.config.max_num_batched_tokens)
+            if not out.scheduled:
+                out.is_prefill = False
+                self._schedule_decodes(out)
+            self._last_was_prefill = out.is_prefill and bool(out.scheduled)
         out.blocks_to_copy = self.block_manager.pop_copies()
         if not out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
             return None
@@ -133,11 +146,10 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
 
-    def _schedule_prefills(self, out: SchedulerOutput) -> None:
-        budget = self.config.max_num_batched_tokens
+    def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         if self.config.max_prefill_tokens_while_decoding is not None and any(
                 self._decodable(s) for s in self.running):
-            budget = self.config.max_prefill_tokens_while_decoding
+            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
             self._fork(seq)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before

@@ -75,6 +75,7 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
     ({"temperature": float("nan")}, ValueError, "temperature"),
     ({"temperature": float("inf")}, ValueError, "temperature"), ({"top_p": float("nan")}, ValueError, "top_p"),
     ({"min_p": float("inf")}, ValueError, "min_p"), ({"stop": ["s"] * 17}, ValueError, "stop"),
+    ({"output_kind": 3}, ValueError, "output_kind"), ({"output_kind": "delta"}, TypeError, "output_kind"),
 ])
 def test_sampling_params_refuse_wrong_types_and_unbounded_values(kwargs, error, field):
     with pytest.raises(error, match=rf"^{field}\b"):

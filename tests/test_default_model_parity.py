@@ -117,3 +117,31 @@ def test_beam_search_matches_transformers(llm, hf_model, prompt_ids, prompt_inde
     scores = [s.cum_logprob / (len(s.tokens) - len(ids)) for s in res.sequences]
     assert scores == sorted(scores, reverse=True)
     assert llm.stats()["num_used"] == 0
+
+
+def test_output_kinds(llm):
+    """CUMULATIVE: every output holds everything so far; DELTA: only what is new, and the pieces add up to the same
+    text, tokens and log-probs (for each of n=2 samples); FINAL_ONLY: one output, when the request finishes."""
+    from jaxpaged import RequestOutputKind
+
+    engine = llm.engine
+    prompt = {"prompt_token_ids": llm.tokenizer.encode(PROMPTS[0])}
+    for kind in RequestOutputKind:
+        params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, logprobs=2, ignore_eos=True,
+                                output_kind=kind)
+        engine.add_request(kind.name, prompt, params)
+    seen = {kind.name: [] for kind in RequestOutputKind}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    cumulative, delta, final = (seen[k.name] for k in RequestOutputKind)
+    assert len(final) == 1 and final[0].finished and len(cumulative) == len(delta) > 1
+    assert not any(o.finished for o in delta[:-1]) and delta[-1].finished
+    for i in range(2):
+        whole = cumulative[-1].outputs[i]
+        assert len(whole.token_ids) == 12 and whole.text
+        assert [len(o.outputs[i].token_ids) for o in cumulative] == list(range(1, 13))
+        assert "".join(o.outputs[i].text for o in delta) == whole.text == final[0].outputs[i].text
+        assert sum((o.outputs[i].token_ids for o in delta), []) == whole.token_ids == final[0].outputs[i].token_ids
+        assert sum((o.outputs[i].logprobs for o in delta), []) == whole.logprobs
+        assert all(len(o.outputs[i].token_ids) == 1 for o in delta)

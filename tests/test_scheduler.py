@@ -65,9 +65,10 @@ def test_chunked_prefill_equals_unchunked(reference):
     assert llm.stats()["prefill_steps"] >= 4 * 3 // 2
 
 
-def test_tiny_pool_preempts_and_still_gives_the_same_outputs(prompts, reference):
+@pytest.mark.parametrize("backend", ["auto", "reference"])  # mixed steps, and separate prefill / decode steps
+def test_tiny_pool_preempts_and_still_gives_the_same_outputs(prompts, reference, backend):
     # 22 usable blocks of 8 tokens = 176 slots; 12 requests of up to 84 tokens each need far more.
-    llm = make_llm(num_blocks=23, enable_prefix_caching=False)
+    llm = make_llm(num_blocks=23, enable_prefix_caching=False, attention_backend=backend)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     stats = llm.stats()
@@ -84,12 +85,8 @@ def test_outputs_come_back_in_input_order(prompts):
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
 
 
-def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts):
-    """max_prefill_tokens_while_decoding: a prompt that arrives while sequences decode is prefilled at most that many
-    tokens per step (so a decoding stream waits at most one such step between tokens); with nothing decoding it gets
-    the whole budget; the tokens are those of the unbounded engine."""
-    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=32)
-    sched = llm.engine.scheduler
+def _spy_steps(sched) -> list[tuple[bool, int, int]]:
+    """Records (something was decoding before the step, prompt tokens, decode tokens) of every scheduled step."""
     steps = []
     original = sched.schedule
 
@@ -97,13 +94,27 @@ def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts):
         decoding = any(sched._decodable(s) for s in sched.running)
         out = original()
         if out is not None:
-            steps.append((decoding, out.is_prefill, out.num_tokens))
+            prompt = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill)
+            steps.append((decoding, prompt, out.num_tokens - prompt))
         return out
 
     sched.schedule = spy
+    return steps
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts, backend):
+    """max_prefill_tokens_while_decoding: a prompt that arrives while sequences decode is prefilled at most that many
+    tokens per step (so a decoding stream waits at most one such step between tokens); with nothing decoding it gets
+    the whole budget; the tokens are those of the unbounded engine. With the native CPU kernel ('auto') the chunks
+    ride in the same steps as the decodes (mixed steps); with the reference, decode steps come between them."""
+    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=32, attention_backend=backend)
+    mixed = llm.engine.scheduler.mixed_steps
+    assert mixed == (backend == "auto")
+    steps = _spy_steps(llm.engine.scheduler)
     engine = llm.engine
     engine.add_request("first", prompts[0], GREEDY)
-    while not any(s.output_token_ids for s in sched.running):  # "first" is decoding now
+    while not any(s.output_token_ids for s in engine.scheduler.running):  # "first" is decoding now
         engine.step()
     long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
     engine.add_request("long", long_prompt, GREEDY)
@@ -112,11 +123,43 @@ def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts):
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
-    assert steps[0] == (False, True, steps[0][2]) and steps[0][2] > 32  # alone: the whole prompt at once
-    chunks = [n for decoding, prefill, n in steps[1:] if prefill]
-    assert chunks and max(chunks) <= 32 and sum(chunks) >= 100
+    assert steps[0][:2] == (False, len(prompts[0]["prompt_token_ids"])) and steps[0][1] > 32  # alone: all at once
+    chunks = [(prompt, decodes) for decoding, prompt, decodes in steps[1:] if prompt]
+    assert chunks and max(p for p, _ in chunks) <= 32 and sum(p for p, _ in chunks) >= 100
+    if mixed:  # "first" decodes in every step that prefills "long"
+        assert all(decodes == 1 for _, decodes in chunks)
+    else:
+        assert all(decodes == 0 for _, decodes in chunks)
     assert outputs["first"] == reference[0]
     assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_mixed_steps_decode_every_running_sequence_every_step(prompts, reference):
+    """Mixed steps: while prompts are being prefilled, every sequence that waits for a token gets it in that step;
+    the token budget counts the decodes first; the outputs are those of each prompt alone."""
+    llm = make_llm(max_num_seqs=6, max_num_batched_tokens=48)
+    sched = llm.engine.scheduler
+    assert sched.mixed_steps
+    original = sched.schedule
+    mixed = []
+
+    def spy():
+        decodable = [s for s in sched.running if sched._decodable(s)]
+        out = original()
+        if out is not None:
+            assert out.num_tokens <= 48
+            scheduled = {s.seq.seq_id for s in out.scheduled}
+            if not out.preempted:
+                assert all(s.seq_id in scheduled for s in decodable)
+            prompt = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill)
+            mixed.append(prompt > 0 and len(out.scheduled) > 1 and any(not s.seq.is_prefill for s in out.scheduled))
+        return out
+
+    sched.schedule = spy
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert sum(mixed) >= 3  # steps that carried decodes and prompt tokens together
+    llm.engine.block_manager.check_invariants()
 
 
 def test_bounded_prefill_chunk_must_fit_the_step_budget():

@@ -15,7 +15,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.engine import Engine
 from jaxpaged.engine_setup import EngineConfig
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        self._add_all([self.engine.make_request(rid, prompt, params)
+        # One output per request, when it finishes: no cumulative copies of every request at every step.
+        self._add_all([self.engine.make_request(rid, prompt, _final_only(params))
                        for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)])
         return self._run(ids, use_tqdm)
 
@@ -175,3 +176,11 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _final_only(params):
+    """The caller's params asking for the final output only (their own object is left as it is); anything that is
+    not a SamplingParams goes through unchanged for `make_request` to refuse."""
+    if not isinstance(params, SamplingParams):
+        return params
+    return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
