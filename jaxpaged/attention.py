@@ -56,10 +56,12 @@ class KVPool:
     def dtype(self):
         return self.k.dtype
 
-    def write(self, layer: jax.Array | int, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array) -> KVPool:
+    def write(self, layer: jax.Array | int, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array,
+              writer: Callable | None = None) -> KVPool:
         """The pool with k_new, v_new [T, Hkv, D] written at the flat slots [T] of `layer` (in place when the pool is
-        carried through the layer loop of a donated step)."""
-        k, v = write_kv_reference(self.k, self.v, layer, k_new, v_new, slot_mapping)
+        carried through the layer loop of a donated step), by `writer` (`write_kv_reference`'s contract; default
+        that: XLA's scatter)."""
+        k, v = (writer or write_kv_reference)(self.k, self.v, layer, k_new, v_new, slot_mapping)
         return KVPool(k, v)
 
 
@@ -121,10 +123,21 @@ class PagedAttention:
     # query token): prompt chunks then run at query tile 1 beside decodes in one step (the scheduler's mixed steps).
     # The reference and the Pallas kernels pad prompts to query tiles, so they keep prefill and decode steps apart.
     mixes_steps: bool = False
+    # The K/V write (`write_kv_reference`'s contract); None: XLA's scatter. XLA CPU's scatter converts a 16-bit pool
+    # to float32 and back, whole, around every write, so on CPU a 16-bit pool needs a native write (`writes_16bit`).
+    kv_write: Callable | None = None
+    # Whole-block writes for copy-on-write and swap-in, (k, v, dst [N], k_blocks, v_blocks [L, N, BS, Hkv, D]) ->
+    # (k, v); None: XLA's scatter (same 16-bit caveat on CPU).
+    block_write: Callable | None = None
+
+    @property
+    def writes_16bit(self) -> bool:
+        """Whether a 16-bit pool is written in place at the cost of the rows written on this platform."""
+        return self.kv_write is not None or jax.default_backend() != "cpu"
 
     def __call__(self, q, k, v, kv_pool: KVPool, layer, md: AttentionMetadata, *, scale=None, sliding_window=None,
                  soft_cap=None):
-        kv_pool = kv_pool.write(layer, k, v, md.slot_mapping)
+        kv_pool = kv_pool.write(layer, k, v, md.slot_mapping, self.kv_write)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = self.kernel(q, kv_pool.k, kv_pool.v, layer, md.block_tables, md.context_lens, md.query_start_loc,
                           md.positions, scale=scale, tile_size=md.tile_size, sliding_window=sliding_window,
@@ -158,7 +171,8 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
             strict = backend == "native"
             return PagedAttention("native" if strict else "native_else_reference",
                                   functools.partial(cpu_native.native_else_reference, strict=strict),
-                                  reads_flat_blocks=False, mixes_steps=True)
+                                  reads_flat_blocks=False, mixes_steps=True, kv_write=cpu_native.write_kv_native,
+                                  block_write=cpu_native.set_blocks_native)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
         logger.info("native CPU attention unavailable (%s); using the reference", cpu_native.unavailable_reason())

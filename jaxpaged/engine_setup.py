@@ -136,22 +136,25 @@ def resolve_dtype(requested: str, platform: str | None = None) -> str:
     return "bfloat16" if platform != "cpu" or cpu_has_bf16_dots() else "float32"
 
 
-def resolve_cache_dtype(requested: str, model_dtype, platform: str) -> jnp.dtype:
-    """The K/V pool's dtype: `requested`, or for "auto" the model dtype, except float32 on CPU for 16-bit floats.
+def resolve_cache_dtype(requested: str, model_dtype, platform: str, writes_16bit: bool) -> jnp.dtype:
+    """The K/V pool's dtype: `requested`, or for "auto" the model dtype, except float32 on CPU for 16-bit floats
+    when the attention backend has no native K/V write (`writes_16bit` False: the pure-JAX reference).
 
     XLA CPU has no bfloat16/float16 scatter: it converts the whole pool to float32 and back around every K/V write,
     two copies of the pool per layer per step (a SmolLM2 decode step of 16 sequences: 6.0 s instead of 0.39 s,
-    benchmarks/profile_steps.py in README). A float32 pool costs twice the bytes per block and keeps the write in
-    place; the weights stay in `dtype`.
+    benchmarks/profile_steps.py in README). The native CPU backend writes rows in place in any dtype; without it a
+    float32 pool costs twice the bytes per block and keeps the write in place; the weights stay in `dtype`.
     """
     model_dtype = jnp.dtype(model_dtype)
+    slow_16bit = platform == "cpu" and not writes_16bit
     if requested != "auto":
         dtype = jnp.dtype(requested)
-        if platform == "cpu" and dtype.itemsize == 2:
-            logger.warning("kv_cache_dtype=%s on CPU: XLA CPU converts the whole pool to float32 and back on every "
-                           "K/V write (very slow); kv_cache_dtype='auto' keeps a float32 pool", requested)
+        if slow_16bit and dtype.itemsize == 2:
+            logger.warning("kv_cache_dtype=%s on CPU without the native kernel: XLA CPU converts the whole pool to "
+                           "float32 and back on every K/V write (very slow); kv_cache_dtype='auto' keeps a float32 "
+                           "pool", requested)
         return dtype
-    if platform == "cpu" and model_dtype.itemsize == 2:
+    if slow_16bit and model_dtype.itemsize == 2:
         return jnp.dtype(jnp.float32)
     return model_dtype
 
@@ -256,7 +259,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
         graphdef, state = split_model(model, dtype)
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
-    cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend())
+    attn = attention_backend(config.attention_backend)
+    cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend(), attn.writes_16bit)
     # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
     # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
     device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \
@@ -276,7 +280,6 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
-    attn = attention_backend(config.attention_backend)
     attn.check_dtypes(dtype, cache_dtype)
     if mesh is not None:
         from jaxpaged.parallel import ShardedAttention

@@ -94,13 +94,18 @@ def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, s
     return sampler.sample(logits, sm), kv_pool
 
 
-def _copy_blocks(kv_pool: KVPool, src, dst) -> KVPool:
-    """Copy-on-write: block dst <- block src in every layer. src, dst [N] int32 (padding: 0 -> 0)."""
+def _copy_blocks(kv_pool: KVPool, src, dst, *, set_blocks=None) -> KVPool:
+    """Copy-on-write: block dst <- block src in every layer. src, dst [N] int32 (padding: 0 -> 0). set_blocks: the
+    attention backend's native block write (`PagedAttention.block_write`), or None for XLA's scatter."""
+    if set_blocks is not None:
+        return KVPool(*set_blocks(kv_pool.k, kv_pool.v, dst, kv_pool.k[:, src], kv_pool.v[:, src]))
     return KVPool(kv_pool.k.at[:, dst].set(kv_pool.k[:, src]), kv_pool.v.at[:, dst].set(kv_pool.v[:, src]))
 
 
-def _write_blocks(kv_pool: KVPool, dst, k_blocks, v_blocks) -> KVPool:
+def _write_blocks(kv_pool: KVPool, dst, k_blocks, v_blocks, *, set_blocks=None) -> KVPool:
     """Swap-in: k/v_blocks [L, N, BS, Hkv, D] go to device blocks dst [N]."""
+    if set_blocks is not None:
+        return KVPool(*set_blocks(kv_pool.k, kv_pool.v, dst, k_blocks, v_blocks))
     return KVPool(kv_pool.k.at[:, dst].set(k_blocks), kv_pool.v.at[:, dst].set(v_blocks))
 
 
@@ -261,8 +266,13 @@ class ModelRunner:
         self.attn = attn
         self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
         self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings)
-        self._copy_fn = jit_pool_update(_copy_blocks, self.pool_format, num_args=3, mesh=mesh)
-        self._write_fn = jit_pool_update(_write_blocks, self.pool_format, num_args=4, mesh=mesh)
+        # The backend's native block write where it has one (CPU: XLA's scatter into a 16-bit pool converts it whole);
+        # under tensor parallelism XLA's scatter, which works on the sharded pool as it is.
+        set_blocks = getattr(attn, "block_write", None) if mesh is None else None
+        self._copy_fn = jit_pool_update(functools.partial(_copy_blocks, set_blocks=set_blocks), self.pool_format,
+                                        num_args=3, mesh=mesh)
+        self._write_fn = jit_pool_update(functools.partial(_write_blocks, set_blocks=set_blocks), self.pool_format,
+                                         num_args=4, mesh=mesh)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
 

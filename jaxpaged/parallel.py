@@ -207,6 +207,10 @@ class ShardedAttention:
     def mixes_steps(self) -> bool:
         return getattr(self.inner, "mixes_steps", False)
 
+    @property
+    def writes_16bit(self) -> bool:
+        return getattr(self.inner, "writes_16bit", jax.default_backend() != "cpu")
+
     def check_dtypes(self, *dtypes) -> None:
         self.inner.check_dtypes(*dtypes)
 

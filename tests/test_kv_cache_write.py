@@ -1,7 +1,8 @@
-"""The K/V cache write stays in place: XLA's scatter into the donated pool, no copy of the pool per step.
+"""The K/V cache write stays in place: no copy of the pool per step.
 
-The step function writes each layer's new K/V rows with `.at[slots].set` on the pool carried through the layer loop,
-and the pool arguments are donated. Shown two ways, on CPU (the platform tests run on):
+The step function writes each layer's new K/V rows into the pool carried through the layer loop (XLA's scatter,
+`.at[slots].set`, for the reference backend; the native CPU kernel's aliased write for 'auto' on CPU), and the pool
+arguments are donated. Shown two ways, on CPU (the platform tests run on), for both writes:
   * the compiled HLO of every step shape aliases the pool inputs to the pool outputs (`input_output_alias`) and has
     no `copy` of a pool-shaped array;
   * at run time the pool keeps its device buffer: the step's output pool is the input's memory, and the input
@@ -23,9 +24,9 @@ from tests.hlo_checks import pool_copies
 from tests.tiny import random_prompts, tiny_llm
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return tiny_llm()
+@pytest.fixture(scope="module", params=["auto", "reference"])
+def llm(request):
+    return tiny_llm(attention_backend=request.param)
 
 
 def test_every_step_shape_writes_the_pool_in_place(llm):
@@ -66,23 +67,53 @@ def test_the_pool_keeps_its_buffer_across_steps_and_block_copies(llm):
 # --- the pool's dtype ------------------------------------------------------------------------------------------------
 
 
-def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
-    """XLA CPU has no 16-bit float scatter: a bfloat16 pool would be converted to float32 and back around every
-    write. kv_cache_dtype='auto' keeps the pool in float32 there, and the step then has no pool-sized convert."""
+def _pool_converts(runner) -> list[str]:
+    dims = ",".join(map(str, runner.kv_pool.shape))
+    hlo = "\n".join(e.as_text() for e in runner._executables.values())
+    return [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line]
+
+
+def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_native_kernel():
+    """The native CPU backend writes K/V rows and whole blocks itself (XLA CPU has no 16-bit scatter), so 'auto'
+    gives a bfloat16 model a bfloat16 pool: no pool-sized convert or copy in any step, the same buffer after steps,
+    block copies and swap-in writes, and the values written are the values asked for."""
     llm = tiny_llm(dtype="bfloat16")
+    runner = llm.engine.runner
+    assert runner.attn.kv_write is not None
+    assert runner.kv_pool.dtype == jnp.bfloat16 and runner.params["embed"].dtype == jnp.bfloat16
+    pointers = (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer())
+    outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert _pool_converts(runner) == []
+    for key, executable in runner._executables.items():
+        assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
+    k_host = np.asarray(runner.kv_pool.k[:, 1])
+    assert np.abs(k_host.astype(np.float32)).sum() > 0  # the prompt's K is in block 1
+    runner.copy_blocks([(1, 7)])
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool.k[:, 7]), k_host)
+    blocks = np.arange(2 * 1 * 8 * 2 * 8, dtype=np.float32).reshape(2, 1, 8, 2, 8)
+    runner.write_blocks([9], blocks, -blocks)
+    np.testing.assert_array_equal(np.asarray(runner.kv_pool.v[:, 9:10]).astype(np.float32), -blocks)
+    assert (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer()) == pointers
+
+
+def test_without_the_native_write_a_bfloat16_model_on_cpu_gets_a_float32_pool():
+    """XLA CPU has no 16-bit float scatter: with the reference backend a bfloat16 pool would be converted to
+    float32 and back around every write, so kv_cache_dtype='auto' keeps the pool in float32 there, and the step
+    then has no pool-sized convert."""
+    llm = tiny_llm(dtype="bfloat16", attention_backend="reference")
     runner = llm.engine.runner
     assert runner.kv_pool.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
     outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
                         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == 3
-    dims = ",".join(map(str, runner.kv_pool.shape))
+    assert _pool_converts(runner) == []
     for key, executable in runner._executables.items():
-        hlo = executable.as_text()
-        assert not [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line], key
-        assert pool_copies(hlo, runner.kv_pool.shape) == [], key
+        assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
 
     # The contrast that makes 'auto' necessary: an explicit bfloat16 pool on CPU is converted around the write.
-    explicit = tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16")
+    explicit = tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16", attention_backend="reference")
     assert explicit.engine.runner.kv_pool.dtype == jnp.bfloat16
     explicit.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
     hlo = "\n".join(e.as_text() for e in explicit.engine.runner._executables.values())
@@ -93,10 +124,11 @@ def test_a_bfloat16_model_on_cpu_gets_a_float32_pool_written_in_place():
 def test_cache_dtype_resolution_and_bad_values():
     from jaxpaged.engine_setup import resolve_cache_dtype
 
-    assert resolve_cache_dtype("auto", "bfloat16", "cpu") == jnp.float32
-    assert resolve_cache_dtype("auto", "float16", "cpu") == jnp.float32
-    assert resolve_cache_dtype("auto", "bfloat16", "gpu") == jnp.bfloat16
-    assert resolve_cache_dtype("auto", "float32", "tpu") == jnp.float32
-    assert resolve_cache_dtype("bfloat16", "float32", "cpu") == jnp.bfloat16
+    assert resolve_cache_dtype("auto", "bfloat16", "cpu", writes_16bit=False) == jnp.float32
+    assert resolve_cache_dtype("auto", "float16", "cpu", writes_16bit=False) == jnp.float32
+    assert resolve_cache_dtype("auto", "bfloat16", "cpu", writes_16bit=True) == jnp.bfloat16
+    assert resolve_cache_dtype("auto", "bfloat16", "gpu", writes_16bit=True) == jnp.bfloat16
+    assert resolve_cache_dtype("auto", "float32", "tpu", writes_16bit=True) == jnp.float32
+    assert resolve_cache_dtype("bfloat16", "float32", "cpu", writes_16bit=False) == jnp.bfloat16
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is not supported"):
         tiny_llm(kv_cache_dtype="int8")

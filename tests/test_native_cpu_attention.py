@@ -242,3 +242,69 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXPAGED_NATIVE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-compiler-jaxpaged"):
         native._build()
+
+
+# ---- the native K/V row write and block write ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_kv_write_equals_the_reference_scatter_in_place_in_any_dtype(dtype):
+    """write_kv_native against write_kv_reference: the same pools after writing rows (padding rows at slot 0,
+    slots outside the pool skipped by the native write), inside a jitted layer loop over a donated pool, with no
+    pool-sized copy and the input buffer reused."""
+    from pallas_kernels.reference import write_kv_reference
+    from tests.hlo_checks import pool_copies
+
+    rng = np.random.default_rng(0)
+    shape = (3, 10, 4, 2, 8)  # [L, NB, BS, Hkv, D]
+    k0, v0 = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((6, 2, 8)), dtype) for _ in range(2))
+    slots = jnp.asarray([5, 17, 0, 39, 2, 0], jnp.int32)
+
+    def loop(write, k, v):
+        def body(i, kv):
+            return write(*kv, i, k_new * (i + 1).astype(dtype), v_new, slots)
+        return jax.lax.fori_loop(0, shape[0], body, (k, v))
+
+    want = jax.jit(functools.partial(loop, write_kv_reference))(k0, v0)
+    step = jax.jit(functools.partial(loop, native.write_kv_native), donate_argnums=(0, 1))
+    assert pool_copies(step.lower(k0, v0).compile().as_text(), shape) == []
+    k, v = jnp.array(k0), jnp.array(v0)
+    pointer = k.unsafe_buffer_pointer()
+    got = step(k, v)
+    assert got[0].unsafe_buffer_pointer() == pointer and k.is_deleted()
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    # An out-of-range slot is skipped, not written out of bounds.
+    bad = native.write_kv_native(k0, v0, 1, k_new, v_new, jnp.asarray([-1, 40, 10**6, 3, 3, 3], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(bad[0][1].reshape(40, 2, 8)[3]), np.asarray(k_new[5]))
+    unchanged = np.ones(40, bool)
+    unchanged[3] = False
+    np.testing.assert_array_equal(np.asarray(bad[0][1].reshape(40, 2, 8)[unchanged]),
+                                  np.asarray(k0[1].reshape(40, 2, 8)[unchanged]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_set_blocks_writes_whole_blocks_of_every_layer(dtype):
+    rng = np.random.default_rng(1)
+    shape = (3, 10, 4, 2, 8)
+    k0, v0 = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(2))
+    blocks = jnp.asarray(rng.standard_normal((3, 3, 4, 2, 8)), dtype)
+    dst = jnp.asarray([7, 2, 99], jnp.int32)  # 99: outside the pool, skipped
+    k, v = native.set_blocks_native(k0, v0, dst, blocks, -blocks)
+    want_k, want_v = np.array(k0.astype(jnp.float32)), np.array(v0.astype(jnp.float32))
+    b = np.asarray(blocks.astype(jnp.float32))
+    want_k[:, [7, 2]], want_v[:, [7, 2]] = b[:, :2], -b[:, :2]
+    np.testing.assert_array_equal(np.asarray(k.astype(jnp.float32)), want_k)
+    np.testing.assert_array_equal(np.asarray(v.astype(jnp.float32)), want_v)
+
+
+def test_kv_and_block_writes_refuse_mismatched_shapes():
+    pool = jnp.zeros((2, 4, 4, 2, 8))
+    with pytest.raises(ValueError, match="must be \\[T, Hkv, D\\]"):
+        native.write_kv_native(pool, pool, 0, jnp.zeros((3, 1, 8)), jnp.zeros((3, 1, 8)), jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        native.write_kv_native(pool, pool, 0, jnp.zeros((3, 2, 8)), jnp.zeros((3, 2, 8)), jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="k_blocks"):
+        native.set_blocks_native(pool, pool, jnp.zeros(2, jnp.int32), jnp.zeros((2, 3, 4, 2, 8)),
+                                 jnp.zeros((2, 3, 4, 2, 8)))

@@ -4,7 +4,10 @@ from pallas_kernels.cpu_native.native import (
     available,
     native_else_reference,
     paged_attention_native,
+    set_blocks_native,
     unavailable_reason,
+    write_kv_native,
 )
 
-__all__ = ["available", "native_else_reference", "paged_attention_native", "unavailable_reason"]
+__all__ = ["available", "native_else_reference", "paged_attention_native", "set_blocks_native", "unavailable_reason",
+           "write_kv_native"]

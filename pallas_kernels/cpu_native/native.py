@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cc")
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
+WRITE_SYMBOL = "JaxpagedKvWrite"
+WRITE_TARGET = "jaxpaged_kv_write"
+BLOCKS_SYMBOL = "JaxpagedSetBlocks"
+BLOCKS_TARGET = "jaxpaged_set_blocks"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -106,6 +110,8 @@ def _load() -> None:
     path = _build()
     lib = ctypes.CDLL(path)
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(lib, WRITE_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(BLOCKS_TARGET, jax.ffi.pycapsule(getattr(lib, BLOCKS_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -193,6 +199,46 @@ def paged_attention_native(
                 soft_cap=np.float32(soft_cap or 0.0))
 
 
+def write_kv_native(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int, k_new: jax.Array,
+                    v_new: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`write_kv_reference`'s contract (k_new, v_new [T, Hkv, D] into the flat slots [T] of `layer` of the pools
+    [L, NB, BS, Hkv, D]) by the native kernel, in place through input/output aliasing, in the pools' dtype: XLA
+    CPU's scatter converts a 16-bit pool to float32 and back, whole, around every write; this one copies T rows."""
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"the pools must be one shape [L, NB, BS, Hkv, D], got {k_cache.shape} and {v_cache.shape}")
+    if k_new.shape != v_new.shape or k_new.shape[1:] != k_cache.shape[3:]:
+        raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} must be [T, Hkv, D] of the pool {k_cache.shape}")
+    slot_mapping = _int32("slot_mapping", slot_mapping, 1)
+    if slot_mapping.shape != k_new.shape[:1]:
+        raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] for k_new {k_new.shape}")
+    if not available():
+        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
+    pool = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    call = jax.ffi.ffi_call(WRITE_TARGET, (pool, pool), input_output_aliases={0: 0, 1: 1})
+    k, v = call(k_cache, v_cache, _int32("layer", layer, 0), k_new.astype(k_cache.dtype),
+                v_new.astype(v_cache.dtype), slot_mapping)
+    return k, v
+
+
+def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_blocks: jax.Array,
+                      v_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """pool[:, dst[j]] = blocks[:, j] for both pools [L, NB, BS, Hkv, D], blocks [L, N, BS, Hkv, D], dst [N] int32:
+    copy-on-write copies and swap-ins, in place through aliasing, in the pools' dtype (XLA CPU's scatter into a
+    16-bit pool converts it whole to float32 and back)."""
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"the pools must be one shape [L, NB, BS, Hkv, D], got {k_cache.shape} and {v_cache.shape}")
+    expected = (k_cache.shape[0], dst.shape[0], *k_cache.shape[2:])
+    if k_blocks.shape != expected or v_blocks.shape != expected:
+        raise ValueError(f"k_blocks {k_blocks.shape} and v_blocks {v_blocks.shape} must be {expected} for dst "
+                         f"{dst.shape} and the pool {k_cache.shape}")
+    if not available():
+        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
+    pool = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    call = jax.ffi.ffi_call(BLOCKS_TARGET, (pool, pool), input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, _int32("dst", dst, 1), jnp.asarray(k_blocks, k_cache.dtype),
+                jnp.asarray(v_blocks, v_cache.dtype))
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -208,4 +254,5 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     return ragged_paged_attention_reference(*args, **kwargs)
 
 
-__all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "cache_dir"]
+__all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
+           "set_blocks_native", "cache_dir"]

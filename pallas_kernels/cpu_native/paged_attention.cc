@@ -344,6 +344,83 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
 }
 
+// The K/V write: k_new, v_new [T, Hkv, D] into row `slot_mapping[t]` (block * BS + offset) of `layer` of the
+// pools [L, NB, BS, Hkv, D], in the pools' own dtype (XLA CPU's scatter has no 16-bit path and converts a bf16
+// pool to float32 and back, whole, around every write). The outputs alias the pools (input_output_aliases), so
+// the write is in place; if XLA ever hands over distinct output buffers, the pools are copied into them first.
+// Slots outside the pool are skipped. Rows are copied by memcpy: the new K/V already have the pool's dtype.
+ffi::Error KvWriteImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
+                       ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slot_mapping,
+                       ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), nd = k_new.dimensions(), wd = v_new.dimensions();
+  if (kd.size() != 5 || vd.size() != 5 || nd.size() != 3 || wd.size() != 3 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(nd.begin(), nd.end(), wd.begin()))
+    return ffi::Error::InvalidArgument("kv_write: the pools must be [L, NB, BS, Hkv, D] and the new K/V [T, Hkv, D]");
+  if (nd[1] != kd[3] || nd[2] != kd[4] || slot_mapping.element_count() != static_cast<size_t>(nd[0]) ||
+      layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("kv_write: the new K/V, slot_mapping and the pools do not fit");
+  const auto dtype = k_cache.element_type();
+  if (v_cache.element_type() != dtype || k_new.element_type() != dtype || v_new.element_type() != dtype ||
+      k_out->element_type() != dtype || v_out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("kv_write: the pools and the new K/V need one dtype");
+  if (kd[0] <= 0 || kd[1] <= 0 || k_cache.element_count() == 0) return ffi::Error::Success();
+  const size_t elem = k_cache.size_bytes() / k_cache.element_count();
+  const size_t row = static_cast<size_t>(kd[3] * kd[4]) * elem;  // one token of one layer
+  const int64_t slots = kd[1] * kd[2];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, kd[0] - 1);
+  const int32_t* slot = slot_mapping.typed_data();
+  const ffi::AnyBuffer* src[2] = {&k_cache, &v_cache};
+  const ffi::AnyBuffer* add[2] = {&k_new, &v_new};
+  ffi::Result<ffi::AnyBuffer>* dst[2] = {&k_out, &v_out};
+  for (int i = 0; i < 2; ++i) {
+    char* out = static_cast<char*>((*dst[i])->untyped_data());
+    if (out != src[i]->untyped_data()) std::memcpy(out, src[i]->untyped_data(), src[i]->size_bytes());
+    const char* rows = static_cast<const char*>(add[i]->untyped_data());
+    char* base = out + static_cast<size_t>(l * slots) * row;
+    for (int64_t t = 0; t < nd[0]; ++t)
+      if (slot[t] >= 0 && slot[t] < slots) std::memcpy(base + static_cast<size_t>(slot[t]) * row, rows + t * row, row);
+  }
+  return ffi::Error::Success();
+}
+
+// Whole blocks, every layer: k_blocks, v_blocks [L, N, BS, Hkv, D] into blocks dst [N] of the pools (copy-on-write
+// copies and swap-ins), in place through aliasing as kv_write is, in any dtype. Block ids outside the pool are
+// skipped; a repeated id gets the last of its blocks.
+ffi::Error SetBlocksImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> dst,
+                         ffi::AnyBuffer k_blocks, ffi::AnyBuffer v_blocks, ffi::Result<ffi::AnyBuffer> k_out,
+                         ffi::Result<ffi::AnyBuffer> v_out) {
+  auto kd = k_cache.dimensions(), vd = v_cache.dimensions(), bd = k_blocks.dimensions(), wd = v_blocks.dimensions();
+  if (kd.size() != 5 || vd.size() != 5 || bd.size() != 5 || wd.size() != 5 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()) || !std::equal(bd.begin(), bd.end(), wd.begin()))
+    return ffi::Error::InvalidArgument("set_blocks: the pools and the blocks must be [L, NB or N, BS, Hkv, D]");
+  if (bd[0] != kd[0] || bd[2] != kd[2] || bd[3] != kd[3] || bd[4] != kd[4] ||
+      dst.element_count() != static_cast<size_t>(bd[1]))
+    return ffi::Error::InvalidArgument("set_blocks: the blocks, dst and the pools do not fit");
+  const auto dtype = k_cache.element_type();
+  if (v_cache.element_type() != dtype || k_blocks.element_type() != dtype || v_blocks.element_type() != dtype ||
+      k_out->element_type() != dtype || v_out->element_type() != dtype)
+    return ffi::Error::InvalidArgument("set_blocks: the pools and the blocks need one dtype");
+  if (k_cache.element_count() == 0) return ffi::Error::Success();
+  const size_t elem = k_cache.size_bytes() / k_cache.element_count();
+  const size_t block = static_cast<size_t>(kd[2] * kd[3] * kd[4]) * elem;
+  const int64_t nb = kd[1], n = bd[1];
+  const int32_t* ids = dst.typed_data();
+  const ffi::AnyBuffer* src[2] = {&k_cache, &v_cache};
+  const ffi::AnyBuffer* add[2] = {&k_blocks, &v_blocks};
+  ffi::Result<ffi::AnyBuffer>* out_buf[2] = {&k_out, &v_out};
+  for (int i = 0; i < 2; ++i) {
+    char* out = static_cast<char*>((*out_buf[i])->untyped_data());
+    if (out != src[i]->untyped_data()) std::memcpy(out, src[i]->untyped_data(), src[i]->size_bytes());
+    const char* blocks = static_cast<const char*>(add[i]->untyped_data());
+    for (int64_t l = 0; l < kd[0]; ++l)
+      for (int64_t j = 0; j < n; ++j)
+        if (ids[j] >= 0 && ids[j] < nb)
+          std::memcpy(out + static_cast<size_t>(l * nb + ids[j]) * block, blocks + static_cast<size_t>(l * n + j) * block,
+                      block);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
@@ -361,3 +438,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedKvWrite, KvWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::AnyBuffer>()          // k_new
+                                  .Arg<ffi::AnyBuffer>()          // v_new
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Ret<ffi::AnyBuffer>()          // k_cache, aliased
+                                  .Ret<ffi::AnyBuffer>());        // v_cache, aliased
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedSetBlocks, SetBlocksImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // k_cache
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .Arg<ffi::AnyBuffer>()          // k_blocks
+                                  .Arg<ffi::AnyBuffer>()          // v_blocks
+                                  .Ret<ffi::AnyBuffer>()          // k_cache, aliased
+                                  .Ret<ffi::AnyBuffer>());        // v_cache, aliased
