@@ -99,7 +99,6 @@ class Engine:
                                           else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager,
                                    mixed_steps=getattr(self.runner.attn, "mixes_steps", False))
-        self.scheduler.make_children = self._make_children
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -213,13 +212,9 @@ class Engine:
         if not req.beam.done:
             for cand in new:
                 parent = old[cand.parent]
-                child = Sequence(req.request_id, list(parent.prompt_token_ids), parent.params,
-                                 arrival_time=parent.arrival_time,
-                                 output_token_ids=parent.output_token_ids + [cand.token], cum_logprob=cand.cum_logprob,
-                                 num_cached_prompt_tokens=parent.num_cached_prompt_tokens)
-                self.block_manager.fork(parent.seq_id, child.seq_id)  # shared blocks; the last one is copied on write
-                child.num_computed_tokens = parent.num_computed_tokens
-                self.scheduler.add_running(child)
+                child = parent.fork(output_token_ids=parent.output_token_ids + [cand.token],
+                                    cum_logprob=cand.cum_logprob)
+                self.scheduler.fork(parent, [child])
                 req.seqs.append(child)
         for seq in old:
             self.scheduler.finish(seq, "beam")
@@ -241,16 +236,12 @@ class Engine:
     def _detokenizer(self, params: SamplingParams) -> Detokenizer:
         return Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
 
-    def _make_children(self, parent: Sequence) -> list[Sequence]:
-        """The n - 1 other samples of a request, forked from its parent once the prompt is in the cache."""
-        req = self.requests[parent.request_id]
-        children = [Sequence(parent.request_id, list(parent.prompt_token_ids), parent.params,
-                             arrival_time=parent.arrival_time, sample_index=i,
-                             num_cached_prompt_tokens=parent.num_cached_prompt_tokens)
-                    for i in range(1, parent.fork_pending + 1)]
-        req.seqs += children
-        req.detokenizers += [self._detokenizer(parent.params) for _ in children]
-        return children
+    def _add_forked(self, forked: list[tuple[Sequence, list[Sequence]]]) -> None:
+        """The n - 1 other samples the scheduler forked from their parents join their requests' outputs."""
+        for parent, children in forked:
+            req = self.requests[parent.request_id]
+            req.seqs += children
+            req.detokenizers += [self._detokenizer(parent.params) for _ in children]
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -312,6 +303,7 @@ class Engine:
         out = self.scheduler.schedule()
         if out is None:
             return []
+        self._add_forked(out.forked)
         failed: list[RequestOutput] = []
         with self._device_guard(out, failed):
             self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)

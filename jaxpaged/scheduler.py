@@ -24,7 +24,6 @@ import bisect
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Callable
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
@@ -58,6 +57,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # n > 1: (parent, its new sample sequences) forked this step; the engine adds them to their request's outputs
+    forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -76,8 +77,6 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # arrival order
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._last_was_prefill = False
-        # n > 1: makes a parent's child sequences (the engine registers them with their request)
-        self.make_children: Callable[[Sequence], list[Sequence]] = lambda parent: []
 
     # ---- queue management -------------------------------------------------------------------------------------
 
@@ -88,10 +87,14 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A beam forked from a running one: it shares its parent's blocks and runs from the next step."""
-        seq.status = SequenceStatus.RUNNING
-        self._insert_running(seq)
+    def fork(self, parent: Sequence, children: list[Sequence]) -> None:
+        """Children made by `parent.fork` (n > 1 samples, beams) share all its blocks (the last one is copied on
+        write) and run from the next step."""
+        for child in children:
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = SequenceStatus.RUNNING
+            self._insert_running(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Removes a sequence from whichever queue holds it and frees its blocks (cached blocks stay reusable)."""
@@ -151,7 +154,7 @@ class Scheduler:
                 self._decodable(s) for s in self.running):
             budget = min(budget, self.config.max_prefill_tokens_while_decoding)
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
-            self._fork(seq)
+            self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do.
         for seq in [s for s in self.running if s.is_prefill]:
@@ -174,7 +177,7 @@ class Scheduler:
                     self._unadmit(seq)
                     return
                 self._admit(seq)
-                for s in [seq, *self._fork(seq)]:
+                for s in [seq, *self._fork(seq, out)]:
                     budget = self._try_prefill(s, budget, out, preempt=False)
                 continue
             new_budget = self._try_prefill(seq, budget, out, preempt=False)
@@ -194,14 +197,12 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def _fork(self, parent: Sequence, out: SchedulerOutput) -> list[Sequence]:
         """n > 1: the parent's prompt is in the cache but for its last token; children share all its blocks."""
-        children = self.make_children(parent)
+        children = [parent.fork(sample_index=i) for i in range(1, parent.fork_pending + 1)]
         parent.fork_pending = 0
-        for child in children:
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.add_running(child)
+        self.fork(parent, children)
+        out.forked.append((parent, children))
         return children
 
     def _try_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput, preempt: bool) -> int:

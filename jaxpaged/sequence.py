@@ -50,6 +50,15 @@ class Sequence:
     cum_logprob: float = 0.0  # beam search: the beam's accumulated log-probability
     first_token_time: float | None = None
 
+    def fork(self, *, sample_index: int = 0, output_token_ids: list[int] | None = None,
+             cum_logprob: float = 0.0) -> Sequence:
+        """A new sequence of the same request with this one's prompt, its computed tokens (the K/V it will share
+        through `Scheduler.fork`) and the given outputs: an n > 1 sample (`sample_index`), or a beam."""
+        return Sequence(self.request_id, list(self.prompt_token_ids), self.params, arrival_time=self.arrival_time,
+                        output_token_ids=list(output_token_ids or []), num_computed_tokens=self.num_computed_tokens,
+                        num_cached_prompt_tokens=self.num_cached_prompt_tokens, sample_index=sample_index,
+                        cum_logprob=cum_logprob)
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
