@@ -58,7 +58,7 @@ def run_worker_process(args: argparse.Namespace) -> int:
     except Exception:
         logging.getLogger("jaxpaged.cli").exception("process 0 is gone; this worker stops")
         return 1
-    logging.getLogger("jaxpaged.cli").info("worker done: %d steps", ops[distributed.Op.STEP])
+    logging.getLogger("jaxpaged.cli").info("worker done: %s", ", ".join(f"{n} {op.name}" for op, n in ops.items()))
     distributed.shutdown()
     return 0
 
