@@ -1,9 +1,10 @@
 """Multi-host serving on one machine: two `server.py` processes joined by jax.distributed (gloo collectives), each
 with 2 fake CPU devices (XLA_FLAGS set in the child's environment before JAX starts), one tensor-parallel mesh of 4.
 
-Tolerance: the same text as one process with 4 fake devices at tp 4 (greedy, and seeded sampling with n=2, which
-copies a shared partial block: a COPY_BLOCKS op); chosen tokens' log-probs within 1e-4 (float32; the reductions of
-the two runs may be ordered differently).
+Tolerance: the same text as one process with 4 fake devices at tp 4 with the same options (greedy; seeded sampling
+with n=2, which copies a shared partial block: a COPY_BLOCKS op; three long greedy generations in a 12-block pool,
+which preempt by swapping: READ_BLOCKS and WRITE_BLOCKS ops); chosen tokens' log-probs within 1e-4 (float32; the
+reductions of the two runs may be ordered differently).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from jaxpaged.distributed import DistributedConfig, Header, Op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGPROB_TOL = 1e-4
-SERVER = ["--dtype", "float32", "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "128",
-          "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--kv-cache-memory", "32MiB",
-          "--no-show-progress", "--shutdown-grace", "5"]
+ENGINE = ["--dtype", "float32", "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "128",
+          "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-show-progress", "--num-blocks", "12",
+          "--swap-space", "0.05", "--preemption-mode", "swap"]
+SERVER = [*ENGINE, "--shutdown-grace", "5"]
 STARTUP_S = 240
 KILL_BOUND_S = 90
 
@@ -49,16 +51,17 @@ def needs_default_model():
 
 
 class Proc:
-    """A server.py child with its log file."""
+    """A server.py child (or `command`: python's arguments) with its log file."""
 
-    def __init__(self, name: str, log_dir, devices: int, args: list[str], env: dict[str, str]):
+    def __init__(self, name: str, log_dir, devices: int, args: list[str], env: dict[str, str],
+                 command: tuple[str, ...] = ("server.py",)):
         self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": ROOT, **env}
         for key in distributed.ENV.values():
             env.setdefault(key, "")
         self.log = open(self.log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, "server.py", *args], cwd=ROOT, env=env, stdout=self.log,
+        self.popen = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env, stdout=self.log,
                                       stderr=subprocess.STDOUT)
 
     def text(self) -> str:
@@ -78,15 +81,19 @@ class Proc:
         self.log.close()
 
 
-def start_pair(log_dir, heartbeat_s: int = 100, extra: list[str] | None = None) -> tuple[Proc, Proc, int]:
-    """Process 0 (serving on a free port) and process 1, joined through a free coordinator port."""
+def start_pair(log_dir, heartbeat_s: int = 100, extra: list[str] | None = None,
+               command: tuple[str, ...] = ("server.py",)) -> tuple[Proc, Proc, int]:
+    """Process 0 (serving on a free port) and process 1, joined through a free coordinator port given by the
+    environment; the other options are flags."""
     coordinator, http = free_port(), free_port()
     procs = []
     for pid in (0, 1):
         env = {"JAXPAGED_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXPAGED_NUM_PROCESSES": "2",
                "JAXPAGED_PROCESS_ID": str(pid)}
-        procs.append(Proc(f"process{pid}", log_dir, 2, [*SERVER, "--port", str(http), "--distributed-heartbeat-timeout",
-                                                        str(heartbeat_s), *(extra or [])], env))
+        args = [*ENGINE, "--distributed-heartbeat-timeout", str(heartbeat_s), *(extra or [])]
+        if command == ("server.py",):
+            args += ["--shutdown-grace", "5", "--port", str(http)]
+        procs.append(Proc(f"process{pid}", log_dir, 2, args, env, command))
     return procs[0], procs[1], http
 
 
@@ -117,7 +124,15 @@ REQUESTS = [
     {"prompt": ["The capital of France is", "def fibonacci(n):"], "max_tokens": 12, "temperature": 0,
      "logprobs": 1},
     {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "seed": 3, "n": 2, "logprobs": 1},
+    # 3 x 5 blocks do not fit 11: sequences are swapped out to the host and back
+    {"prompt": ["Tell me about dogs.", "List the planets.", "Why is the sky blue?"], "max_tokens": 48,
+     "temperature": 0, "ignore_eos": True, "logprobs": 1},
 ]
+
+
+def stats(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10) as r:
+        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +162,21 @@ def test_two_processes_generate_what_one_process_generates(servers):
             assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
             diff = np.abs(np.asarray(a["logprobs"]["token_logprobs"]) - np.asarray(b["logprobs"]["token_logprobs"]))
             assert diff.max() < LOGPROB_TOL
+    for p in (port, ref_port):
+        assert stats(p)["preemptions_swap"] > 0
 
 
 def test_sigterm_to_process_0_stops_both_processes_cleanly(servers):
     p0, p1, port, _, _ = servers
-    complete(port, REQUESTS[1])  # n=2: steps, and a copy of the shared partial block, before the stop
+    for body in REQUESTS[1:]:  # steps, a copy of the shared partial block, swaps out and in, before the stop
+        complete(port, body)
     p0.popen.send_signal(signal.SIGTERM)
     assert p0.wait(60) == 0, p0.text()[-3000:]
     assert p1.wait(60) == 0, p1.text()[-3000:]
     counts = {op: int(n) for n, op in (item.split() for item in p1.text().split("worker done: ")[1].splitlines()[0]
                                        .split(", "))}
     assert counts["STEP"] > 0 and counts["COPY_BLOCKS"] > 0 and counts["STOP"] == 1
+    assert counts["READ_BLOCKS"] > 0 and counts["WRITE_BLOCKS"] > 0
 
 
 def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path):
@@ -176,6 +195,35 @@ def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path):
         assert rc != 0, log[-3000:]
         assert "heartbeat" in log or "unhealthy" in log, log[-3000:]
         print(f"process 0 exited {rc} {elapsed:.1f} s after process 1 was killed (heartbeat timeout 5 s)")
+    finally:
+        p0.kill()
+        p1.kill()
+
+
+def test_process_1_exits_with_an_error_when_process_0_dies(tmp_path):
+    """SIGKILL to process 0: process 1, waiting for the next op in a collective, gets the error and exits 1."""
+    needs_default_model()
+    p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
+    try:
+        wait_healthy(port, [p0, p1])
+        p0.popen.kill()
+        assert p1.wait(KILL_BOUND_S) == 1, p1.text()[-3000:]
+        assert "process 0 is gone; this worker stops" in p1.text()
+    finally:
+        p0.kill()
+        p1.kill()
+
+
+def test_the_cli_generates_across_two_processes(tmp_path):
+    """`python -m jaxpaged.cli generate` on both processes: process 0 prints the text, both exit 0."""
+    needs_default_model()
+    cli = ("-m", "jaxpaged.cli", "generate", "--prompt", "The capital of France is", "--raw", "--max-tokens", "6")
+    p0, p1, _ = start_pair(tmp_path, command=cli)
+    try:
+        assert p0.wait(STARTUP_S) == 0, p0.text()[-3000:]
+        assert p1.wait(60) == 0, p1.text()[-3000:]
+        assert "### The capital of France is\n" in p0.text() and "[6 tokens in" in p0.text()
+        assert "### " not in p1.text() and "worker done: 6 STEP" in p1.text()  # one prefill, then 5 decode steps
     finally:
         p0.kill()
         p1.kill()
