@@ -10,7 +10,10 @@ tensor-parallel step complete only when every device of the mesh takes part. So 
 processes outside the step is what process 0 decided: each op's numpy arrays. They travel by
 `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over every device, process 0 contributing the data),
 in two messages: a fixed-size int32 header (op, the step's static fields, each array's dtype and shape) and one int32
-payload holding every array's bytes, padded to a power of two so a few payload shapes are compiled.
+payload holding every array's bytes, padded to a power of two so a few payload shapes are compiled. An array of one
+repeated value (most of a step's sampling metadata: the [S, V / 32] bitmask of unconstrained rows, the
+[S, max_model_len] seen tokens of unpenalized ones) travels as that one value: a decode step of 64 sequences at
+max_model_len 2048 sends tens of KiB (mostly its block tables), not ~1 MiB.
 
 Failure: `jax.distributed` runs a coordination service with heartbeats. If a process dies, a collective in flight
 fails at once (gloo on CPU: "Connection closed by peer"), and an idle process is terminated by the coordination
@@ -158,7 +161,7 @@ class Op(enum.IntEnum):
 HEADER_LEN = 256  # int32 words: op, tile, decode_blocks, payload words, leaf count, then per leaf dtype + shape
 _FIXED = 5
 MAX_NDIM = 5
-_LEAF = 2 + MAX_NDIM  # dtype code, ndim, dims
+_LEAF = 3 + MAX_NDIM  # dtype code, ndim, constant (1: one value repeated, sent once), dims
 DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
           "float32", "float64")
 MIN_PAYLOAD_WORDS = 1024
@@ -167,13 +170,13 @@ MIN_PAYLOAD_WORDS = 1024
 @dataclasses.dataclass(frozen=True)
 class Header:
     """What an op carries: the op, a step's static fields (tile_size, decode_blocks; None -> -1) and each array's
-    dtype and shape, in pytree leaf order."""
+    dtype, shape and whether it is one repeated value (sent once), in pytree leaf order."""
 
     op: Op
     tile: int = 0
     decode_blocks: int | None = None
     payload_words: int = 0
-    leaves: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    leaves: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
 
     def encode(self) -> np.ndarray:
         """[HEADER_LEN] int32."""
@@ -182,12 +185,12 @@ class Header:
         out = np.zeros(HEADER_LEN, np.int32)
         out[:_FIXED] = (int(self.op), self.tile, -1 if self.decode_blocks is None else self.decode_blocks,
                         self.payload_words, len(self.leaves))
-        for i, (dtype, shape) in enumerate(self.leaves):
+        for i, (dtype, shape, constant) in enumerate(self.leaves):
             if len(shape) > MAX_NDIM:
                 raise ValueError(f"an array of {len(shape)} dimensions exceeds the header's {MAX_NDIM}")
             row = out[_FIXED + _LEAF * i:_FIXED + _LEAF * (i + 1)]
-            row[0], row[1] = DTYPES.index(dtype), len(shape)
-            row[2:2 + len(shape)] = shape
+            row[0], row[1], row[2] = DTYPES.index(dtype), len(shape), constant
+            row[3:3 + len(shape)] = shape
         return out
 
     @classmethod
@@ -196,7 +199,7 @@ class Header:
         leaves = []
         for i in range(n):
             row = words[_FIXED + _LEAF * i:_FIXED + _LEAF * (i + 1)]
-            leaves.append((DTYPES[int(row[0])], tuple(int(d) for d in row[2:2 + int(row[1])])))
+            leaves.append((DTYPES[int(row[0])], tuple(int(d) for d in row[3:3 + int(row[1])]), bool(row[2])))
         return cls(Op(op), tile, None if decode_blocks < 0 else decode_blocks, payload_words, tuple(leaves))
 
 
@@ -215,11 +218,13 @@ def pack(op: Op, tree) -> tuple[Header, np.ndarray]:
     attn = getattr(tree, "attn", None)
     if attn is not None:
         tile, decode_blocks = attn.tile_size, attn.decode_blocks
-    raw = b"".join(x.tobytes() for x in leaves)
+    constant = [x.size > 1 and bool(np.all(x == x.flat[0])) for x in leaves]
+    raw = b"".join((x.flat[:1] if c else x).tobytes() for x, c in zip(leaves, constant, strict=True))
     words = _payload_words(len(raw))
     payload = np.zeros(words * 4, np.uint8)
     payload[:len(raw)] = np.frombuffer(raw, np.uint8)
-    header = Header(op, tile or 0, decode_blocks, words, tuple((x.dtype.name, x.shape) for x in leaves))
+    header = Header(op, tile or 0, decode_blocks, words,
+                    tuple((x.dtype.name, x.shape, c) for x, c in zip(leaves, constant, strict=True)))
     return header, payload.view(np.int32)
 
 
@@ -231,8 +236,12 @@ def unpack(header: Header, payload: np.ndarray, template) -> object:
 
     raw = np.asarray(payload).view(np.uint8)
     leaves, offset = [], 0
-    for dtype, shape in header.leaves:
+    for dtype, shape, constant in header.leaves:
         dt = np.dtype(jnp.dtype(dtype))
+        if constant:
+            leaves.append(np.full(shape, raw[offset:offset + dt.itemsize].view(dt)[0], dt))
+            offset += dt.itemsize
+            continue
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         leaves.append(raw[offset:offset + n].view(dt).reshape(shape).copy())
         offset += n

@@ -320,6 +320,19 @@ def test_a_step_batch_crosses_the_wire_unchanged():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(batch), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
 
+    # a padded decode step of 64 rows: the constant arrays (bitmask, seen tokens, ...) go as one value each
+    decode = dummy_batch(64, 64, 128, 1, 512, vocab_size=49152, max_len=2048)
+    decode.token_ids[:3] = [7, 8, 9]
+    decode.sampling.bitmask[1, 5] = 0  # one constrained row: the bitmask goes whole
+    header, payload = distributed.pack(Op.STEP, decode)
+    assert sum(c for _, _, c in header.leaves) >= 10
+    assert payload.nbytes <= 2**19 < decode.sampling.bitmask.nbytes + decode.sampling.seen_tokens.nbytes
+    got = distributed.unpack(Header.decode(header.encode()), payload, distributed._template(header))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(decode), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    decode.sampling.bitmask[1, 5] = -1
+    assert distributed.pack(Op.STEP, decode)[1].nbytes <= 2**13  # all padding but the token ids: 8 KiB
+
     k = np.random.default_rng(0).standard_normal((2, 3, 4, 1, 8)).astype(ml_dtypes.bfloat16)
     header, payload = distributed.pack(Op.WRITE_BLOCKS, (np.arange(3, dtype=np.int32), k, k))
     idx, k2, _ = distributed.unpack(Header.decode(header.encode()), payload, (0, 0, 0))
@@ -327,7 +340,7 @@ def test_a_step_batch_crosses_the_wire_unchanged():
 
 
 def test_too_many_arrays_for_the_header_is_an_error():
-    header = Header(Op.STEP, leaves=tuple(("int32", (1,)) for _ in range(40)))
+    header = Header(Op.STEP, leaves=tuple(("int32", (1,), False) for _ in range(40)))
     with pytest.raises(ValueError, match="40 arrays do not fit"):
         header.encode()
 
