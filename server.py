@@ -484,7 +484,11 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
         finish_process_0(engine.engine.runner)
         return 2
-    if not engine.close(timeout=5.0):  # the engine thread is stuck in a step: no op may be announced after it
+    if engine.engine.runner.broadcaster is None:  # a single process
+        return 0
+    # multi-host: the workers are told to stop only once no step of this process can follow (the thread has ended)
+    if not engine.close(timeout=1.0):
+        logger.error("the engine thread is still in a step; the other processes are ended by the heartbeat timeout")
         return 1
     return finish_process_0(engine.engine.runner)
 
