@@ -179,14 +179,29 @@ def test_sigterm_to_process_0_stops_both_processes_cleanly(servers):
     assert counts["READ_BLOCKS"] > 0 and counts["WRITE_BLOCKS"] > 0
 
 
-def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path):
-    """SIGKILL to process 1 while process 0 serves: the coordination service misses its heartbeats and ends process
-    0 (non-zero, the reason in its log) within the heartbeat timeout plus detection, not never."""
+@pytest.mark.parametrize("when", ["idle", "in_a_request"])
+def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path, when):
+    """SIGKILL to process 1. Idle: the coordination service misses its heartbeats and ends process 0 (non-zero, the
+    reason in its log). In a request: the step's collective fails at once, the request gets an error, the engine is
+    dead, and the heartbeat timeout ends process 0 as well. Within the heartbeat timeout plus detection, not never."""
+    import threading
+
     needs_default_model()
     p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
     try:
         wait_healthy(port, [p0, p1])
         complete(port, REQUESTS[0])
+        answer: list = []
+        if when == "in_a_request":
+            def long_request():
+                try:
+                    answer.append(complete(port, {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True}))
+                except (urllib.error.URLError, OSError) as e:  # HTTP 500, or the connection ends with process 0
+                    answer.append(e)
+
+            thread = threading.Thread(target=long_request, daemon=True)
+            thread.start()
+            time.sleep(3)  # some decode steps in
         t0 = time.monotonic()
         p1.popen.kill()
         rc = p0.wait(KILL_BOUND_S)
@@ -194,7 +209,10 @@ def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path):
         log = p0.text()
         assert rc != 0, log[-3000:]
         assert "heartbeat" in log or "unhealthy" in log, log[-3000:]
-        print(f"process 0 exited {rc} {elapsed:.1f} s after process 1 was killed (heartbeat timeout 5 s)")
+        if when == "in_a_request":
+            thread.join(30)
+            assert len(answer) == 1 and isinstance(answer[0], Exception), answer  # an error, not 120 tokens
+        print(f"{when}: process 0 exited {rc} {elapsed:.1f} s after process 1 was killed (heartbeat timeout 5 s)")
     finally:
         p0.kill()
         p1.kill()
@@ -298,6 +316,32 @@ def test_an_engine_asked_for_processes_needs_them_joined():
 
     with pytest.raises(ValueError, match="call jaxpaged.distributed.initialize"):
         LLM(distributed_num_processes=2, distributed_coordinator_address="127.0.0.1:1")
+
+
+def test_a_failed_op_across_processes_kills_the_engine_even_with_its_pool_intact():
+    """Single process, a runner that says it is multi-host: a step that raises (a collective failing) leaves the
+    processes out of step, so the engine is dead, not just the step's requests failed."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.engine import Engine, EngineDeadError
+    from jaxpaged.engine_setup import EngineConfig
+    from tests.tiny import random_params, tiny_config
+
+    config = tiny_config()
+    engine = Engine(config, random_params(config), None,
+                    EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                 block_size=8, num_blocks=40, precompile=False, show_progress=False))
+
+    def collective_fails(batch):
+        raise RuntimeError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer")
+
+    engine.runner.multihost = True
+    engine.runner.execute = collective_fails
+    engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=4))
+    with pytest.raises(EngineDeadError, match="a device op failed across processes: RuntimeError: UNKNOWN: Gloo"):
+        engine.step()
+    assert engine.runner.pool_alive()  # dead all the same
+    with pytest.raises(EngineDeadError):
+        engine.step()
 
 
 # ---- the wire -----------------------------------------------------------------------------------------------------
