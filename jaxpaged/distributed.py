@@ -5,6 +5,17 @@ devices, one SPMD program.
                 host arrays to the other processes (`StepBroadcaster`)
     process k   `run_worker(runner)`: receive an op, run the same ModelRunner op on its devices, repeat until `stop`
 
+    from jaxpaged import LLM, distributed
+    from jaxpaged.engine_setup import EngineConfig
+    options = dict(tensor_parallel_size=8, distributed_coordinator_address="10.0.0.1:1234",
+                   distributed_num_processes=2, distributed_process_id=k)
+    distributed.initialize(EngineConfig(**options).distributed_config())   # before any other JAX use
+    llm = LLM(model, **options)                                             # every process: same weights, same mesh
+    if k != 0:
+        distributed.run_worker(llm.engine.runner)                           # until process 0 says stop
+    else:
+        llm.generate(...); distributed.stop_workers(llm.engine.runner)
+
 Every process must enter the same jitted call with the same shapes in the same order: the all-reduces inside a
 tensor-parallel step complete only when every device of the mesh takes part. So the only thing that crosses
 processes outside the step is what process 0 decided: each op's numpy arrays. They travel by
