@@ -232,6 +232,21 @@ def test_process_1_exits_with_an_error_when_process_0_dies(tmp_path):
         p1.kill()
 
 
+def test_a_process_whose_peers_never_come_exits_with_an_error(tmp_path):
+    """Process 0 alone, distributed_initialization_timeout 5 s: jax.distributed gives up (DEADLINE_EXCEEDED while
+    registering) and the process ends non-zero, ~10 s here, without loading anything."""
+    env = {"JAXPAGED_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAXPAGED_NUM_PROCESSES": "2",
+           "JAXPAGED_PROCESS_ID": "0"}
+    p = Proc("alone", tmp_path, 2, [*SERVER, "--distributed-initialization-timeout", "5"], env)
+    try:
+        t0 = time.monotonic()
+        assert p.wait(60) != 0
+        assert "DEADLINE_EXCEEDED" in p.text() and "loaded in" not in p.text()
+        print(f"alone: exited after {time.monotonic() - t0:.1f} s")
+    finally:
+        p.kill()
+
+
 def test_the_cli_generates_across_two_processes(tmp_path):
     """`python -m jaxpaged.cli generate` on both processes: process 0 prints the text, both exit 0."""
     needs_default_model()
