@@ -35,7 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxpaged import entrypoints
-from jaxpaged.cli import add_engine_args, engine_options
+from jaxpaged.cli import add_engine_args, engine_options, finish_process_0, join_processes, run_worker_process
 from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from jaxpaged.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = args.served_model_name or [default_model_name(args.model)]
     try:
+        # multi-host: every process builds the engine; process 0 serves, the others run its steps
+        if join_processes(args).process_id != 0:
+            return run_worker_process(args)
         engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, **engine_options(args))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -479,8 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # e.g. the port is taken
         print(f"error: {e}", file=sys.stderr)
         engine.close()
+        finish_process_0(engine.engine.runner)
         return 2
-    return 0
+    if engine.engine.runner.broadcaster is None:  # a single process
+        return 0
+    # multi-host: the workers are told to stop only once no step of this process can follow (the thread has ended)
+    if not engine.close(timeout=1.0):
+        logger.error("the engine thread is still in a step; the other processes are ended by the heartbeat timeout")
+        return 1
+    return finish_process_0(engine.engine.runner)
 
 
 if __name__ == "__main__":

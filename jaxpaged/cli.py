@@ -35,9 +35,52 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
+def join_processes(args: argparse.Namespace):
+    """Multi-host: joins the other processes (jax.distributed, gloo collectives on CPU) before any other JAX use, as
+    the flags (or $JAXPAGED_*) say; returns the DistributedConfig (single process: nothing happens)."""
+    from jaxpaged import distributed
+    from jaxpaged.engine_setup import EngineConfig
+
+    config = EngineConfig(**engine_options(args)).distributed_config()
+    distributed.initialize(config, cpu_collectives="gloo")
+    return config
+
+
+def run_worker_process(args: argparse.Namespace) -> int:
+    """A process other than 0: the same engine (weights, mesh, compiled steps), then process 0's ops until it says
+    stop. 0 on a clean stop; 1 if process 0 went away (its collective failed)."""
+    from jaxpaged import distributed
+    from jaxpaged.entrypoints.llm import load_engine
+
+    engine = load_engine(args.model, **engine_options(args))
+    try:
+        ops = distributed.run_worker(engine.runner)
+    except Exception:
+        logging.getLogger("jaxpaged.cli").exception("process 0 is gone; this worker stops")
+        return 1
+    logging.getLogger("jaxpaged.cli").info("worker done: %s", ", ".join(f"{n} {op.name}" for op, n in ops.items()))
+    distributed.shutdown()
+    return 0
+
+
+def finish_process_0(runner) -> int:
+    """Multi-host, process 0, its engine stopped: the workers return, then every process leaves the group. 0, or 1
+    if a worker was already gone."""
+    from jaxpaged import distributed
+
+    if runner.broadcaster is None:
+        return 0
+    if not distributed.stop_workers(runner):
+        return 1
+    distributed.shutdown()
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     from jaxpaged import LLM, SamplingParams
 
+    if join_processes(args).process_id != 0:
+        return run_worker_process(args)
     llm = LLM(args.model, **engine_options(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
@@ -52,7 +95,7 @@ def _generate(args: argparse.Namespace) -> int:
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[{ntok} tokens in {elapsed:.1f} s; start-up: load {s.get('load_s', 0):.1f} s, compile "
           f"{s['compile_s']:.1f} s; KV pool {s['num_blocks']} blocks of {s['block_size']}]", file=sys.stderr)
-    return 0
+    return finish_process_0(llm.engine.runner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -403,11 +403,16 @@ class Engine:
 
     @contextlib.contextmanager
     def _device_guard(self, out: SchedulerOutput, failed: list[RequestOutput]):
-        """A device operation that raises: with the pool gone the engine is dead; with the pool intact the
-        requests of this step fail (which of them caused it cannot be known) and the engine goes on."""
+        """A device operation that raises: with the pool gone, or multi-host, the engine is dead; with the pool
+        intact the requests of this step fail (which of them caused it cannot be known) and the engine goes on."""
         try:
             yield
         except Exception as e:
+            if getattr(self.runner, "multihost", False):
+                # the other processes may have run the op, or part of it: they cannot be brought back in step
+                self.dead = f"a device op failed across processes: {type(e).__name__}: {e}"
+                logger.exception("the engine is dead")
+                raise EngineDeadError(self.dead) from e
             if not self.runner.pool_alive():
                 self.dead = f"a device step failed after its KV pool was donated: {type(e).__name__}: {e}"
                 logger.exception("the engine is dead")

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
 from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
+from jaxpaged.distributed import DistributedConfig
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,19 @@ class EngineConfig:
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "
                                            "divide the number of devices")
+    distributed_coordinator_address: str | None = _option(
+        None, "multi-host: host:port of process 0's coordination service, the same on every process (default: "
+              "$JAXPAGED_COORDINATOR_ADDRESS)")
+    distributed_num_processes: int | None = _option(
+        None, "multi-host: processes joined by jax.distributed (default: $JAXPAGED_NUM_PROCESSES, else 1); the mesh "
+              "spans all their devices, so tensor_parallel_size must equal the total device count")
+    distributed_process_id: int | None = _option(
+        None, "multi-host: this process, 0 to num_processes - 1; 0 schedules and serves, the others run its steps "
+              "(default: $JAXPAGED_PROCESS_ID, else 0)")
+    distributed_heartbeat_timeout: int = _option(
+        100, "multi-host: seconds of silence after which a process is declared dead and every process stops")
+    distributed_initialization_timeout: int = _option(
+        300, "multi-host: seconds the processes have to find each other at start-up")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
@@ -72,6 +86,7 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
+        self.distributed_config()
         self.cache_config()
         self.scheduler_config(self.max_model_len)
 
@@ -79,6 +94,12 @@ class EngineConfig:
     def model_dtype(self) -> str:
         """`dtype` with "auto" resolved for this platform (`resolve_dtype`)."""
         return resolve_dtype(self.dtype)
+
+    def distributed_config(self) -> DistributedConfig:
+        """The multi-host options, each unset one from its environment variable (jaxpaged.distributed)."""
+        return DistributedConfig.resolve(self.distributed_coordinator_address, self.distributed_num_processes,
+                                         self.distributed_process_id, self.distributed_heartbeat_timeout,
+                                         self.distributed_initialization_timeout)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(block_size=self.block_size, kv_cache_memory=self.kv_cache_memory,
@@ -243,6 +264,11 @@ def build_runner(model: nnx.Module, config: EngineConfig):
 
         parallel.check_tensor_parallel_size(tp)
         mesh = parallel.make_mesh(tp)
+    if jax.process_count() > 1 and tp != jax.device_count():
+        # every process runs the same program on its devices: a mesh that left a process out would leave it idle
+        raise ValueError(f"tensor_parallel_size={tp}: with {jax.process_count()} processes the mesh spans every "
+                         f"device, so use tensor_parallel_size={jax.device_count()} ({jax.local_device_count()} "
+                         "per process)")
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:

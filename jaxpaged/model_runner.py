@@ -275,6 +275,19 @@ class ModelRunner:
                                          num_args=4, mesh=mesh)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
+        # Multi-host (jaxpaged.distributed): the mesh spans other processes' devices, so the host arrays become
+        # global (replicated) arrays, and process 0 announces every device op to the others before running it.
+        self.multihost = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        self.broadcaster = None
+        if self.multihost:
+            from jaxpaged import distributed
+
+            self._replicated = NamedSharding(mesh, P())
+            # the swap-out read: the pool's heads live on several processes, so they are gathered in a collective
+            self._read_fn = jax.jit(lambda pool, idx: (pool.k[:, idx], pool.v[:, idx]),
+                                    out_shardings=(self._replicated, self._replicated))
+            if jax.process_index() == 0:
+                self.broadcaster = distributed.StepBroadcaster()
 
     # ---- shapes -------------------------------------------------------------------------------------------------
 
@@ -382,9 +395,35 @@ class ModelRunner:
 
     def execute(self, batch: Batch) -> dict[str, np.ndarray]:
         """Runs the step; returns numpy tokens [S], logprobs [S], top_ids / top_logprobs [S, 20]."""
+        if self.multihost:
+            self._announce("STEP", batch)
+        return self.execute_local(batch)
+
+    def execute_local(self, batch: Batch) -> dict[str, np.ndarray]:
+        """`execute` on this process's devices only (a worker process runs process 0's steps with it)."""
         step = self._executable(batch)
-        result, self.kv_pool = step(self.params, self.kv_pool, batch.token_ids, batch.attn, batch.sampling)
+        args = self._inputs(batch.token_ids, batch.attn, batch.sampling)
+        result, self.kv_pool = step(self.params, self.kv_pool, *args)
         return {f.name: np.asarray(getattr(result, f.name)) for f in dataclasses.fields(result)}
+
+    def _announce(self, op: str, tree) -> None:
+        """Multi-host, process 0: the other processes run the same op (jaxpaged.distributed)."""
+        from jaxpaged.distributed import Op, StepBroadcaster
+
+        if self.broadcaster is None:
+            StepBroadcaster()  # raises: this process does not schedule
+        self.broadcaster.announce(Op[op], tree)
+
+    def _inputs(self, *arrays):
+        """The host arrays as given, or, multi-host, as global arrays replicated over the mesh (each process
+        holds the whole value)."""
+        if not self.multihost:
+            return arrays
+        def to_global(x):
+            x = np.asarray(x)
+            return jax.make_array_from_process_local_data(self._replicated, x, x.shape)
+
+        return jax.tree.map(to_global, arrays)
 
     def pool_alive(self) -> bool:
         """False once a donated pool buffer is gone (a step that raised after taking it)."""
@@ -399,14 +438,35 @@ class ModelRunner:
         n = pick_bucket(pow2_buckets(8, max(8, self.num_blocks)), len(pairs))
         src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs, strict=True)
-        self.kv_pool = self._copy_fn(self.kv_pool, src, dst)
+        if self.multihost:
+            self._announce("COPY_BLOCKS", (src, dst))
+        self.copy_blocks_local(src, dst)
+
+    def copy_blocks_local(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """src, dst [N] int32, padded (0 -> 0)."""
+        self.kv_pool = self._copy_fn(self.kv_pool, *self._inputs(src, dst))
 
     def read_blocks(self, blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Swap-out: the given device blocks as host arrays [L, N, BS, Hkv, D]."""
         idx = np.asarray(blocks, np.int32)
-        return np.asarray(self.kv_pool.k[:, idx]), np.asarray(self.kv_pool.v[:, idx])
+        if self.multihost:
+            self._announce("READ_BLOCKS", (idx,))
+        return self.read_blocks_local(idx)
+
+    def read_blocks_local(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """idx [N] int32."""
+        if not self.multihost:
+            return np.asarray(self.kv_pool.k[:, idx]), np.asarray(self.kv_pool.v[:, idx])
+        k, v = self._read_fn(self.kv_pool, *self._inputs(idx))
+        return np.asarray(k), np.asarray(v)
 
     def write_blocks(self, blocks: list[int], k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
         """Swap-in: host arrays [L, N, BS, Hkv, D] into the given device blocks."""
         idx = np.asarray(blocks, np.int32)
-        self.kv_pool = self._write_fn(self.kv_pool, idx, k_blocks, v_blocks)
+        if self.multihost:
+            self._announce("WRITE_BLOCKS", (idx, np.asarray(k_blocks), np.asarray(v_blocks)))
+        self.write_blocks_local(idx, k_blocks, v_blocks)
+
+    def write_blocks_local(self, idx: np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
+        """idx [N] int32; k/v_blocks [L, N, BS, Hkv, D]."""
+        self.kv_pool = self._write_fn(self.kv_pool, *self._inputs(idx, k_blocks, v_blocks))

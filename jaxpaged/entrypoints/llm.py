@@ -36,6 +36,9 @@ def load_engine(model: str | None = None, **engine_options) -> Engine:
     from jaxpaged.loader import load_model
 
     config = _engine_config(engine_options)  # before loading: a bad option fails in a moment, not after the load
+    from jaxpaged import distributed
+
+    distributed.check_joined(config.distributed_config())
     t0 = time.perf_counter()
     loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size)
     load_s = time.perf_counter() - t0
