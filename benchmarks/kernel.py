@@ -16,8 +16,8 @@ and does no 1/sqrt(d) scaling inside, so its q is pre-scaled (inside the timed c
     python benchmarks/kernel.py                 # the full grid -> benchmarks/results/kernel.json
     python benchmarks/kernel.py --smoke         # tiny sizes on any machine: the reference, and the kernels in
                                                 # interpret mode -> benchmarks/results/kernel_smoke.json
-    python benchmarks/kernel.py --cpu           # CPU decode: the reference against the native kernel
-                                                # (pallas_kernels/cpu_native) at SmolLM2's shapes, float32
+    python benchmarks/kernel.py --cpu           # CPU decode and prefill: the reference against the native
+                                                # kernel (pallas_kernels/cpu_native), SmolLM2's shapes, float32
                                                 # -> benchmarks/results/kernel_cpu.json
 """
 
@@ -43,7 +43,9 @@ logger = logging.getLogger("benchmarks.kernel")
 FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_heads=32, kv_heads=8, head_dim=128,
             mixed=dict(prefills=4, prefill_context=2048, chunk=512, decodes=60, decode_context=2048))
 # SmolLM2-135M's heads; 64 sequences of 160 / 256 tokens (640 / 1024 blocks in use), the throughput workload's range
-CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64, mixed=None)
+# and one prefill step of the workload's shape: 13 whole prompts of 157 tokens (2041 tokens)
+CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64, mixed=None,
+           prefill=dict(prompts=13, length=157))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
 
@@ -176,7 +178,8 @@ def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes; kernels in interpret mode; runs on CPU")
-    ap.add_argument("--cpu", action="store_true", help="CPU decode: reference vs the native kernel, SmolLM2 shapes")
+    ap.add_argument("--cpu", action="store_true",
+                    help="CPU decode and prefill: reference vs the native kernel, SmolLM2 shapes")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--reps", type=int, default=10)
@@ -207,8 +210,13 @@ def main():
             rows += run_case(f"decode b={batch_size} ctx={ctx}", batch, decode=True, interpret=interpret,
                              copy_bw=copy_bw, timing=timing, cpu=args.cpu)
             del batch
+    pf = cfg.get("prefill")
+    if pf:  # whole prompts, 16-token tiles (the reference's prefill layout; the native kernel takes any)
+        prefill = make_batch([(pf["length"], pf["length"])] * pf["prompts"], tile=16, **shape)
+        rows += run_case(f"prefill {pf['prompts']}x{pf['length']} tokens", prefill, decode=False,
+                         interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
     m = cfg["mixed"]
-    if m:  # the native CPU kernel is decode-only
+    if m:
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
         mixed = make_batch(seqs, tile=16, **shape)
         rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,

@@ -138,11 +138,12 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
 # --- prefill and mixed batches ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [4, 8, 16, 32])  # 8 / 16 / 32: the kernel's unrolled tile paths; 4: generic
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
 def test_prefill_whole_prompts_and_chunks(block_size, heads):
     """Whole prompts (q_len == context) and chunks of longer ones (q_len < context: the chunk's tokens attend to the
-    cached part and causally to each other), 16-token tiles with padding between segments."""
+    cached part and causally to each other), 16-token tiles with padding between segments; the kernel cuts each
+    sequence's run of tokens into work items of 16 query tokens, so runs of 20, 33 and 37 tokens span several."""
     num_q_heads, num_kv_heads = heads
     check(prefill_case([(20, 20), (33, 5), (1, 1), (100, 37), (block_size, block_size)], num_q_heads=num_q_heads,
                        num_kv_heads=num_kv_heads, block_size=block_size, num_padding_seqs=2, num_padding_tokens=5,

@@ -21,12 +21,15 @@
 // work). Block ids are clipped to [0, NB) and the layer to [0, L), so nothing is read out of bounds; a token that
 // no sequence owns, or with position -1, gives a 0 row.
 //
-// Work item = one query token and a range of its kv heads (all of them when the batch has enough tokens to keep
-// every thread busy, so each block is read as one contiguous run; else one kv head per item). The item's query
-// vectors are loaded once (as float32), then the sequence's blocks are walked through its block table; per block
-// the (query heads) x (offsets in range) scores, an online softmax (running max m and sum l per query head,
-// float32) and acc += p @ V in float32. A prefill chunk's tokens walk the same blocks one after the other, so
-// those blocks are read from cache after the first. Items are claimed from an atomic counter by the calling thread
+// Work items. A decode (a sequence with one query token this step) is one token and a range of its kv heads (all of
+// them when the batch has enough tokens to keep every thread busy, so each block is read as one contiguous run;
+// else one kv head per item): the item's query vectors are loaded once (as float32), then the sequence's blocks are
+// walked through its block table; per block the (query heads) x (offsets in range) scores, an online softmax
+// (running max m and sum l per query head, float32) and acc += p @ V in float32. A prompt chunk (several tokens of
+// one sequence) is cut into tiles of 16 query tokens (AttendTile): each block is converted to float32 once per tile
+// and kv head (K transposed), the scores of four (token, query head) rows at a time are vectors over the block's
+// offsets, and each row then gets the same online-softmax update, with offsets past its own position weighing 0.
+// Items are claimed from an atomic counter by the calling thread
 // and by helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for
 // items that were claimed, so it is correct with a pool of any size, including none. The inner loops are written
 // over fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a
@@ -212,6 +215,215 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
+constexpr int64_t kTile = 16;  // query tokens of one sequence per prefill work item
+
+// Per-thread scratch of a tile item: `rows` = tokens x query heads, and one kv head's block in float32.
+struct TileScratch {
+  std::vector<float> q, acc, m, l, kt, vf, s, scores;
+  std::vector<int64_t> row_ids;
+  std::vector<const float*> row_ptrs;
+  TileScratch(int64_t rows, int64_t head_dim, int64_t block_size)
+      : q(rows * head_dim), acc(rows * head_dim), m(rows), l(rows), kt(head_dim * block_size),
+        vf(block_size * head_dim), s(block_size), scores(rows * block_size), row_ids(rows), row_ptrs(rows) {}
+};
+
+// One (token, query head) row of a tile against one block of BSC offsets, of which [j0, j1) are visible:
+// s = q . kt (vectorised over the offsets), the online-softmax update of (m, l, acc), acc += p @ vf. Offsets outside
+// [j0, j1) weigh exactly 0 (their kt and vf columns may be zeros, never read as values).
+template <int BSC>
+inline void TileScores(const float* const* rows, int64_t num_rows, const float* __restrict kt, int64_t D,
+                       float* __restrict scores) {
+  // Four rows at a time: four independent accumulator chains, each kt row loaded once for the four.
+  int64_t r = 0;
+  for (; r + 4 <= num_rows; r += 4) {
+    float a0[BSC] = {0}, a1[BSC] = {0}, a2[BSC] = {0}, a3[BSC] = {0};
+    const float *q0 = rows[r], *q1 = rows[r + 1], *q2 = rows[r + 2], *q3 = rows[r + 3];
+    for (int64_t d = 0; d < D; ++d) {
+      const float* __restrict kd = kt + d * BSC;
+      const float x0 = q0[d], x1 = q1[d], x2 = q2[d], x3 = q3[d];
+      for (int j = 0; j < BSC; ++j) {
+        a0[j] += x0 * kd[j];
+        a1[j] += x1 * kd[j];
+        a2[j] += x2 * kd[j];
+        a3[j] += x3 * kd[j];
+      }
+    }
+    for (int j = 0; j < BSC; ++j) {
+      scores[r * BSC + j] = a0[j];
+      scores[(r + 1) * BSC + j] = a1[j];
+      scores[(r + 2) * BSC + j] = a2[j];
+      scores[(r + 3) * BSC + j] = a3[j];
+    }
+  }
+  for (; r < num_rows; ++r) {
+    float a[BSC] = {0};
+    for (int64_t d = 0; d < D; ++d)
+      for (int j = 0; j < BSC; ++j) a[j] += rows[r][d] * kt[d * BSC + j];
+    for (int j = 0; j < BSC; ++j) scores[r * BSC + j] = a[j];
+  }
+}
+
+template <int BSC>
+inline void TileRow(const float* __restrict sc, const float* __restrict vf, float* __restrict acc, float* m,
+                    float* l, int64_t D, int64_t j0, int64_t j1, float scale, float soft_cap) {
+  float x[BSC];
+  if (soft_cap > 0.0f) {
+    for (int j = 0; j < BSC; ++j) x[j] = soft_cap * std::tanh(sc[j] * scale / soft_cap);
+  } else {
+    for (int j = 0; j < BSC; ++j) x[j] = sc[j] * scale;
+  }
+  for (int j = 0; j < BSC; ++j) x[j] = (j >= j0 && j < j1) ? x[j] : -INFINITY;
+  float block_max = -INFINITY;
+  for (int j = 0; j < BSC; ++j) block_max = std::max(block_max, x[j]);
+  const float m_new = std::max(*m, block_max);
+  const float alpha = *m == -INFINITY ? 0.0f : std::exp(*m - m_new);
+  float pj[BSC];
+  for (int j = 0; j < BSC; ++j) pj[j] = ExpNonPositive(x[j] - m_new);
+  for (int j = 0; j < BSC; ++j) pj[j] = (j >= j0 && j < j1) ? pj[j] : 0.0f;
+  float sum = 0.0f;
+  for (int j = 0; j < BSC; ++j) sum += pj[j];
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != 1.0f)
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int j = 0; j < BSC; ++j) {
+    const float p = pj[j];
+    const float* __restrict vj = vf + j * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] += p * vj[d];
+  }
+}
+
+// TileRow for a block size that is not 8, 16 or 32 (s: scratch of BS floats).
+inline void TileRowAny(const float* qr, const float* kt, const float* vf, float* acc, float* m, float* l, int64_t D,
+                       int64_t BS, int64_t j0, int64_t j1, float scale, float soft_cap, float* s) {
+  for (int64_t j = 0; j < BS; ++j) s[j] = 0.0f;
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j = 0; j < BS; ++j) s[j] += qr[d] * kt[d * BS + j];
+  float block_max = -INFINITY;
+  for (int64_t j = j0; j < j1; ++j) {
+    float v = s[j] * scale;
+    if (soft_cap > 0.0f) v = soft_cap * std::tanh(v / soft_cap);
+    s[j] = v;
+    block_max = std::max(block_max, v);
+  }
+  const float m_new = std::max(*m, block_max);
+  const float alpha = *m == -INFINITY ? 0.0f : std::exp(*m - m_new);
+  float sum = 0.0f;
+  for (int64_t j = j0; j < j1; ++j) {
+    s[j] = ExpNonPositive(s[j] - m_new);
+    sum += s[j];
+  }
+  *l = *l * alpha + sum;
+  *m = m_new;
+  if (alpha != 1.0f)
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] += s[j] * vf[j * D + d];
+}
+
+// A tile item: the nt query tokens toks[0, nt) of sequence s (a prompt chunk), kv heads [kh0, kh1). Each block is
+// read once for the whole tile: one kv head's keys are converted to float32 and transposed (kt [D, BS]) and its
+// values converted (vf [BS, D]); then every (token, query head) row of that kv head gets its scores as a
+// vector over the block's offsets (s[j] = sum_d q[d] kt[d, j]), its online-softmax update and acc += p @ vf.
+// Rows keep the rules of AttendItem: token r sees [lo_r, hi_r) of the cache, masked offsets weigh exactly 0.
+template <typename T>
+void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s,
+                const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1, TileScratch& sc) {
+  const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
+  const int64_t G = p.num_q_heads / Hkv;
+  const int64_t H = (kh1 - kh0) * G;  // query heads of the item, per token
+  const int64_t context = p.context_lens[s];
+  if (context <= 0) return;
+  int64_t lo[kTile], hi[kTile];
+  int64_t first = INT64_MAX, last = 0;  // the union of the tokens' ranges
+  for (int64_t r = 0; r < nt; ++r) {
+    const int64_t pos = p.positions[toks[r]];
+    hi[r] = pos < 0 ? 0 : std::min({context, pos + 1, p.width * BS});
+    lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+    if (hi[r] <= lo[r]) lo[r] = hi[r] = 0;  // padding, or nothing visible: a 0 row
+    else first = std::min(first, lo[r]), last = std::max(last, hi[r]);
+  }
+  if (last == 0) return;
+  const float scale = p.scale, soft_cap = p.soft_cap;
+  float* qf = sc.q.data();
+  float* acc = sc.acc.data();
+  float* m = sc.m.data();
+  float* l = sc.l.data();
+  float* kt = sc.kt.data();
+  float* vf = sc.vf.data();
+  float* sj = sc.s.data();
+  float* scores = sc.scores.data();  // [rows of one kv head, BS]
+  int64_t* row_ids = sc.row_ids.data();
+  const float** row_ptrs = sc.row_ptrs.data();
+  for (int64_t r = 0; r < nt; ++r) {
+    const T* q_rows = q + (toks[r] * p.num_q_heads + kh0 * G) * D;
+    for (int64_t i = 0; i < H * D; ++i) qf[r * H * D + i] = ToFloat(q_rows[i]);
+  }
+  std::fill(acc, acc + nt * H * D, 0.0f);
+  std::fill(m, m + nt * H, -INFINITY);
+  std::fill(l, l + nt * H, 0.0f);
+
+  const int32_t* table = p.block_tables + s * p.width;
+  const int64_t row_stride = Hkv * D;
+  for (int64_t b = first / BS; b * BS < last; ++b) {
+    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
+    for (int64_t kh = kh0; kh < kh1; ++kh) {
+      const int64_t base = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
+      // Offsets nobody sees are zeros here (the pool may hold anything there, NaN included).
+      for (int64_t j = 0; j < BS; ++j) {
+        const bool live = j >= jlo && j < jhi;
+        const T* k_row = k_cache + base + j * row_stride;
+        const T* v_row = v_cache + base + j * row_stride;
+        for (int64_t d = 0; d < D; ++d) {
+          kt[d * BS + j] = live ? ToFloat(k_row[d]) : 0.0f;
+          vf[j * D + d] = live ? ToFloat(v_row[d]) : 0.0f;
+        }
+      }
+      // This kv head's rows of the tile: token r, query head (kh - kh0) * G + g.
+      int64_t num_rows = 0;
+      for (int64_t r = 0; r < nt; ++r)
+        if (std::min<int64_t>(hi[r] - b * BS, BS) > std::max<int64_t>(lo[r] - b * BS, 0))
+          for (int64_t g = 0; g < G; ++g) {
+            row_ids[num_rows] = r * H + (kh - kh0) * G + g;
+            row_ptrs[num_rows++] = qf + (r * H + (kh - kh0) * G + g) * D;
+          }
+      if (BS == 8 || BS == 16 || BS == 32) {
+        if (BS == 8) TileScores<8>(row_ptrs, num_rows, kt, D, scores);
+        if (BS == 16) TileScores<16>(row_ptrs, num_rows, kt, D, scores);
+        if (BS == 32) TileScores<32>(row_ptrs, num_rows, kt, D, scores);
+      }
+      for (int64_t i = 0; i < num_rows; ++i) {
+        const int64_t row = row_ids[i], r = row / H;
+        const int64_t j0 = std::max<int64_t>(lo[r] - b * BS, 0), j1 = std::min<int64_t>(hi[r] - b * BS, BS);
+        switch (BS) {  // the block size as a constant, so the loops over offsets vectorise
+          case 8: TileRow<8>(scores + i * BS, vf, acc + row * D, m + row, l + row, D, j0, j1, scale, soft_cap); break;
+          case 16: TileRow<16>(scores + i * BS, vf, acc + row * D, m + row, l + row, D, j0, j1, scale, soft_cap); break;
+          case 32: TileRow<32>(scores + i * BS, vf, acc + row * D, m + row, l + row, D, j0, j1, scale, soft_cap); break;
+          default: TileRowAny(qf + row * D, kt, vf, acc + row * D, m + row, l + row, D, BS, j0, j1, scale, soft_cap, sj);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < nt; ++r) {
+    T* out_rows = out + (toks[r] * p.num_q_heads + kh0 * G) * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = r * H + h;
+      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) FromFloat(acc[row * D + d] * inv, out_rows + h * D + d);
+    }
+  }
+}
+
+// Work shared by the calling thread and the helper tasks of XLA's thread pool. Items are claimed from `next`; the
+// caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
+// so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
+// A unit of work before the kv-head split: one decode token (AttendItem), or up to kTile consecutive query tokens of
+// one sequence (AttendTile): tokens[start, start + count) of the state's token list, all of sequence `seq`.
+struct Unit {
+  int32_t seq, start, count;
+};
+
 // Work shared by the calling thread and the helper tasks of XLA's thread pool. Items are claimed from `next`; the
 // caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
 // so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
@@ -220,10 +432,11 @@ struct ParallelAttention {
   Problem p;
   const T *q, *k, *v;
   T* out;
-  std::vector<int32_t> token_seq, tokens;  // the owning sequence of each query token; the tokens, in order
+  std::vector<int32_t> tokens;  // the real query tokens, grouped by sequence, in order
+  std::vector<Unit> units;
   int64_t kv_per_item;      // kv heads per work item
-  int64_t items_per_token;  // ceil(Hkv / kv_per_item)
-  int64_t total;            // tokens.size() * items_per_token
+  int64_t items_per_unit;   // ceil(Hkv / kv_per_item)
+  int64_t total;            // units.size() * items_per_unit
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
@@ -232,12 +445,19 @@ struct ParallelAttention {
   void Drain() {
     int64_t i = next.fetch_add(1);
     if (i >= total) return;  // nothing left: return before reading anything
-    Scratch scratch(kv_per_item * (p.num_q_heads / p.num_kv_heads), p.head_dim, p.block_size);
+    const int64_t heads = kv_per_item * (p.num_q_heads / p.num_kv_heads);
+    Scratch scratch(heads, p.head_dim, p.block_size);
+    std::unique_ptr<TileScratch> tile;
     for (; i < total; i = next.fetch_add(1)) {
-      const int64_t kh0 = (i % items_per_token) * kv_per_item;
-      const int64_t token = tokens[i / items_per_token];
-      AttendItem(p, q, k, v, out, token_seq[token], token, kh0, std::min(kh0 + kv_per_item, p.num_kv_heads),
-                 scratch);
+      const int64_t kh0 = (i % items_per_unit) * kv_per_item;
+      const int64_t kh1 = std::min(kh0 + kv_per_item, p.num_kv_heads);
+      const Unit& u = units[i / items_per_unit];
+      if (u.count == 1) {
+        AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
+      } else {
+        if (!tile) tile = std::make_unique<TileScratch>(kTile * heads, p.head_dim, p.block_size);
+        AttendTile(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1, *tile);
+      }
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
@@ -258,26 +478,32 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, c
   state->k = k;
   state->v = v;
   state->out = out;
-  // The real query tokens and their sequences (a token claimed by two sequences' ranges goes to the first).
-  state->token_seq.assign(p.num_tokens, -1);
+  // The real query tokens of each sequence (a token claimed by two sequences' ranges goes to the first), cut into
+  // units: a sequence with one token this step is a decode unit, a longer run is cut into tiles of kTile tokens.
+  std::vector<bool> taken(p.num_tokens, false);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     if (p.context_lens[s] <= 0) continue;
     const int64_t t0 = std::max<int64_t>(p.query_start_loc[s], 0);
     const int64_t t1 = std::min<int64_t>(p.query_start_loc[s + 1], p.num_tokens);
+    const int64_t start = static_cast<int64_t>(state->tokens.size());
     for (int64_t t = t0; t < t1; ++t)
-      if (state->token_seq[t] < 0 && p.positions[t] >= 0) {
-        state->token_seq[t] = static_cast<int32_t>(s);
+      if (!taken[t] && p.positions[t] >= 0) {
+        taken[t] = true;
         state->tokens.push_back(static_cast<int32_t>(t));
       }
+    const int64_t end = static_cast<int64_t>(state->tokens.size());
+    for (int64_t u = start; u < end; u += kTile)
+      state->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(u),
+                              static_cast<int32_t>(std::min(kTile, end - u))});
   }
-  const int64_t num_items = static_cast<int64_t>(state->tokens.size());
-  if (num_items == 0) return ffi::Error::Success();
-  // Whole tokens (every kv head: each block is read as one contiguous run) when there are enough of them to
-  // balance the threads (8 items per thread); else each token's kv heads are split over several items.
-  const int64_t splits = std::clamp<int64_t>((8 * threads + num_items - 1) / num_items, 1, p.num_kv_heads);
+  const int64_t num_units = static_cast<int64_t>(state->units.size());
+  if (num_units == 0) return ffi::Error::Success();
+  // Whole units (every kv head: each block is read as one contiguous run) when there are enough of them to
+  // balance the threads (8 items per thread); else each unit's kv heads are split over several items.
+  const int64_t splits = std::clamp<int64_t>((8 * threads + num_units - 1) / num_units, 1, p.num_kv_heads);
   state->kv_per_item = (p.num_kv_heads + splits - 1) / splits;
-  state->items_per_token = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
-  state->total = num_items * state->items_per_token;
+  state->items_per_unit = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
+  state->total = num_units * state->items_per_unit;
   // The caller is one worker; XLA's pool (num_threads() may be 0: no pool) supplies the others.
   const int64_t helpers = std::min(threads, state->total) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
