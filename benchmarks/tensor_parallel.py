@@ -36,9 +36,11 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from tests.hlo_checks import COLLECTIVES, computations, reachable  # noqa: E402  (the tests' HLO reading)
+
 SIZES = (1, 2, 4, 8)
 DEVICES = 8
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1, "f64": 8, "s64": 8}
 ENGINE = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, num_blocks=192,
               block_size=16, precompile=False, show_progress=False)
@@ -46,33 +48,6 @@ PROMPTS, PROMPT_LEN, NEW_TOKENS = 8, 96, 8
 
 
 # ---- HLO -------------------------------------------------------------------------------------------------------------
-
-
-def _computations(hlo: str) -> dict[str, list[str]]:
-    out, current = {}, None
-    for line in hlo.splitlines():
-        header = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
-        if header:
-            current = header.group(1)
-            out[current] = []
-        elif current is not None and line.strip() not in ("}", ""):
-            out[current].append(line)
-    return out
-
-
-def _reachable(comps: dict[str, list[str]], root: str) -> set[str]:
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in comps:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            todo += re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)",
-                               line)
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                todo += re.findall(r"%([\w.\-]+)", group)
-    return seen
 
 
 def _result_bytes(line: str, op: str) -> int:
@@ -90,11 +65,11 @@ def _result_bytes(line: str, op: str) -> int:
 
 def step_collectives(hlo: str, local_pool_shape: tuple[int, ...], num_layers: int) -> dict:
     """{op: {"count": per step, "bytes": result bytes per step}}, the layer loop's body counted num_layers times."""
-    comps = _computations(hlo)
+    comps = computations(hlo)
     dims = ",".join(map(str, local_pool_shape))
     loops = [re.search(r"body=%([\w.\-]+)", ln).group(1) for lines in comps.values() for ln in lines
              if " while(" in ln and f"[{dims}]" in ln.split(" while(")[0]]
-    body = _reachable(comps, loops[0]) if len(loops) == 1 else set()
+    body = reachable(comps, loops[0]) if len(loops) == 1 else set()
     out = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
     for name, lines in comps.items():
         times = num_layers if name in body else 1

@@ -1,4 +1,5 @@
-"""Reading compiled HLO text in tests: copies of the K/V pool, and where an instruction lives."""
+"""Reading compiled HLO text in tests (and benchmarks/tensor_parallel.py): copies of the K/V pool, where an
+instruction lives, the computations a loop body reaches."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def computations_with(hlo: str, needle: str) -> list[str]:
     return names
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
+def computations(hlo: str) -> dict[str, list[str]]:
     """{computation name: its instruction lines}."""
     out, current = {}, None
     for line in hlo.splitlines():
@@ -37,7 +38,7 @@ def _computations(hlo: str) -> dict[str, list[str]]:
     return out
 
 
-def _reachable(comps: dict[str, list[str]], root: str) -> set[str]:
+def reachable(comps: dict[str, list[str]], root: str) -> set[str]:
     """`root` and every computation it calls (fusions, nested loops, conditionals, reducers), transitively."""
     seen, todo = set(), [root]
     while todo:
@@ -62,12 +63,12 @@ def layer_loop_collectives(hlo: str, pool_shape: tuple[int, ...]) -> tuple[dict[
     The model's layers run in one `while` (a fori_loop) whose carry holds the pool, so its body is in the HLO once and
     runs once per layer: the collectives of that body, and of everything it calls, are the collectives per layer.
     `pool_shape` is the pool's per-device shape, which picks that loop out of the others (sampling, searches)."""
-    comps = _computations(hlo)
+    comps = computations(hlo)
     dims = ",".join(map(str, pool_shape))
     loops = [re.search(r"body=%([\w.\-]+)", line).group(1) for lines in comps.values() for line in lines
              if " while(" in line and f"[{dims}]" in line.split(" while(")[0]]
     assert len(loops) == 1, f"expected one layer loop carrying a [{dims}] pool, found {loops}"
-    body = _reachable(comps, loops[0])
+    body = reachable(comps, loops[0])
 
     def count(names) -> dict[str, int]:
         return {op: sum(len(re.findall(rf" {op}(?:-start)?\(", line)) for n in names for line in comps[n])

@@ -73,6 +73,16 @@ def _pool_converts(runner) -> list[str]:
     return [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line]
 
 
+def _generate_and_check_no_pool_convert_or_copy(llm) -> None:
+    runner = llm.engine.runner
+    outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert _pool_converts(runner) == []
+    for key, executable in runner._executables.items():
+        assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
+
+
 def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_native_kernel():
     """The native CPU backend writes K/V rows and whole blocks itself (XLA CPU has no 16-bit scatter), so 'auto'
     gives a bfloat16 model a bfloat16 pool: no pool-sized convert or copy in any step, the same buffer after steps,
@@ -82,12 +92,7 @@ def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_na
     assert runner.attn.kv_write is not None
     assert runner.kv_pool.dtype == jnp.bfloat16 and runner.params["embed"].dtype == jnp.bfloat16
     pointers = (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer())
-    outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
-                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(outs[0].outputs[0].token_ids) == 3
-    assert _pool_converts(runner) == []
-    for key, executable in runner._executables.items():
-        assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
+    _generate_and_check_no_pool_convert_or_copy(llm)
     k_host = np.asarray(runner.kv_pool.k[:, 1])
     assert np.abs(k_host.astype(np.float32)).sum() > 0  # the prompt's K is in block 1
     runner.copy_blocks([(1, 7)])
@@ -105,12 +110,7 @@ def test_without_the_native_write_a_bfloat16_model_on_cpu_gets_a_float32_pool():
     llm = tiny_llm(dtype="bfloat16", attention_backend="reference")
     runner = llm.engine.runner
     assert runner.kv_pool.dtype == jnp.float32 and runner.params["embed"].dtype == jnp.bfloat16
-    outs = llm.generate([{"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]}],
-                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(outs[0].outputs[0].token_ids) == 3
-    assert _pool_converts(runner) == []
-    for key, executable in runner._executables.items():
-        assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
+    _generate_and_check_no_pool_convert_or_copy(llm)
 
     # The contrast that makes 'auto' necessary: an explicit bfloat16 pool on CPU is converted around the write.
     explicit = tiny_llm(dtype="bfloat16", kv_cache_dtype="bfloat16", attention_backend="reference")

@@ -570,6 +570,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
 }
 
+// The output buffer of an aliased pool update: the pool's own memory (input_output_aliases), or, should XLA hand
+// over a distinct buffer, that buffer with the pool copied into it first.
+inline char* InPlace(const ffi::AnyBuffer& pool, ffi::Result<ffi::AnyBuffer>& out) {
+  char* data = static_cast<char*>(out->untyped_data());
+  if (data != pool.untyped_data()) std::memcpy(data, pool.untyped_data(), pool.size_bytes());
+  return data;
+}
+
 // The K/V write: k_new, v_new [T, Hkv, D] into row `slot_mapping[t]` (block * BS + offset) of `layer` of the
 // pools [L, NB, BS, Hkv, D], in the pools' own dtype (XLA CPU's scatter has no 16-bit path and converts a bf16
 // pool to float32 and back, whole, around every write). The outputs alias the pools (input_output_aliases), so
@@ -599,8 +607,7 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buff
   const ffi::AnyBuffer* add[2] = {&k_new, &v_new};
   ffi::Result<ffi::AnyBuffer>* dst[2] = {&k_out, &v_out};
   for (int i = 0; i < 2; ++i) {
-    char* out = static_cast<char*>((*dst[i])->untyped_data());
-    if (out != src[i]->untyped_data()) std::memcpy(out, src[i]->untyped_data(), src[i]->size_bytes());
+    char* out = InPlace(*src[i], *dst[i]);
     const char* rows = static_cast<const char*>(add[i]->untyped_data());
     char* base = out + static_cast<size_t>(l * slots) * row;
     for (int64_t t = 0; t < nd[0]; ++t)
@@ -635,8 +642,7 @@ ffi::Error SetBlocksImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Bu
   const ffi::AnyBuffer* add[2] = {&k_blocks, &v_blocks};
   ffi::Result<ffi::AnyBuffer>* out_buf[2] = {&k_out, &v_out};
   for (int i = 0; i < 2; ++i) {
-    char* out = static_cast<char*>((*out_buf[i])->untyped_data());
-    if (out != src[i]->untyped_data()) std::memcpy(out, src[i]->untyped_data(), src[i]->size_bytes());
+    char* out = InPlace(*src[i], *out_buf[i]);
     const char* blocks = static_cast<const char*>(add[i]->untyped_data());
     for (int64_t l = 0; l < kd[0]; ++l)
       for (int64_t j = 0; j < n; ++j)
