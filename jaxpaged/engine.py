@@ -1,6 +1,7 @@
 """`Engine`: requests in, one scheduled and executed step at a time, `RequestOutput`s out.
 
-The engine owns the host state (scheduler, block manager, detokenizers) and the `ModelRunner` (device state).
+The engine owns the host state (requests, scheduler, block manager) and the `ModelRunner` (device state); what a
+request gives back (detokenization, stop conditions, output kinds) is the `OutputProcessor`'s.
 It is not thread-safe: the offline `LLM` calls it from one thread, the async engine from its one loop thread.
 """
 
@@ -20,6 +21,7 @@ from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.detokenizer import Detokenizer
 from jaxpaged.engine_setup import EngineConfig, build_runner
 from jaxpaged.models import check_model, families
+from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.pool_view import MAX_CELLS, pool_view
 from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
@@ -103,6 +105,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
@@ -149,7 +152,7 @@ class Engine:
         grammar = self.grammars.matcher(so.kind, so.spec) if so is not None else None
         bad_words_ids = self._bad_words_ids(params.bad_words)
         parent = Sequence(request_id, token_ids, params, arrival_time=arrival, fork_pending=params.n - 1)
-        return _Request(request_id, text, [parent], [self._detokenizer(params)], seed, arrival, grammar=grammar,
+        return _Request(request_id, text, [parent], [self.outputs.detokenizer(params)], seed, arrival, grammar=grammar,
                         bad_words_ids=bad_words_ids)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
@@ -222,7 +225,7 @@ class Engine:
         if not req.beam.done:
             return None
         eos = self.eos_token_ids
-        outs = [CompletionOutput(i, self._decode(h.token_ids), h.token_ids, h.cum_logprob, None,
+        outs = [CompletionOutput(i, self.outputs.decode(h.token_ids), h.token_ids, h.cum_logprob, None,
                                  "stop" if h.token_ids[-1] in eos and not req.beam.params.ignore_eos else "length")
                 for i, h in enumerate(req.beam.results())]
         self.requests.pop(req.request_id, None)
@@ -230,18 +233,12 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, list(old[0].prompt_token_ids), outs, True,
                              old[0].num_cached_prompt_tokens, {"arrival_time": req.arrival_time})
 
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    def _detokenizer(self, params: SamplingParams) -> Detokenizer:
-        return Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
-
     def _add_forked(self, forked: list[tuple[Sequence, list[Sequence]]]) -> None:
         """The n - 1 other samples the scheduler forked from their parents join their requests' outputs."""
         for parent, children in forked:
             req = self.requests[parent.request_id]
             req.seqs += children
-            req.detokenizers += [self._detokenizer(parent.params) for _ in children]
+            req.detokenizers += [self.outputs.detokenizer(parent.params) for _ in children]
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -447,62 +444,25 @@ class Engine:
         return eos + p.stop_token_ids
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, result, row: int) -> None:
-        p = seq.params
-        seq.output_token_ids.append(token)
         self.counters["generation_tokens"] += 1
-        if p.logprobs is not None:
-            seq.output_logprobs.append(float(result["logprobs"][row]))
-            top = {int(t): float(lp) for t, lp in zip(result["top_ids"][row][:p.logprobs],
-                                                      result["top_logprobs"][row][:p.logprobs], strict=True)}
-            top[token] = float(result["logprobs"][row])
-            seq.output_top_logprobs.append(top)
         matcher = req.matcher(seq)
         if matcher is not None and not matcher.consume_token(token):
             raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
-        detok = req.detokenizers[req.seqs.index(seq)]
-        before = len(detok.text)
-        detok.add(seq.output_token_ids)
-        num_out = len(seq.output_token_ids)
-        reason, stop_reason = None, None
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                reason = "stop"
-            elif token in p.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif detok.check_stop(len(detok.text) - before) is not None:
-                reason, stop_reason = "stop", detok.stopped_on
-        if reason is None and matcher is not None and matcher.is_stopped():  # the grammar allows nothing more
-            reason = "stop"
-        if reason is None and ((p.max_tokens is not None and num_out >= p.max_tokens)
-                               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+        reason, stop_reason = self.outputs.add_token(
+            seq, req.detokenizers[req.seqs.index(seq)], token, result, row,
+            grammar_stopped=matcher is not None and matcher.is_stopped())  # the grammar allows nothing more
         if reason is not None:
             seq.stop_reason = stop_reason
             req.matchers.pop(seq.seq_id, None)
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request) -> RequestOutput:
-        finished = req.finished
-        delta = req.seqs[0].params.output_kind == RequestOutputKind.DELTA
-        outs = []
-        for i, (seq, detok) in enumerate(zip(req.seqs, req.detokenizers, strict=True)):
-            logprobs = seq.output_top_logprobs if seq.params.logprobs is not None else None
-            cum = float(sum(seq.output_logprobs)) if seq.params.logprobs is not None else None
-            text, tokens = detok.visible_text(seq.finished), seq.output_token_ids
-            if delta:  # what is new since this sequence's previous output
-                sent_tokens, sent_chars = req.sent.get(seq.seq_id, (0, 0))
-                req.sent[seq.seq_id] = (len(tokens), max(sent_chars, len(text)))
-                text, tokens = text[sent_chars:], tokens[sent_tokens:]
-                logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-            outs.append(CompletionOutput(i, text, list(tokens), cum, logprobs, seq.finish_reason, seq.stop_reason))
-        seq0 = req.seqs[0]
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": seq0.first_token_time or 0.0}
-        if finished:
-            metrics["finished_time"] = time.monotonic()
+        out = self.outputs.request_output(req.request_id, req.prompt, req.seqs, req.detokenizers, req.sent,
+                                          req.arrival_time)
+        if out.finished:
             self.requests.pop(req.request_id, None)
             self.counters["finished_requests"] += 1
-        return RequestOutput(req.request_id, req.prompt, list(seq0.prompt_token_ids), outs, finished,
-                             seq0.num_cached_prompt_tokens, metrics)
+        return out
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may

@@ -104,7 +104,10 @@ def test_eos_stops_unless_ignored_and_min_tokens_bans_it(llm):
     free = tokens(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                                use_tqdm=False))[0]
     eos = free[3]
-    llm.engine.eos_token_ids = {eos}
+    eos_ids = llm.engine.eos_token_ids  # one set, shared by the engine (banning) and its output processor (stopping)
+    saved = set(eos_ids)
+    eos_ids.clear()
+    eos_ids.add(eos)
     try:
         out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0].outputs[0]
         assert out.token_ids == free[: free.index(eos) + 1] and out.finish_reason == "stop"
@@ -112,7 +115,8 @@ def test_eos_stops_unless_ignored_and_min_tokens_bans_it(llm):
                            use_tqdm=False)[0].outputs[0]
         assert eos not in out.token_ids[:10] and len(out.token_ids) >= 10
     finally:
-        llm.engine.eos_token_ids = {1}
+        eos_ids.clear()
+        eos_ids.update(saved)
 
 
 class _ByteTokenizer:
