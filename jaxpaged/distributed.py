@@ -150,6 +150,18 @@ def check_joined(config: DistributedConfig) -> None:
                          f"{jax.process_count()}")
 
 
+def check_mesh_spans_processes(tensor_parallel_size: int) -> None:
+    """With several processes every one runs the same program on its devices, so the mesh must span them all: a
+    ValueError naming the field and the size to use otherwise (before the model loads, so every process refuses
+    at once rather than one of them being ended by the coordination service while it still loads)."""
+    import jax
+
+    if jax.process_count() > 1 and tensor_parallel_size != jax.device_count():
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: with {jax.process_count()} processes the "
+                         f"mesh spans every device, so use tensor_parallel_size={jax.device_count()} "
+                         f"({jax.local_device_count()} per process)")
+
+
 def shutdown() -> None:
     """Leaves the group (a barrier with the other processes) if this process joined one."""
     import jax
@@ -358,5 +370,6 @@ def stop_workers(runner) -> bool:
         return False
 
 
-__all__ = ["DistributedConfig", "Header", "Op", "StepBroadcaster", "WorkerLoop", "check_joined", "initialize",
+__all__ = ["DistributedConfig", "Header", "Op", "StepBroadcaster", "WorkerLoop", "check_joined",
+           "check_mesh_spans_processes", "initialize",
            "pack", "run_worker", "shutdown", "stop_workers", "unpack"]

@@ -264,11 +264,9 @@ def build_runner(model: nnx.Module, config: EngineConfig):
 
         parallel.check_tensor_parallel_size(tp)
         mesh = parallel.make_mesh(tp)
-    if jax.process_count() > 1 and tp != jax.device_count():
-        # every process runs the same program on its devices: a mesh that left a process out would leave it idle
-        raise ValueError(f"tensor_parallel_size={tp}: with {jax.process_count()} processes the mesh spans every "
-                         f"device, so use tensor_parallel_size={jax.device_count()} ({jax.local_device_count()} "
-                         "per process)")
+    from jaxpaged.distributed import check_mesh_spans_processes
+
+    check_mesh_spans_processes(tp)
     cache = config.cache_config()
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, 2048)
     if max_model_len > model_config.max_position_embeddings:

@@ -39,6 +39,7 @@ def load_engine(model: str | None = None, **engine_options) -> Engine:
     from jaxpaged import distributed
 
     distributed.check_joined(config.distributed_config())
+    distributed.check_mesh_spans_processes(config.tensor_parallel_size)
     t0 = time.perf_counter()
     loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size)
     load_s = time.perf_counter() - t0
