@@ -17,7 +17,7 @@ and does no 1/sqrt(d) scaling inside, so its q is pre-scaled (inside the timed c
     python benchmarks/kernel.py --smoke         # tiny sizes on any machine: the reference, and the kernels in
                                                 # interpret mode -> benchmarks/results/kernel_smoke.json
     python benchmarks/kernel.py --cpu           # CPU decode and prefill: the reference against the native
-                                                # kernel (pallas_kernels/cpu_native), SmolLM2's shapes, float32
+                                                # kernel (pallas_kernels/cpu_native), SmolLM2's shapes, --dtype
                                                 # -> benchmarks/results/kernel_cpu.json
 """
 
@@ -197,7 +197,7 @@ def main():
     interpret = not on_gpu
     timing = dict(warmup=1, samples=3, reps=1) if args.smoke else dict(warmup=args.warmup, samples=args.samples,
                                                                        reps=args.reps)
-    dtype = jnp.dtype("float32" if args.cpu else args.dtype)
+    dtype = jnp.dtype(args.dtype)
     shape = dict(block_size=cfg["block_size"], q_heads=cfg["q_heads"], kv_heads=cfg["kv_heads"],
                  head_dim=cfg["head_dim"], dtype=dtype)
     copy_bw = copy_bandwidth((1 << 30) if on_gpu else (1 << 28) if args.cpu else (1 << 24), **timing)

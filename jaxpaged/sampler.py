@@ -76,14 +76,25 @@ class SamplerOutput:
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
 
 
-def _argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax(x, axis=-1) (the first maximum) as two plain reductions, which XLA CPU vectorises: its fused
-    value-and-index reduce is ~4x slower over a [64, 49152] row block (benchmarks/step_anatomy.py's profile).
-    x [S, V] float32 -> [S] int32; a row with a NaN gives V - 1 instead of the NaN's index."""
-    vocab = x.shape[-1]
+def _first_max(x: jax.Array) -> jax.Array:
+    """Index of the first maximum of each row, as two plain reductions. x [S, N] -> [S] int32 in [0, N)."""
+    n = x.shape[-1]
     top = jnp.max(x, axis=-1, keepdims=True)
-    first = jnp.min(jnp.where(x == top, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)
-    return jnp.minimum(first, vocab - 1)
+    return jnp.minimum(jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
+
+
+def _argmax(x: jax.Array, width: int = 128) -> jax.Array:
+    """jnp.argmax(x, axis=-1) (the first maximum) in chunks of `width` tokens: the first chunk holding the row's
+    maximum, then the first maximum inside that chunk. This reads the row once; comparing the whole row with its
+    broadcast maximum (XLA CPU materialises that broadcast inside the step) or XLA's fused value-and-index reduce
+    costs several times more (benchmarks/step_anatomy.py's sampler column). x [S, V] float32 -> [S] int32; a row
+    holding a NaN gives some index in [0, V)."""
+    num_rows, vocab = x.shape
+    pad = -vocab % width
+    blocks = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(num_rows, -1, width)  # [S, C, W]
+    chunk = _first_max(jnp.max(blocks, axis=-1))  # [S]
+    inside = _first_max(jnp.take_along_axis(blocks, chunk[:, None, None], axis=1)[:, 0])  # [S]
+    return jnp.minimum(chunk * width + inside, vocab - 1)
 
 
 def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
@@ -146,32 +157,42 @@ def process_logits(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
     """What a request asks of its logits before sampling: penalties, logit_bias, the structured-output / bad-words
     bitmask and the min_tokens bans. logits [S, V] float32."""
     rows = jnp.arange(logits.shape[0])[:, None]
+    banned = s.banned
     logits = jax.lax.cond(s.penalized, lambda x: _penalize(x, s), lambda x: x, logits)
     logits = logits.at[rows, jnp.maximum(s.bias_ids, 0)].add(jnp.where(s.bias_ids >= 0, s.bias_values, 0.0))
     logits = jax.lax.cond(s.constrained, lambda x: _apply_bitmask(x, s.bitmask), lambda x: x, logits)
-    banned = s.banned
     return logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
 
 
-def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
-    """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing)."""
-    raw = logits
-    logits = process_logits(logits, s)
+def _pick(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+    """One token per row of processed logits [S, V] float32 -> [S] int32: the argmax for greedy rows, a Gumbel-max
+    draw from the temperature-scaled, filtered distribution for the others.
+
+    Greedy rows pay for no randomness: a step whose rows are all greedy scales, filters and draws nothing over the
+    vocabulary. Each row's result is the same either way (its noise comes from its own key), so batch invariance
+    holds."""
     greedy = s.temperature <= 0.0
-    temp = jnp.where(greedy, 1.0, s.temperature)
-    scaled = logits / temp[:, None]
-    needs_filter = jnp.any(~greedy & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)))
-    scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
-    # Greedy rows pay for no randomness and nobody pays for log-probs unasked: a step whose rows are all greedy
-    # draws no Gumbel noise over the vocabulary, and one where no row wants log-probs computes no log-softmax. Each
-    # row's result is the same either way (its noise comes from its own key), so batch invariance holds.
+
     def draw(x):
+        scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
+        needs_filter = jnp.any(~greedy & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)))
+        scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
         keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-        return _argmax(x + gumbel)
+        return _argmax(scaled + gumbel)
 
-    sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), scaled)
-    tokens = jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
+    sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
+    return jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
+    """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing).
+
+    Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
+    are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
+    raw = logits
+    asked = s.penalized | s.constrained | jnp.any(s.bias_ids >= 0) | jnp.any(s.banned >= 0)
+    tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s), s), lambda x: _pick(x, s), logits)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)

@@ -153,7 +153,7 @@ def test_stop_string_is_cut_and_held_back_while_streaming():
 
 
 def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows():
-    """The sampler's two-reduction argmax picks what jnp.argmax picks: the first of tied maxima, and index 0 of a row
+    """The sampler's chunked argmax picks what jnp.argmax picks: the first of tied maxima, and index 0 of a row
     masked to -inf everywhere."""
     import jax.numpy as jnp
 
@@ -166,3 +166,16 @@ def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows():
     x[5, :] = 1.0
     x[6, -1] = 99.0
     np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    # Chunked: ties in different chunks and at a chunk's edges, a maximum in the last (full) chunk, vocab a multiple
+    # of the chunk width; a NaN row still gives an index in range.
+    y = rng.standard_normal((8, 1024)).astype(np.float32)
+    y[0, [127, 128]] = 5.0
+    y[1, [900, 300, 301]] = 5.0
+    y[2, 1023] = 5.0
+    y[3, :] = -np.inf
+    y[4, [0, 1023]] = 5.0
+    y[5, 17] = np.nan
+    got = np.asarray(_argmax(jnp.asarray(y)))
+    ok = np.arange(8) != 5
+    np.testing.assert_array_equal(got[ok], np.argmax(y, axis=-1)[ok])
+    assert 0 <= got[5] < 1024
