@@ -35,6 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxpaged import entrypoints
+from jaxpaged.allocator import use_tcmalloc
 from jaxpaged.cli import add_engine_args, engine_options, finish_process_0, join_processes, run_worker_process
 from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from jaxpaged.entrypoints.openai_protocol import (
@@ -463,6 +464,8 @@ def default_model_name(model: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if argv is None:  # run as a program (a caller passing argv keeps its process as it is)
+        use_tcmalloc()  # may re-execute this process with tcmalloc preloaded (jaxpaged/allocator.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     names = args.served_model_name or [default_model_name(args.model)]
     try:

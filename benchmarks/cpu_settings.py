@@ -20,10 +20,12 @@ import sys
 from common import write_json
 from step_anatomy import cpu_name
 
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+from jaxpaged.allocator import CANDIDATES, tcmalloc_path
+
+TCMALLOC = tcmalloc_path() or CANDIDATES[0]
 SETTINGS = {
-    "default": {},
-    "tcmalloc preloaded": {"LD_PRELOAD": TCMALLOC},
+    "glibc malloc": {"LD_PRELOAD": ""},
+    "tcmalloc preloaded (the entry points' default)": {"LD_PRELOAD": TCMALLOC},
     "XLA single-threaded Eigen": {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"},
     "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"},
 }

@@ -27,6 +27,8 @@ from common import write_json
 from flax import nnx
 from workload import workload_prompts
 
+from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
+
 
 def cpu_name() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
@@ -224,6 +226,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>.json")
     args = ap.parse_args()
+    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
     dtype = jnp.dtype(args.dtype)
 
     llm = LLM(dtype=args.dtype, show_progress=False, enable_prefix_caching=False)
@@ -245,7 +248,8 @@ def main():
         for o in r["profile"]:
             print(f"{o['op']} | {o['ms_per_step']:.1f} | {o['calls_per_step']} | {o['shape']} | {o['what']}")
     write_json(args.out or f"benchmarks/results/step_anatomy_{args.dtype}.json",
-               {"cpu": cpu, "dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype), "rows": rows})
+               {"cpu": cpu, "dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype),
+                "allocator": "tcmalloc" if tcmalloc_loaded() else "system", "rows": rows})
 
 
 if __name__ == "__main__":

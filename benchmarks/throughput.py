@@ -34,6 +34,8 @@ from workload import (
     workload_prompts,
 )
 
+from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import vllm_cpu  # noqa: E402
 
@@ -203,6 +205,7 @@ def main():
     ap.add_argument("--vllm-venv", default=vllm_cpu.default_venv(), help="default: %(default)s")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
+    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
 
     from jaxpaged.loader import default_model_path, load_model
 
@@ -297,6 +300,7 @@ def main():
         "command": shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
                                else sys.executable, *sys.argv]),
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
+                        "allocator": "tcmalloc" if tcmalloc_loaded() else "system",
                         "model": args.model or default_model_path(), "hf_directory": hf_dir,
                         **{k: os.environ.get(k) for k in ENV_RECORDED if os.environ.get(k) is not None}},
     }

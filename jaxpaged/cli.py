@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from jaxpaged.allocator import use_tcmalloc
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """`--model` and one flag per EngineConfig field (`--kebab-case`, its help, default and choices)."""
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(g)
     args = parser.parse_args(argv)
+    if argv is None:  # run as a program (a caller passing argv keeps its process as it is)
+        use_tcmalloc()  # may re-execute this process with tcmalloc preloaded (jaxpaged/allocator.py)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _generate(args)

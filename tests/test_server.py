@@ -20,6 +20,7 @@ import aiohttp
 import openai
 import pytest
 
+from jaxpaged.allocator import tcmalloc_path
 from tests.tiny_hf import make_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,6 +146,13 @@ def test_models_lists_the_served_name_and_health_answers(server, client):
     assert models.data[0].model_extra["max_model_len"] == MAX_MODEL_LEN
     assert get(f"{server.url}/health") == (200, {"status": "ok"})
     assert client.models.retrieve(MODEL).id == MODEL
+
+
+@pytest.mark.skipif(tcmalloc_path() is None, reason="tcmalloc is not installed here (libtcmalloc-minimal4)")
+def test_the_server_process_runs_on_tcmalloc(server):
+    """server.py re-executes itself with tcmalloc preloaded (jaxpaged/allocator.py); the pid stays the one started."""
+    with open(f"/proc/{server.proc.pid}/maps") as f:
+        assert "libtcmalloc" in f.read()
 
 
 def test_completion_counts_usage_and_tokenizes_like_the_client(client, tokenizer):
