@@ -33,10 +33,14 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged import sampler
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.models.contract import ModelSpec
+from jaxpaged.models.matmul import native_matmul
 from jaxpaged.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.scheduler import PREFILL_TILE, SchedulerOutput, round_up
 
 logger = logging.getLogger(__name__)
+
+
+NATIVE_MATMUL_ROWS = 128  # benchmarks/matmul.py: the native kernel against XLA's dot, by rows
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -81,9 +85,11 @@ class Batch:
 
 
 def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, sm: SamplingMetadata, *,
-          graphdef: nnx.GraphDef, attn: AttentionBackend, mesh: Mesh | None = None) -> tuple[SamplerOutput, KVPool]:
+          graphdef: nnx.GraphDef, attn: AttentionBackend, mesh: Mesh | None = None,
+          native_matmul_rows: int = 0) -> tuple[SamplerOutput, KVPool]:
     model = nnx.merge(graphdef, state)  # inside the trace: the module's arrays are the step's arguments
-    hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
+    with native_matmul(native_matmul_rows):
+        hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
     # The LM head runs only on the rows that need logits: one per sequence, not one per token.
     logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
     if mesh is not None and logits.shape[-1] % mesh.size == 0:
@@ -134,16 +140,28 @@ def pool_format(device: jax.Device, mesh: Mesh | None = None) -> Format | NamedS
     return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
 
+def native_matmul_rows(mesh: Mesh | None) -> int:
+    """The most rows a step's layer matmuls run by the native CPU kernel (`jaxpaged.models.matmul`), 0 for none:
+    on a CPU with AVX512_BF16 without a tensor-parallel mesh, up to NATIVE_MATMUL_ROWS (decode steps and small
+    prefill chunks; larger products run at XLA's dot rate)."""
+    if mesh is not None or jax.default_backend() != "cpu":
+        return 0
+    from pallas_kernels import cpu_native
+
+    return NATIVE_MATMUL_ROWS if cpu_native.matmul_is_fast() else 0
+
+
 def jit_step(graphdef: nnx.GraphDef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
-             mesh: Mesh | None = None, param_shardings=None):
+             mesh: Mesh | None = None, param_shardings=None, native_rows: int = 0):
     """The jitted step: (state, kv_pool, token_ids, attn_md, sampling_md) -> (SamplerOutput, kv_pool), for the model
-    `graphdef` (from `nnx.split` at load) and the attention backend `attn`.
+    `graphdef` (from `nnx.split` at load) and the attention backend `attn`; bfloat16 layer matmuls of at most
+    native_rows rows by the native CPU kernel (`native_matmul_rows`).
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
     outputs live on its device. With a tensor-parallel mesh, the parameters keep their shardings, the pool its
     split by kv head, and the host batch and the sampler's output are replicated over the mesh.
     """
-    step = functools.partial(_step, graphdef=graphdef, attn=attn, mesh=mesh)
+    step = functools.partial(_step, graphdef=graphdef, attn=attn, mesh=mesh, native_matmul_rows=native_rows)
     if mesh is not None:
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, donate_argnums=(1,), in_shardings=(param_shardings, pool, rep, rep, rep),
@@ -265,7 +283,7 @@ class ModelRunner:
         param_shardings = jax.tree.map(lambda x: x.sharding, state) if mesh is not None else None
         self.attn = attn
         self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
-        self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings)
+        self._step_fn = jit_step(graphdef, attn, self.pool_format, mesh, param_shardings, native_matmul_rows(mesh))
         # The backend's native block write where it has one (CPU: XLA's scatter into a 16-bit pool converts it whole);
         # under tensor parallelism XLA's scatter, which works on the sharded pool as it is.
         set_blocks = getattr(attn, "block_write", None) if mesh is None else None

@@ -33,14 +33,10 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
+from jaxpaged.models.matmul import layer_matmul, matmul
 
 NEG_INF = -1e30
 NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
-
-
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w accumulated in float32, returned in x's dtype."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
@@ -112,22 +108,24 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array, attend: Attend, *,
-                  config: ModelConfig) -> jax.Array:
-    """One Gemma 3 layer. p: this layer's params (the loader's per-layer names, unstacked); h [T, H];
-    cos, sin [T, 1, D/2] float32 of this layer's rope base; window int32 scalar. Returns h [T, H]."""
+                  config: ModelConfig, matmul: Callable[[jax.Array, jax.Array], jax.Array] = matmul) -> jax.Array:
+    """One Gemma 3 layer. p: this layer's params (the loader's per-layer names); h [T, H];
+    cos, sin [T, 1, D/2] float32 of this layer's rope base; window int32 scalar. Returns h [T, H].
+    matmul(x, p[name]) multiplies by a weight matrix: by default p holds this layer's [K, N] matrices; the paged
+    model passes the stacked [L, K, N] ones with a `layer_matmul` of its layer."""
     c = config
     num_tokens = h.shape[0]
     x = rms_norm(h, p["attn_norm"], c)
-    q = _matmul(x, p["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
-    k = _matmul(x, p["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-    v = _matmul(x, p["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+    q = matmul(x, p["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
+    k = matmul(x, p["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+    v = matmul(x, p["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
     if c.qk_norm:  # over each head's D values, before RoPE
         q, k = rms_norm(q, p["q_norm"], c), rms_norm(k, p["k_norm"], c)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    out = _matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
+    out = matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
     h = h + (rms_norm(out, p["post_attn_norm"], c) if c.post_norms else out)
     x = rms_norm(h, p["mlp_norm"], c)
-    out = _matmul(_act(c)(_matmul(x, p["w_gate"])) * _matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    out = matmul(_act(c)(matmul(x, p["w_gate"])) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
     return h + (rms_norm(out, p["post_mlp_norm"], c) if c.post_norms else out)
 
 
@@ -256,7 +254,8 @@ class Gemma3ForCausalLM(nnx.Module):
         def run_layer(layer, j: int, h, pool):
             """Layer `layer` (traced in the loop, static in the tail), of the same type as layer j < period."""
             window = c.layer_window(j)
-            p = jax.tree.map(lambda x: x[layer], stacked)
+            # vectors sliced; matrices stacked, read at `layer` by layer_matmul (in place where it can)
+            p = {name: x if x.ndim == 3 else x[layer] for name, x in stacked.items()}
             box = [pool]
 
             def attend(q, k, v, _window):
@@ -264,7 +263,8 @@ class Gemma3ForCausalLM(nnx.Module):
                 return out
 
             cos, sin = rope[tables[j].tobytes()]
-            h = decoder_layer(p, h, cos, sin, jnp.int32(window or NO_WINDOW), attend, config=c)
+            h = decoder_layer(p, h, cos, sin, jnp.int32(window or NO_WINDOW), attend, config=c,
+                              matmul=lambda x, w: layer_matmul(x, w, layer))
             return h, box[0]
 
         def group(g, carry):

@@ -10,9 +10,10 @@ it inside its jitted step. Weights are stored for x @ W; q/k follow Hugging Face
 
 The decoder layers are one `LlamaDecoderLayer` built under `nnx.vmap`, so each of its parameters is stacked on a
 leading layer axis (`layers/wq` [L, H, Hq*D], ...; the state's layout is `jaxpaged.loader.layout`'s). They run in a
-`fori_loop` that slices layer i's parameters, merges them into the layer module and carries the pool: compile time
-does not grow with depth, and the pool stays updated in place (returning it from a `scan` or stacking per-layer
-outputs would copy the whole pool every step, see shared/PALLAS_NOTES.md).
+`fori_loop` that calls the stacked module with the layer index i and carries the pool: the layer reads its vectors
+as slices and its matrices through `layer_matmul` (which can read a stacked weight in place, see
+jaxpaged/models/matmul.py); compile time does not grow with depth, and the pool stays updated in place (returning
+it from a `scan` or stacking per-layer outputs would copy the whole pool every step, see shared/PALLAS_NOTES.md).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from flax import nnx
 
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.matmul import layer_matmul
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -52,11 +54,6 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     else:
         raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: default, linear, llama3")
     return inv_freq.astype(np.float32)
-
-
-def _matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w accumulated in float32 (as GPU and TPU matrix units do for 16-bit inputs), returned in x's dtype."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 class TransposedHead(nnx.Variable):
@@ -88,7 +85,8 @@ def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """One pre-norm decoder layer: attention through `attn`, then a SwiGLU MLP (both with residuals)."""
+    """The pre-norm decoder layers, every parameter stacked on a leading layer axis (built under `nnx.vmap`): layer
+    i is attention through `attn`, then a SwiGLU MLP (both with residuals)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         H, D, F = config.hidden_size, config.head_dim, config.intermediate_size
@@ -109,24 +107,31 @@ class LlamaDecoderLayer(nnx.Module):
 
     def __call__(self, h: jax.Array, kv_pool: KVPool, layer: jax.Array, md: AttentionMetadata,
                  attn: AttentionBackend, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, KVPool]:
-        """h [T, H]; cos, sin [T, 1, D/2] float32. Returns (h [T, H], kv_pool)."""
+        """Layer `layer` (an int32 scalar, traced in the loop). h [T, H]; cos, sin [T, 1, D/2] float32. Returns
+        (h [T, H], kv_pool)."""
         c = self.config
         num_tokens, eps = h.shape[0], c.rms_norm_eps
-        x = _rms_norm(h, self.attn_norm[...], eps)
-        q, k, v = _matmul(x, self.wq[...]), _matmul(x, self.wk[...]), _matmul(x, self.wv[...])
+
+        def vec(p: nnx.Param) -> jax.Array:  # [L, n] -> layer's [n]
+            return p[...][layer]
+
+        def mm(x: jax.Array, p: nnx.Param) -> jax.Array:  # x @ layer's matrix of p [L, K, N]
+            return layer_matmul(x, p[...], layer)
+
+        x = _rms_norm(h, vec(self.attn_norm), eps)
+        q, k, v = mm(x, self.wq), mm(x, self.wk), mm(x, self.wv)
         if c.attention_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+            q, k, v = q + vec(self.bq), k + vec(self.bk), v + vec(self.bv)
         q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = _rms_norm(q, self.q_norm[...], eps), _rms_norm(k, self.k_norm[...], eps)
+            q, k = _rms_norm(q, vec(self.q_norm), eps), _rms_norm(k, vec(self.k_norm), eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
-        h = h + _matmul(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo[...])
-        x = _rms_norm(h, self.mlp_norm[...], eps)
-        return h + _matmul(jax.nn.silu(_matmul(x, self.w_gate[...])) * _matmul(x, self.w_up[...]),
-                           self.w_down[...]), kv_pool
+        h = h + mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo)
+        x = _rms_norm(h, vec(self.mlp_norm), eps)
+        return h + mm(jax.nn.silu(mm(x, self.w_gate)) * mm(x, self.w_up), self.w_down), kv_pool
 
 
 # ModelConfig fields at the values every Llama-family model has; others (Gemma 3's) this module does not implement
@@ -170,12 +175,10 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(self.config))  # [D/2] f32, a constant of the architecture
         angles = jnp.maximum(md.positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
         cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
-        layer_def, layer_state = nnx.split(self.layers)
 
         def layer_step(i, carry):
             h, kv_pool = carry
-            layer = nnx.merge(layer_def, jax.tree.map(lambda x: x[i], layer_state))
-            return layer(h, kv_pool, i, md, attn, cos, sin)
+            return self.layers(h, kv_pool, i, md, attn, cos, sin)
 
         return jax.lax.fori_loop(0, self.config.num_layers, layer_step, (h, kv_pool))
 

@@ -1,7 +1,10 @@
-"""Native CPU ragged paged attention (an XLA FFI custom call built from paged_attention.cc with g++ on first use)."""
+"""Native CPU kernels (XLA FFI custom calls built with g++ on first use): ragged paged attention and its pool writes
+(paged_attention.cc), and a bf16 matmul for small batches (matmul.cc)."""
 
 from pallas_kernels.cpu_native.native import (
     available,
+    matmul_is_fast,
+    matmul_native,
     native_else_reference,
     paged_attention_native,
     set_blocks_native,
@@ -9,5 +12,5 @@ from pallas_kernels.cpu_native.native import (
     write_kv_native,
 )
 
-__all__ = ["available", "native_else_reference", "paged_attention_native", "set_blocks_native", "unavailable_reason",
-           "write_kv_native"]
+__all__ = ["available", "matmul_is_fast", "matmul_native", "native_else_reference", "paged_attention_native",
+           "set_blocks_native", "unavailable_reason", "write_kv_native"]

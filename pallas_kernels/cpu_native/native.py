@@ -1,4 +1,5 @@
-"""Native CPU ragged paged attention: paged_attention.cc as an XLA FFI custom call, built with g++ on first use.
+"""Native CPU kernels as XLA FFI custom calls, built with g++ on first use: ragged paged attention and its pool
+writes (paged_attention.cc), and a bf16 matmul for small batches (matmul.cc, `matmul_native`).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None)
@@ -10,8 +11,8 @@ float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passe
 per-layer slice is copied, and the call works inside jit and lax.fori_loop.
 
 The build: `g++ -std=c++17 -O3 -march=native -fno-math-errno -fPIC -shared` against `jax.ffi.include_dir()`,
-into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `paged_attention-<hash>.so`, the hash covering
-the source, the compiler and its version, the flags, the jaxlib version, `platform.machine()` and the CPU's flags
+into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `jaxpaged_native-<hash>.so`, the hash covering
+the sources, the compiler and its version, the flags, the jaxlib version, `platform.machine()` and the CPU's flags
 (-march=native code must not move to an older CPU). It is written to a temporary file and renamed into place, so
 concurrent builds are safe. `$JAXPAGED_CXX` picks the compiler; `JAXPAGED_NATIVE=0` disables the kernel. If the
 build fails, `available()` is False and `unavailable_reason()` says why (logged once).
@@ -37,13 +38,16 @@ from pallas_kernels.validation import KERNEL_DTYPES
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paged_attention.cc")
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+                for name in ("paged_attention.cc", "matmul.cc"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
 WRITE_SYMBOL = "JaxpagedKvWrite"
 WRITE_TARGET = "jaxpaged_kv_write"
 BLOCKS_SYMBOL = "JaxpagedSetBlocks"
 BLOCKS_TARGET = "jaxpaged_set_blocks"
+MATMUL_SYMBOL = "JaxpagedMatmul"
+MATMUL_TARGET = "jaxpaged_matmul"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -73,24 +77,26 @@ def _build() -> str:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set JAXPAGED_CXX)")
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=60).stdout
     include = jax.ffi.include_dir()
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    sources = []
+    for name in SOURCES:
+        with open(name, "rb") as f:
+            sources.append(f.read())
     import jaxlib
 
     key = hashlib.sha256()
-    for part in (source, compiler_path.encode(), version.encode(), " ".join(FLAGS).encode(),
+    for part in (*sources, compiler_path.encode(), version.encode(), " ".join(FLAGS).encode(),
                  jaxlib.__version__.encode(), platform.machine().encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     directory = cache_dir()
-    path = os.path.join(directory, f"paged_attention-{key.hexdigest()[:24]}.so")
+    path = os.path.join(directory, f"jaxpaged_native-{key.hexdigest()[:24]}.so")
     if os.path.exists(path):
         return path
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".paged_attention-", suffix=".so", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".jaxpaged_native-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        cmd = [compiler_path, *FLAGS, "-I", include, SOURCE, "-o", tmp]
+        cmd = [compiler_path, *FLAGS, "-I", include, *SOURCES, "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
@@ -98,7 +104,7 @@ def _build() -> str:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the native CPU paged-attention kernel: %s", path)
+    logger.info("built the native CPU kernels: %s", path)
     return path
 
 
@@ -112,6 +118,7 @@ def _load() -> None:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(lib, WRITE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(BLOCKS_TARGET, jax.ffi.pycapsule(getattr(lib, BLOCKS_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -128,6 +135,11 @@ def available() -> bool:
                 logger.warning("native CPU paged attention unavailable, using the pure-JAX reference: %s",
                                _state["reason"])
         return _state["ok"]
+
+
+def matmul_is_fast() -> bool:
+    """Whether `matmul_native` has its AVX512_BF16 path on this CPU (else it is a plain loop: correct, slow)."""
+    return available() and bool(_state["lib"].JaxpagedMatmulIsFast())
 
 
 def unavailable_reason() -> str:
@@ -239,6 +251,26 @@ def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_
                 jnp.asarray(v_blocks, v_cache.dtype))
 
 
+def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None) -> jax.Array:
+    """x [M, K] @ w [K, N], or @ w[layer] for a stacked w [L, K, N] (read in place: no slice is copied), both
+    bfloat16 with K even, accumulated in float32 and returned in out_dtype (bfloat16 by default, rounded to nearest
+    even, or float32). Equal to `jnp.dot(x, w[layer], preferred_element_type=jnp.float32).astype(out_dtype)` up to
+    float32 summation order. Fast on CPUs with AVX512_BF16 (`matmul_is_fast`); see matmul.cc."""
+    out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"x must be [M, K] and w [K, N] or [L, K, N], got {x.shape} and {w.shape}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x and w must be bfloat16, got {x.dtype} and {w.dtype}")
+    if x.shape[1] % 2:
+        raise ValueError(f"K = {x.shape[1]} must be even")
+    if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
+    if not available():
+        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype))
+    return call(x, w, _int32("layer", layer, 0))
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -255,4 +287,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
-           "set_blocks_native", "cache_dir"]
+           "set_blocks_native", "matmul_native", "matmul_is_fast", "cache_dir"]

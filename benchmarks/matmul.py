@@ -1,0 +1,94 @@
+"""The model's layer matmuls on CPU, bfloat16: XLA's dot of the layer's slice against the native kernel, by rows.
+
+For each weight shape of SmolLM2-135M (q/o [576, 576], k/v [576, 192], gate/up [576, 1536], down [1536, 576]),
+stacked over 30 layers as the engine holds them, a jitted `fori_loop` over the layers computes x [M, K] @ w[i] as
+the model's step does (`jaxpaged.models.matmul.layer_matmul`), with the step's XLA options
+(`step_compiler_options`): XLA slices w[i] and runs its dot; the native kernel reads w[i] in place
+(`cpu_native.matmul_native`). Both outputs are compared (bitwise equal bf16 is expected: both accumulate pairs of
+products with VDPBF16PS). The engine uses the native kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which
+this table is there to justify. Median of --runs calls after one warm-up.
+
+    python benchmarks/matmul.py [--rows 16 48 64 128 256 512]   # -> benchmarks/results/matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import write_json
+from step_anatomy import cpu_name
+
+from jaxpaged.model_runner import NATIVE_MATMUL_ROWS
+from jaxpaged.models.matmul import matmul
+from pallas_kernels.cpu_native import matmul_is_fast, matmul_native
+
+SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576)}
+XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # the bf16 step's (model_runner)
+
+
+def layer_loop(mm, layers: int):
+    """A jitted loop over the layers computing x @ w[i] each time (only a column of each result is kept)."""
+    def run(x, w):
+        def body(i, acc):
+            return acc + mm(x, w, i)[:, :1].astype(jnp.float32)
+        return jax.lax.fori_loop(0, layers, body, jnp.zeros((x.shape[0], 1), jnp.float32))
+    return jax.jit(run)
+
+
+def median_ms(fn, *args, runs: int) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 48, 64, 128, 256, 512])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results/matmul.json")
+    args = ap.parse_args()
+    if not matmul_is_fast():
+        raise SystemExit("the native matmul has no AVX512_BF16 path on this CPU (or could not be built): nothing to "
+                         "compare")
+    rng = np.random.default_rng(0)
+    xla = layer_loop(lambda x, w, i: matmul(x, w[i]), args.layers)
+    native = layer_loop(lambda x, w, i: matmul_native(x, w, i), args.layers)
+    results = []
+    for name, (k, n) in SHAPES.items():
+        w = jnp.asarray(rng.standard_normal((args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
+        for m in args.rows:
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            equal = bool(jnp.all(matmul(x, w[3]) == matmul_native(x, w, 3)))
+            row = {"weights": name, "K": k, "N": n, "rows": m, "bitwise_equal": equal}
+            for label, fn in (("xla", xla), ("native", native)):
+                ms = median_ms(fn.lower(x, w).compile(compiler_options=XLA_OPTIONS), x, w, runs=args.runs)
+                row[f"{label}_ms"] = ms
+                row[f"{label}_GFLOPs"] = 2 * m * k * n * args.layers / ms / 1e6
+            row["speedup"] = row["xla_ms"] / row["native_ms"]
+            results.append(row)
+            print(f"{name:<9} K={k:<5} N={n:<5} rows={m:<5} XLA {row['xla_ms']:8.2f} ms "
+                  f"({row['xla_GFLOPs']:4.0f} GFLOP/s)  native {row['native_ms']:8.2f} ms "
+                  f"({row['native_GFLOPs']:4.0f} GFLOP/s)  x{row['speedup']:.2f}  equal={equal}", flush=True)
+    cpu = cpu_name()
+    print(f"\nCPU: {cpu}; {args.layers} layers per call; the engine's native limit: {NATIVE_MATMUL_ROWS} rows")
+    print("| rows | " + " | ".join(f"{s} XLA / native ms" for s in SHAPES) + " |")
+    print("|---" * (len(SHAPES) + 1) + "|")
+    for m in args.rows:
+        cells = [f"{r['xla_ms']:.1f} / {r['native_ms']:.1f}" for r in results if r["rows"] == m]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+    write_json(args.out, {"cpu": cpu, "layers": args.layers, "native_matmul_rows": NATIVE_MATMUL_ROWS,
+                          "results": results})
+
+
+if __name__ == "__main__":
+    main()

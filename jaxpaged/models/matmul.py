@@ -1,0 +1,50 @@
+"""The models' matmuls: float32 accumulation, and a stacked layer weight read without copying its slice.
+
+    y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
+    y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
+
+`layer_matmul` is XLA's dot of the slice `w[layer]`, unless the step is traced inside `native_matmul(max_rows)`:
+then a bfloat16 product of at most max_rows rows runs as `pallas_kernels.cpu_native.matmul_native`, which reads
+layer `layer` of the stacked weight in place. The engine's step sets this on CPUs with AVX512_BF16 when no
+tensor-parallel mesh is in use (XLA cannot split a custom call over a mesh): XLA CPU's bf16 dot packs the whole
+weight into its own layout on every call and slices the layer out of the stack first, which costs a decode step
+more than its arithmetic (benchmarks/step_anatomy.py). Prefill-sized products stay on XLA's dot, which runs them
+at the CPU's dot rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+_NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
+
+
+@contextlib.contextmanager
+def native_matmul(max_rows: int):
+    """While tracing inside this block, `layer_matmul` of bfloat16 x with at most max_rows rows uses the native
+    CPU kernel (0: never). The caller checks that the kernel is fast here (`cpu_native.matmul_is_fast()`)."""
+    token = _NATIVE_ROWS.set(max_rows)
+    try:
+        yield
+    finally:
+        _NATIVE_ROWS.reset(token)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w accumulated in float32 (as GPU and TPU matrix units do for 16-bit inputs), returned in x's dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """x [M, K] @ w[layer] for w [L, K, N] stacked over layers; `matmul`'s numbers, in x's dtype."""
+    rows = _NATIVE_ROWS.get()
+    if (rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
+            and w.dtype == jnp.bfloat16):
+        from pallas_kernels.cpu_native import matmul_native
+
+        return matmul_native(x, w, layer)
+    return matmul(x, w[layer])

@@ -1,0 +1,229 @@
+// Native CPU bf16 matmul for small batches, an XLA FFI custom call (built and registered by native.py).
+//
+//   x      [M, K]        bfloat16   activations (K even)
+//   w      [K, N] or [L, K, N]  bfloat16   weights as stored for x @ w; a stacked [L, K, N] is read at `layer`
+//                                   in place (no per-layer slice is copied)
+//   layer  [] int32                 which of the L matrices (ignored for a [K, N] w; clipped to [0, L))
+//   out    [M, N]        bfloat16 or float32   x @ w accumulated in float32 (bf16 out: rounded to nearest even)
+//
+// Why: XLA CPU's bf16 dot packs the whole weight matrix into its own layout on every call. A decode step's few
+// rows do little work per weight, so that packing (a read and a write of every weight, every step) is a large part
+// of the step. Here each worker takes panels of 32 output columns, interleaves the panel's rows in pairs
+// ([K/2, 32, 2], what VDPBF16PS multiplies) into a buffer that stays in its L1/L2 cache, and runs every row of x
+// over it in blocks of kRows rows: per pair of k, two loads of packed weights and 2 x kRows dot-product
+// instructions, the x pair broadcast from memory. Every weight is read from memory once per call.
+//
+// Panels are claimed from an atomic counter by the calling thread and by helper tasks on XLA's intra-op thread
+// pool, as in paged_attention.cc. Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks
+// `JaxpagedMatmulIsFast` and does not pick this kernel then.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per work item (two 16-lane float32 accumulators per row)
+constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers
+
+inline float Bf16ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct Problem {
+  const uint16_t* x;  // [M, K]
+  const uint16_t* w;  // [K, N] (this layer's)
+  void* out;          // [M, N]
+  bool out_f32;
+  int64_t m, k, n;
+};
+
+// Columns [c0, c0 + width) of every row, by a plain loop: the portable path and reference.
+void PanelPlain(const Problem& p, int64_t c0, int64_t width) {
+  for (int64_t r = 0; r < p.m; ++r) {
+    float acc[kPanel] = {};
+    for (int64_t kk = 0; kk < p.k; ++kk) {
+      const float a = Bf16ToFloat(p.x[r * p.k + kk]);
+      const uint16_t* wr = p.w + kk * p.n + c0;
+      for (int64_t j = 0; j < width; ++j) acc[j] += a * Bf16ToFloat(wr[j]);
+    }
+    for (int64_t j = 0; j < width; ++j) {
+      if (p.out_f32)
+        static_cast<float*>(p.out)[r * p.n + c0 + j] = acc[j];
+      else
+        static_cast<uint16_t*>(p.out)[r * p.n + c0 + j] = FloatToBf16(acc[j]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kFast = true;
+
+// packed [K/2][2][16] int32 lanes: lane j of half h of pair kp holds (w[2kp][c0 + 16h + j], w[2kp + 1][...]).
+void PackPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
+  const __mmask32 mask = width >= 32 ? ~__mmask32(0) : ((__mmask32(1) << width) - 1);
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                               24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int64_t kp = 0; kp < p.k / 2; ++kp) {
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, p.w + (2 * kp) * p.n + c0);
+    const __m512i b = _mm512_maskz_loadu_epi16(mask, p.w + (2 * kp + 1) * p.n + c0);
+    _mm512_store_si512(packed + 2 * kp, _mm512_permutex2var_epi16(a, lo, b));
+    _mm512_store_si512(packed + 2 * kp + 1, _mm512_permutex2var_epi16(a, hi, b));
+  }
+}
+
+template <int R>
+void RowBlock(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, int64_t width) {
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int32_t* xr = reinterpret_cast<const int32_t*>(p.x + r0 * p.k);  // bf16 pairs
+  const int64_t pairs = p.k / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(packed + 2 * kp);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(packed + 2 * kp + 1);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r * pairs + kp]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+    }
+  }
+  const int64_t w_lo = std::min<int64_t>(width, 16), w_hi = std::max<int64_t>(width - 16, 0);
+  const __mmask16 m_lo = static_cast<__mmask16>((1u << w_lo) - 1), m_hi = static_cast<__mmask16>((1u << w_hi) - 1);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = (r0 + r) * p.n + c0;
+    if (p.out_f32) {
+      float* o = static_cast<float*>(p.out) + at;
+      _mm512_mask_storeu_ps(o, m_lo, acc[r][0]);
+      if (w_hi) _mm512_mask_storeu_ps(o + 16, m_hi, acc[r][1]);
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(p.out) + at;
+      _mm256_mask_storeu_epi16(o, m_lo, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
+      if (w_hi) _mm256_mask_storeu_epi16(o + 16, m_hi, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
+    }
+  }
+}
+
+template <int R>
+void Tail(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, int64_t width, int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return RowBlock<R>(p, packed, r0, c0, width);
+    Tail<R - 1>(p, packed, r0, c0, width, rows);
+  }
+}
+
+void Panel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
+  PackPanel(p, c0, width, packed);
+  int64_t r = 0;
+  for (; r + kRows <= p.m; r += kRows) RowBlock<kRows>(p, packed, r, c0, width);
+  if (r < p.m) Tail<kRows - 1>(p, packed, r, c0, width, p.m - r);
+}
+#else
+constexpr bool kFast = false;
+#endif
+
+struct ParallelMatmul {
+  Problem p;
+  int64_t total;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Drain() {
+    int64_t i = next.fetch_add(1);
+    if (i >= total) return;
+#if defined(__AVX512BF16__)
+    // K/2 pairs x 2 halves of 64 bytes, 64-byte aligned
+    std::unique_ptr<void, void (*)(void*)> buffer(std::aligned_alloc(64, p.k * 64), std::free);
+    __m512i* packed = static_cast<__m512i*>(buffer.get());
+#endif
+    for (; i < total; i = next.fetch_add(1)) {
+      const int64_t c0 = i * kPanel, width = std::min(kPanel, p.n - c0);
+#if defined(__AVX512BF16__)
+      Panel(p, c0, width, packed);
+#else
+      PanelPlain(p, c0, width);
+#endif
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
+    }
+  }
+};
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || od.size() != 2)
+    return ffi::Error::InvalidArgument("matmul: x must be [M, K], w [K, N] or [L, K, N], out [M, N]");
+  const int64_t m = xd[0], k = xd[1], n = wd[wd.size() - 1];
+  if (wd[wd.size() - 2] != k || od[0] != m || od[1] != n)
+    return ffi::Error::InvalidArgument("matmul: the shapes of x, w and out do not fit");
+  if (k % 2) return ffi::Error::InvalidArgument("matmul: K must be even");
+  if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("matmul: x and w must be bfloat16");
+  const auto ot = out->element_type();
+  if (ot != ffi::BF16 && ot != ffi::F32) return ffi::Error::InvalidArgument("matmul: out must be bfloat16 or float32");
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  auto state = std::make_shared<ParallelMatmul>();
+  Problem& p = state->p;
+  p.x = static_cast<const uint16_t*>(x.untyped_data());
+  p.w = static_cast<const uint16_t*>(w.untyped_data());
+  if (wd.size() == 3 && wd[0] > 0) p.w += std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1) * k * n;
+  p.out = out->untyped_data();
+  p.out_f32 = ot == ffi::F32;
+  p.m = m, p.k = k, p.n = n;
+  if (k == 0) {
+    std::memset(p.out, 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  state->total = (n + kPanel - 1) / kPanel;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t helpers = std::min(threads, state->total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
+  state->Drain();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == state->total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" int JaxpagedMatmulIsFast() { return kFast ? 1 : 0; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::AnyBuffer>()          // w
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::AnyBuffer>());        // out

@@ -1,0 +1,140 @@
+"""The native CPU bf16 matmul (pallas_kernels/cpu_native/matmul.cc) against exact products and XLA's dot, its
+errors, and the engine's use of it: bf16 layer matmuls of small steps run natively on a CPU with AVX512_BF16 (never
+under a tensor-parallel mesh), with the same greedy tokens as XLA's dot gives."""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import random_params, random_prompts, tiny_config, tiny_llm
+
+from jaxpaged import SamplingParams
+from jaxpaged import model_runner as model_runner_module
+from jaxpaged.models.matmul import layer_matmul, matmul, native_matmul
+from pallas_kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels could not be built")
+fast = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
+
+
+def bf16(rng, *shape, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def exact(x, w):
+    """float64 x @ w and the bound on float32 accumulation error (|x| @ |w| times a few float32 epsilons)."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    return x64 @ w64, 4 * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) * np.sqrt(x64.shape[1])
+
+
+# rows not a multiple of the 12-row register block, columns not a multiple of the 32-column panel
+@pytest.mark.parametrize("m, k, n", [(1, 2, 1), (5, 32, 7), (13, 64, 40), (25, 576, 192), (64, 1536, 576),
+                                     (130, 96, 97)])
+def test_float32_out_is_the_exact_product_within_float32_accumulation(m, k, n):
+    rng = np.random.default_rng(m * n + k)
+    x, w = bf16(rng, m, k), bf16(rng, 3, k, n, scale=k ** -0.5)
+    for layer in (0, 2):
+        got = np.asarray(cpu_native.matmul_native(x, w, layer, jnp.float32))
+        want, bound = exact(x, w[layer])
+        assert got.shape == (m, n) and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= bound + 1e-30), layer
+
+
+@pytest.mark.parametrize("m, k, n", [(3, 8, 33), (48, 576, 1536), (64, 576, 576)])
+def test_bfloat16_out_is_the_float32_result_rounded_to_nearest_even(m, k, n):
+    rng = np.random.default_rng(k + n)
+    x, w = bf16(rng, m, k), bf16(rng, k, n, scale=k ** -0.5)
+    f32 = cpu_native.matmul_native(x, w, 0, jnp.float32)
+    out = cpu_native.matmul_native(x, w)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f32.astype(jnp.bfloat16), np.float32))
+    # and it is XLA's bf16 dot up to float32 summation order: at most one bf16 rounding step apart
+    xla = np.asarray(matmul(x, w), np.float32)
+    np.testing.assert_allclose(np.asarray(out, np.float32), xla, rtol=2 ** -7, atol=1e-6)
+
+
+@fast
+def test_a_stacked_weight_is_read_at_its_layer_and_the_layer_is_clipped():
+    rng = np.random.default_rng(0)
+    x, w = bf16(rng, 4, 16), bf16(rng, 3, 16, 24)
+    for layer, want in ((1, 1), (-5, 0), (7, 2)):
+        np.testing.assert_array_equal(np.asarray(cpu_native.matmul_native(x, w, layer, jnp.float32)),
+                                      np.asarray(cpu_native.matmul_native(x, w[want], 0, jnp.float32)))
+
+
+def test_nan_and_inf_propagate():
+    x = jnp.ones((2, 4), jnp.bfloat16).at[0, 1].set(jnp.nan).at[1, 2].set(jnp.inf)
+    w = jnp.ones((4, 3), jnp.bfloat16)
+    out = np.asarray(cpu_native.matmul_native(x, w, 0, jnp.float32))
+    assert np.isnan(out[0]).all() and np.isposinf(out[1]).all()
+
+
+@pytest.mark.parametrize("x_shape, w_shape, dtype, field", [
+    ((4, 7), (7, 8), jnp.bfloat16, "K"),            # odd K
+    ((4, 8), (6, 8), jnp.bfloat16, "x must be"),     # K mismatch
+    ((4, 8), (8, 8), jnp.float32, "bfloat16"),       # dtype
+    ((2, 4, 8), (8, 8), jnp.bfloat16, "x must be"),  # rank
+])
+def test_bad_arguments_raise_value_error_naming_them(x_shape, w_shape, dtype, field):
+    with pytest.raises(ValueError, match=field):
+        cpu_native.matmul_native(jnp.zeros(x_shape, dtype), jnp.zeros(w_shape, dtype))
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_native.matmul_native(jnp.zeros((2, 4), jnp.bfloat16), jnp.zeros((4, 8), jnp.bfloat16), 0, jnp.float16)
+
+
+def test_layer_matmul_uses_the_kernel_only_inside_native_matmul_and_up_to_its_rows():
+    import jax
+
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 32), jnp.bfloat16)
+
+    def targets(fn, *args):
+        return set(re.findall(r'custom_call_target="(\w+)"', jax.jit(fn).lower(*args).as_text(dialect="hlo")))
+
+    def under(rows):
+        def fn(x, w):
+            with native_matmul(rows):
+                return layer_matmul(x, w, 1)
+        return fn
+
+    assert cpu_native.native.MATMUL_TARGET in targets(under(8), x, w)
+    assert cpu_native.native.MATMUL_TARGET not in targets(under(7), x, w)  # more rows than allowed: XLA's dot
+    assert cpu_native.native.MATMUL_TARGET not in targets(lambda x, w: layer_matmul(x, w, 1), x, w)
+    assert cpu_native.native.MATMUL_TARGET not in targets(under(8), x.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(under(8)(x, w), np.float32), np.asarray(matmul(x, w[1]), np.float32))
+
+
+CONFIG = tiny_config(vocab_size=136, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)
+
+
+def run(native: bool, monkeypatch):
+    monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", 128 if native else 0)
+    llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="bfloat16")
+    prompts = random_prompts(3, 5, 40, vocab=CONFIG.vocab_size, seed=2)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    hlo = "\n".join(e.as_text() for e in llm.engine.runner._executables.values())
+    return outs, hlo
+
+
+@fast
+def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(monkeypatch):
+    native_outs, native_hlo = run(True, monkeypatch)
+    xla_outs, xla_hlo = run(False, monkeypatch)
+    assert cpu_native.native.MATMUL_TARGET in native_hlo and cpu_native.native.MATMUL_TARGET not in xla_hlo
+    for a, b in zip(native_outs, xla_outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            tok = next(iter(la))
+            assert abs(la[tok] - lb[tok]) < 0.05  # bf16 activations: rounding may differ by an ulp
+
+
+def test_no_native_matmul_under_a_mesh_or_off_cpu():
+    import jax
+    from jax.sharding import Mesh
+
+    assert model_runner_module.native_matmul_rows(Mesh(np.array(jax.devices()[:1]), ("tp",))) == 0
+    assert model_runner_module.native_matmul_rows(None) == (model_runner_module.NATIVE_MATMUL_ROWS
+                                                             if cpu_native.matmul_is_fast() else 0)
