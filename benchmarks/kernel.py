@@ -44,15 +44,18 @@ FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_h
             mixed=dict(prefills=4, prefill_context=2048, chunk=512, decodes=60, decode_context=2048))
 # SmolLM2-135M's heads; 64 sequences of 160 / 256 tokens (640 / 1024 blocks in use), the throughput workload's range
 # and one prefill step of the workload's shape: 13 whole prompts of 157 tokens (2041 tokens)
+# The pool of those cases fits in the CPU's caches (8-12 MB); `layered`: the engine's case, a decode step over 30
+# layers (the throughput workload's mid-decode batch), whose 240 MB of K/V come from memory, timed per layer.
 CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64, mixed=None,
-           prefill=dict(prompts=13, length=157))
+           prefill=dict(prompts=13, length=157), layered=dict(batch=48, context=210, layers=30))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
 
 
 def make_batch(seqs: list[tuple[int, int]], *, tile: int, block_size: int, q_heads: int, kv_heads: int,
-               head_dim: int, dtype, seed: int = 0) -> dict:
-    """A ragged batch over a pool of exactly the blocks it uses, assigned in shuffled order.
+               head_dim: int, dtype, seed: int = 0, layers: int = 1) -> dict:
+    """A ragged batch over a pool of exactly the blocks it uses (in each of `layers` layers), assigned in shuffled
+    order.
 
     seqs: (context_len, q_len) per sequence. Returns the reference's arguments plus layout facts.
     """
@@ -70,7 +73,7 @@ def make_batch(seqs: list[tuple[int, int]], *, tile: int, block_size: int, q_hea
         positions += list(range(ctx - q_len, ctx)) + [-1] * (length - q_len)
         qsl.append(qsl[-1] + length)
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    pool_shape = (1, num_blocks, block_size, kv_heads, head_dim)  # [L, NB, BS, Hkv, D], one layer
+    pool_shape = (layers, num_blocks, block_size, kv_heads, head_dim)  # [L, NB, BS, Hkv, D]
     return dict(
         q=jax.random.normal(kq, (len(positions), q_heads, head_dim), dtype),
         k_cache=jax.random.normal(kk, pool_shape, dtype), v_cache=jax.random.normal(kv, pool_shape, dtype),
@@ -123,7 +126,14 @@ def implementations(batch: dict, *, decode: bool, interpret: bool, cpu: bool = F
     if cpu:
         from pallas_kernels.cpu_native import paged_attention_native
 
-        return {name: (jax.jit(functools.partial(fn, **common, **flat)), args) for name, fn in
+        layers = batch["k_cache"].shape[0]
+
+        def every_layer(fn):  # as the step runs it: one call per layer in a fori_loop (the sum keeps each live)
+            def run(q, k, v, _layer, *rest):
+                return jax.lax.fori_loop(0, layers, lambda i, acc: acc + fn(q, k, v, i, *rest), jnp.zeros_like(q))
+            return run
+
+        return {name: (jax.jit(every_layer(functools.partial(fn, **common, **flat))), args) for name, fn in
                 (("reference", ragged_paged_attention_reference), ("native_cpu", paged_attention_native))}
     impls = {
         "reference": (jax.jit(functools.partial(ragged_paged_attention_reference, **common, **flat)), args),
@@ -155,11 +165,12 @@ def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: 
              cpu: bool = False) -> list[dict]:
     rows, outputs = [], {}
     nbytes = min_bytes(batch)
+    layers = batch["k_cache"].shape[0] if cpu else 1  # on CPU each call runs every layer: times are per layer
     for impl, (fn, args) in implementations(batch, decode=decode, interpret=interpret, cpu=cpu).items():
         row = {"case": name, "impl": impl, "bytes": nbytes}
         try:
             outputs[impl] = jax.block_until_ready(fn(*args))
-            seconds = time_call(fn, args, **timing)
+            seconds = time_call(fn, args, **timing) / layers
             row.update(us=seconds * 1e6, gb_s=nbytes / seconds / 1e9, of_copy=nbytes / seconds / copy_bw)
         except Exception as e:  # e.g. the reference running out of device memory at batch 128 x 8192
             logger.warning("%s / %s failed: %s", name, impl, str(e).splitlines()[0][:200])
@@ -215,6 +226,12 @@ def main():
         prefill = make_batch([(pf["length"], pf["length"])] * pf["prompts"], tile=16, **shape)
         rows += run_case(f"prefill {pf['prompts']}x{pf['length']} tokens", prefill, decode=False,
                          interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
+    lay = cfg.get("layered")
+    if lay:
+        batch = make_batch([(lay["context"], 1)] * lay["batch"], tile=1, layers=lay["layers"], **shape)
+        rows += run_case(f"decode b={lay['batch']} ctx={lay['context']}, {lay['layers']} layers (per layer)", batch,
+                         decode=True, interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
+        del batch
     m = cfg["mixed"]
     if m:
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]

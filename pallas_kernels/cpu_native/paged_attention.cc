@@ -36,6 +36,8 @@
 // vectorisable polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf
 // propagate.
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -45,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -214,6 +217,186 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
     for (int64_t d = 0; d < D; ++d) FromFloat(acc[h * D + d] * inv, out_rows + h * D + d);
   }
 }
+
+#if defined(__AVX512BF16__)
+// ---- bfloat16 decode items with AVX-512 (AVX512_BF16): the same rules and results as AttendItem up to float32
+// summation order. Per kv head and chunk of 16 block offsets: the scores of its G query heads are dot products of
+// bf16 pairs (VDPBF16PS: exact products, float32 sums; one 16-lane vector per offset, then the 16 vectors' lane
+// sums in one vector, offset t in lane t), the online softmax runs on those vectors, and the chunk's V rows are
+// converted to float32 once for all G heads. AttendItem converts every K and V element to float32 per query head.
+constexpr bool kFastDecode = true;
+
+// exp(x) for x <= 0 on 16 lanes: ExpNonPositive's algorithm and constants; NaN stays NaN.
+inline __m512 Exp16NonPositive(__m512 x) {
+  x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
+}
+
+// Lane t of the result = the sum of v[t]'s 16 lanes (v is overwritten).
+inline __m512 LaneSums16(__m512* v) {
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3)
+    v[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: the four vectors' sums over that lane
+    const __m512d a = _mm512_castps_pd(v[2 * k]), b = _mm512_castps_pd(v[2 * k + 1]);
+    v[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int k = 0; k < 2; ++k)  // 128-bit lanes 0+1 and 2+3 of two such vectors
+    v[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
+}
+
+// 16 bf16 -> 16 float32
+inline __m512 Bf16x16(const uint16_t* x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
+// Per-thread scratch of AttendItemFast: H = (kv heads of the item) x G query heads, one chunk of 16 offsets.
+struct FastScratch {
+  std::vector<float> acc, m, l, p, vf;  // [H, D], [H], [H], [H, 16], [16, D]
+  FastScratch(int64_t heads, int64_t head_dim)
+      : acc(heads * head_dim), m(heads), l(heads), p(heads * 16), vf(16 * head_dim) {}
+};
+
+// Asks for the cache lines of rows [0, rows) of a block, bytes [0, span) of each, `stride` bytes apart.
+inline void PrefetchRows(const uint16_t* first, int64_t rows, int64_t stride, int64_t span) {
+  const char* base = reinterpret_cast<const char*>(first);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t at = 0; at < span; at += 64) _mm_prefetch(base + r * stride + at, _MM_HINT_T0);
+}
+
+// AttendItem for bfloat16, head_dim D = 16 * DC (DC even). The next block's K and V rows are prefetched while one
+// block is worked on (the pool is far larger than the caches, and block tables jump around in it).
+template <int DC>
+void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                    uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, FastScratch& scratch) {
+  constexpr int64_t D = 16 * DC;
+  constexpr int QC = DC / 2;  // 32-element chunks of a head's bf16 row
+  const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
+  const int64_t H = (kh1 - kh0) * G;
+  const int64_t context = p.context_lens[s];
+  if (context <= 0) return;
+  const int64_t pos = p.positions[token];
+  if (pos < 0) return;
+  const int64_t hi = std::min({context, pos + 1, p.width * BS});
+  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  if (hi <= lo) return;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  const float soft_cap = p.soft_cap;
+  const int32_t* table = p.block_tables + s * p.width;
+  const int64_t row_stride = Hkv * D;
+  const uint16_t* q_rows = q + (token * p.num_q_heads + kh0 * G) * D;  // [H, D]
+  float *acc = scratch.acc.data(), *m = scratch.m.data(), *l = scratch.l.data();
+  float *probs = scratch.p.data(), *vf = scratch.vf.data();
+  std::fill(acc, acc + H * D, 0.0f);
+  std::fill(m, m + H, -INFINITY);
+  std::fill(l, l + H, 0.0f);
+
+  auto block_start = [&](int64_t b) {
+    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    return ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh0 * D;
+  };
+  const int64_t last = (hi - 1) / BS;
+  for (int64_t b = lo / BS; b <= last; ++b) {
+    const int64_t start = block_start(b);
+    if (b < last) {  // the next block streams in while this one is worked on (a further distance measured no better)
+      const int64_t next = block_start(b + 1);
+      const int64_t rows = std::min<int64_t>(BS, hi - (b + 1) * BS);
+      PrefetchRows(k_cache + next, rows, row_stride * 2, (kh1 - kh0) * D * 2);
+      PrefetchRows(v_cache + next, rows, row_stride * 2, (kh1 - kh0) * D * 2);
+    }
+    const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
+    for (int64_t j = j0; j < j1; j += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, j1 - j));
+      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {  // the item's kv heads, each with its G query heads
+        const uint16_t* k_rows = k_cache + start + j * row_stride + kh * D;
+        const uint16_t* v_rows = v_cache + start + j * row_stride + kh * D;
+        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
+          __m512bh qv[QC];
+          for (int c = 0; c < QC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_rows + g * D + 32 * c);
+          __m512 dots[16];
+          for (int t = 0; t < 16; ++t) {
+            __m512 d = _mm512_setzero_ps();
+            if (t < n)
+              for (int c = 0; c < QC; ++c)
+                d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + 32 * c));
+            dots[t] = d;
+          }
+          _mm512_storeu_ps(probs + g * 16, _mm512_mul_ps(LaneSums16(dots), scale));
+        }
+        if (soft_cap > 0.0f)
+          for (int64_t i = kh * G * 16; i < (kh + 1) * G * 16; ++i) probs[i] = soft_cap * std::tanh(probs[i] / soft_cap);
+        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // online softmax, as AttendItem
+          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_loadu_ps(probs + g * 16));
+          float block_max = sc[0];
+          for (int t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
+          const float m_new = std::max(m[g], block_max);
+          const float alpha = m[g] == -INFINITY ? 0.0f : std::exp(m[g] - m_new);
+          const __m512 e = _mm512_maskz_mov_ps(valid, Exp16NonPositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+          _mm512_storeu_ps(probs + g * 16, e);
+          l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
+          m[g] = m_new;
+          if (alpha != 1.0f) {
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int c = 0; c < DC; ++c)
+              _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(acc + g * D + 16 * c)));
+          }
+        }
+        for (int t = 0; t < n; ++t)  // this kv head's V rows of the chunk in float32, once for its G heads
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + t * D + 16 * c, Bf16x16(v_rows + t * row_stride + 16 * c));
+        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // acc[g] += sum_t p[g, t] V[t]
+          __m512 a[DC];
+          for (int c = 0; c < DC; ++c) a[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+          for (int t = 0; t < n; ++t) {
+            const __m512 pt = _mm512_set1_ps(probs[g * 16 + t]);
+            for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf + t * D + 16 * c), a[c]);
+          }
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[c]);
+        }
+      }
+    }
+  }
+  uint16_t* out_rows = out + (token * p.num_q_heads + kh0 * G) * D;
+  for (int64_t g = 0; g < H; ++g) {
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int c = 0; c < DC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + g * D + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), inv)));
+  }
+}
+
+// The fast item where it applies (bfloat16, head_dim 64, 128 or 256); false: use AttendItem.
+inline bool AttendItemFastIfAny(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1,
+                                std::unique_ptr<FastScratch>& scratch) {
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (!scratch) scratch = std::make_unique<FastScratch>(p.num_q_heads, p.head_dim);  // room for every kv head
+  if (p.head_dim == 64) AttendItemFast<4>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
+  if (p.head_dim == 128) AttendItemFast<8>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
+  if (p.head_dim == 256) AttendItemFast<16>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
+  return true;
+}
+#else
+struct FastScratch {};
+inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+                                int64_t, int64_t, int64_t, std::unique_ptr<FastScratch>&) {
+  return false;
+}
+#endif
 
 constexpr int64_t kTile = 16;  // query tokens of one sequence per prefill work item
 
@@ -448,12 +631,16 @@ struct ParallelAttention {
     const int64_t heads = kv_per_item * (p.num_q_heads / p.num_kv_heads);
     Scratch scratch(heads, p.head_dim, p.block_size);
     std::unique_ptr<TileScratch> tile;
+    std::unique_ptr<FastScratch> fast;
     for (; i < total; i = next.fetch_add(1)) {
       const int64_t kh0 = (i % items_per_unit) * kv_per_item;
       const int64_t kh1 = std::min(kh0 + kv_per_item, p.num_kv_heads);
       const Unit& u = units[i / items_per_unit];
       if (u.count == 1) {
-        AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
+        bool done_fast = false;
+        if constexpr (std::is_same_v<T, uint16_t>)
+          done_fast = AttendItemFastIfAny(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, fast);
+        if (!done_fast) AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
       } else {
         if (!tile) tile = std::make_unique<TileScratch>(kTile * heads, p.head_dim, p.block_size);
         AttendTile(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1, *tile);
