@@ -8,7 +8,7 @@ the model's step does (`jaxpaged.models.matmul.layer_matmul`), with the step's X
 products with VDPBF16PS). The engine uses the native kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which
 this table is there to justify. Median of --runs calls after one warm-up.
 
-    python benchmarks/matmul.py [--rows 16 48 64 128 256 512]   # -> benchmarks/results/matmul.json
+    python benchmarks/matmul.py [--rows 16 48 64 128 256 512 1024 2048]   # -> benchmarks/results/matmul.json
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def median_ms(fn, *args, runs: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16, 48, 64, 128, 256, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 48, 64, 128, 256, 512, 1024, 2048])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results/matmul.json")

@@ -43,7 +43,7 @@ def test_float32_out_is_the_exact_product_within_float32_accumulation(m, k, n):
         assert np.all(np.abs(got - want) <= bound + 1e-30), layer
 
 
-@pytest.mark.parametrize("m, k, n", [(3, 8, 33), (48, 576, 1536), (64, 576, 576)])
+@pytest.mark.parametrize("m, k, n", [(3, 8, 33), (48, 576, 1536), (64, 576, 576), (2048, 576, 192)])
 def test_bfloat16_out_is_the_float32_result_rounded_to_nearest_even(m, k, n):
     rng = np.random.default_rng(k + n)
     x, w = bf16(rng, m, k), bf16(rng, k, n, scale=k ** -0.5)
@@ -106,11 +106,12 @@ def test_layer_matmul_uses_the_kernel_only_inside_native_matmul_and_up_to_its_ro
     np.testing.assert_array_equal(np.asarray(under(8)(x, w), np.float32), np.asarray(matmul(x, w[1]), np.float32))
 
 
+ENGINE_ROWS = model_runner_module.NATIVE_MATMUL_ROWS
 CONFIG = tiny_config(vocab_size=136, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)
 
 
 def run(native: bool, monkeypatch):
-    monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", 128 if native else 0)
+    monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", ENGINE_ROWS if native else 0)
     llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="bfloat16")
     prompts = random_prompts(3, 5, 40, vocab=CONFIG.vocab_size, seed=2)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)

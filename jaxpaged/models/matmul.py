@@ -8,8 +8,8 @@ then a bfloat16 product of at most max_rows rows runs as `pallas_kernels.cpu_nat
 layer `layer` of the stacked weight in place. The engine's step sets this on CPUs with AVX512_BF16 when no
 tensor-parallel mesh is in use (XLA cannot split a custom call over a mesh): XLA CPU's bf16 dot packs the whole
 weight into its own layout on every call and slices the layer out of the stack first, which costs a decode step
-more than its arithmetic (benchmarks/step_anatomy.py). Prefill-sized products stay on XLA's dot, which runs them
-at the CPU's dot rate.
+more than its arithmetic (benchmarks/step_anatomy.py). At prefill sizes the two run at about the same rate
+(benchmarks/matmul.py), and the native one writes its bf16 result directly.
 """
 
 from __future__ import annotations
