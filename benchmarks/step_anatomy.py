@@ -1,12 +1,13 @@
 """Step anatomy: where one prefill step and one decode step of the throughput workload spend their time.
 
 Each part of the step is compiled on its own at the step's real shapes and timed on the device (median of runs,
-results blocked on): the model's matmuls (the 7 per layer plus the LM head, through the same stacked weights and
-layer loop), attention (the K/V write and the paged read through the engine's backend, every layer), the sampler;
-the rest of the step (embedding, norms, RoPE, residuals, layer-loop slicing) is the full step minus those. The
-host side is timed too: `prepare` (numpy batch building) and the dispatch of the step (the call returns before the
-device finishes). The matmul rate is compared with XLA's own dot rate on this machine at the same shapes. Last, each
-step's top operations by XLA's own timing (jax.profiler's trace of the compiled step).
+results blocked on): the model's matmuls (the 7 per layer plus the LM head, through the same stacked weights,
+layer loop and kernels: the native one for small bf16 steps), attention (the K/V write and the paged read through
+the engine's backend, every layer), the sampler; the rest of the step (embedding, norms, RoPE, residuals,
+layer-loop slicing) is the full step minus those. The host side is timed too: `prepare` (numpy batch building)
+and the dispatch of the step (the call returns before the device finishes). The matmul rate is compared with
+XLA's own dot rate on this machine at the same shapes. Last, each step's top operations by XLA's own timing
+(jax.profiler's trace of the compiled step).
 
     python benchmarks/step_anatomy.py                      # float32, default model
     python benchmarks/step_anatomy.py --dtype bfloat16
@@ -28,6 +29,7 @@ from flax import nnx
 from workload import workload_prompts
 
 from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
+from jaxpaged.models.matmul import layer_matmul, native_matmul
 
 
 def cpu_name() -> str:
@@ -121,12 +123,14 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     return rows
 
 
-def matmul_part(config, dtype):
-    """jit(weights, x [T, H], rows [S, H]) -> the layer matmuls over all layers plus the LM head on S rows."""
+def matmul_part(config, dtype, native_rows: int):
+    """jit(weights, x [T, H], rows [S, H]) -> the layer matmuls over all layers plus the LM head on S rows, through
+    the models' `layer_matmul` with the step's own choice of the native kernel (native_rows)."""
     def run(w, x, rows):
         def layer(i, x):
             def mm(a, name):
-                return jnp.dot(a, w["layers"][name][i], preferred_element_type=jnp.float32).astype(dtype)
+                with native_matmul(native_rows):
+                    return layer_matmul(a, w["layers"][name], i)
 
             q, k, v = mm(x, "wq"), mm(x, "wk"), mm(x, "wv")
             o = mm(q, "wo") + 0 * (k.sum() + v.sum()).astype(dtype)  # keep k, v live
@@ -171,7 +175,7 @@ def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
 def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     from jaxpaged import sampler
     from jaxpaged.attention import attention_backend
-    from jaxpaged.model_runner import step_compiler_options
+    from jaxpaged.model_runner import native_matmul_rows, step_compiler_options
 
     runner, config = llm.engine.runner, llm.engine.model_config
     T, S = len(batch.token_ids), len(batch.attn.context_lens)
@@ -191,7 +195,7 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     H = config.hidden_size
     x, rows = jnp.ones((T, H), dtype), jnp.ones((S, H), dtype)
     # Compiled with the step's own XLA options (model_runner.step_compiler_options).
-    matmuls = jax.jit(matmul_part(config, dtype)).lower(weights, x, rows).compile(
+    matmuls = jax.jit(matmul_part(config, dtype, native_matmul_rows(runner.mesh))).lower(weights, x, rows).compile(
         compiler_options=step_compiler_options(runner.params))
     mm_ms = device_ms(matmuls, weights, x, rows)
 
