@@ -28,9 +28,12 @@
 #include <memory>
 #include <mutex>
 
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::RunOnPool;
+using jaxpaged_native::WorkQueue;
 
 namespace {
 
@@ -152,30 +155,24 @@ constexpr bool kFast = false;
 struct ParallelMatmul {
   Problem p;
   int64_t total;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
+  WorkQueue work;
 
   void Drain() {
-    int64_t i = next.fetch_add(1);
-    if (i >= total) return;
+    int64_t i = work.Claim();
+    if (i >= work.total) return;
 #if defined(__AVX512BF16__)
     // K/2 pairs x 2 halves of 64 bytes, 64-byte aligned
     std::unique_ptr<void, void (*)(void*)> buffer(std::aligned_alloc(64, p.k * 64), std::free);
     __m512i* packed = static_cast<__m512i*>(buffer.get());
 #endif
-    for (; i < total; i = next.fetch_add(1)) {
+    for (; i < work.total; i = work.Claim()) {
       const int64_t c0 = i * kPanel, width = std::min(kPanel, p.n - c0);
 #if defined(__AVX512BF16__)
       Panel(p, c0, width, packed);
 #else
       PanelPlain(p, c0, width);
 #endif
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
+      work.Finish();
     }
   }
 };
@@ -206,13 +203,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
     std::memset(p.out, 0, out->size_bytes());
     return ffi::Error::Success();
   }
-  state->total = (n + kPanel - 1) / kPanel;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t helpers = std::min(threads, state->total) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
-  state->Drain();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == state->total; });
+  state->work.total = (n + kPanel - 1) / kPanel;
+  RunOnPool(pool, state);
   return ffi::Error::Success();
 }
 

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("paged_attention.cc", "matmul.cc"))
+HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h",))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
 WRITE_SYMBOL = "JaxpagedKvWrite"
@@ -78,7 +79,7 @@ def _build() -> str:
     version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=60).stdout
     include = jax.ffi.include_dir()
     sources = []
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):  # the key covers what the build reads
         with open(name, "rb") as f:
             sources.append(f.read())
     import jaxlib

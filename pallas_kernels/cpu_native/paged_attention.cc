@@ -50,9 +50,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::RunOnPool;
+using jaxpaged_native::WorkQueue;
 
 namespace {
 
@@ -598,18 +601,13 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
-// Work shared by the calling thread and the helper tasks of XLA's thread pool. Items are claimed from `next`; the
-// caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
-// so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
 // A unit of work before the kv-head split: one decode token (AttendItem), or up to kTile consecutive query tokens of
 // one sequence (AttendTile): tokens[start, start + count) of the state's token list, all of sequence `seq`.
 struct Unit {
   int32_t seq, start, count;
 };
 
-// Work shared by the calling thread and the helper tasks of XLA's thread pool. Items are claimed from `next`; the
-// caller returns once every item is `done`. A helper that starts late finds nothing to claim and touches no buffer,
-// so it may outlive the call: it holds the state by shared_ptr, and copies of everything it reads.
+// One call's work (work_queue.h): every item is a unit's range of kv heads.
 template <typename T>
 struct ParallelAttention {
   Problem p;
@@ -619,20 +617,16 @@ struct ParallelAttention {
   std::vector<Unit> units;
   int64_t kv_per_item;      // kv heads per work item
   int64_t items_per_unit;   // ceil(Hkv / kv_per_item)
-  int64_t total;            // units.size() * items_per_unit
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
+  WorkQueue work;           // total = units.size() * items_per_unit
 
   void Drain() {
-    int64_t i = next.fetch_add(1);
-    if (i >= total) return;  // nothing left: return before reading anything
+    int64_t i = work.Claim();
+    if (i >= work.total) return;  // nothing left: return before reading anything
     const int64_t heads = kv_per_item * (p.num_q_heads / p.num_kv_heads);
     Scratch scratch(heads, p.head_dim, p.block_size);
     std::unique_ptr<TileScratch> tile;
     std::unique_ptr<FastScratch> fast;
-    for (; i < total; i = next.fetch_add(1)) {
+    for (; i < work.total; i = work.Claim()) {
       const int64_t kh0 = (i % items_per_unit) * kv_per_item;
       const int64_t kh1 = std::min(kh0 + kv_per_item, p.num_kv_heads);
       const Unit& u = units[i / items_per_unit];
@@ -645,10 +639,7 @@ struct ParallelAttention {
         if (!tile) tile = std::make_unique<TileScratch>(kTile * heads, p.head_dim, p.block_size);
         AttendTile(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1, *tile);
       }
-      if (done.fetch_add(1) + 1 == total) {
-        std::lock_guard<std::mutex> lock(mu);
-        cv.notify_all();
-      }
+      work.Finish();
     }
   }
 };
@@ -690,13 +681,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, c
   const int64_t splits = std::clamp<int64_t>((8 * threads + num_units - 1) / num_units, 1, p.num_kv_heads);
   state->kv_per_item = (p.num_kv_heads + splits - 1) / splits;
   state->items_per_unit = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
-  state->total = num_units * state->items_per_unit;
-  // The caller is one worker; XLA's pool (num_threads() may be 0: no pool) supplies the others.
-  const int64_t helpers = std::min(threads, state->total) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
-  state->Drain();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == state->total; });
+  state->work.total = num_units * state->items_per_unit;
+  RunOnPool(pool, state);
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,56 @@
+// Work shared by the calling thread and the helper tasks of XLA's thread pool, for the native kernels.
+//
+//   struct State { WorkQueue work; ...; void Drain(); };   // Drain: claim items until none is left, Finish each
+//   auto state = std::make_shared<State>(); state->work.total = n; ...
+//   RunOnPool(pool, state);                                 // returns once every item is done
+//
+// Items are claimed from `next`; the caller returns once every item is `done`. A helper that starts late finds
+// nothing to claim and touches no buffer, so it may outlive the call: it holds the state by shared_ptr, and the
+// state holds copies of everything it reads.
+#ifndef JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
+#define JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxpaged_native {
+
+struct WorkQueue {
+  int64_t total = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  int64_t Claim() { return next.fetch_add(1); }  // an item index; >= total: nothing left
+
+  void Finish() {  // one claimed item is done
+    if (done.fetch_add(1) + 1 == total) {
+      std::lock_guard<std::mutex> lock(mu);
+      cv.notify_all();
+    }
+  }
+};
+
+// state->Drain() on the caller and on up to num_threads() - 1 helpers of XLA's pool (num_threads() may be 0: no
+// pool); returns once all state->work.total items are done.
+template <typename State>
+void RunOnPool(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& state) {
+  WorkQueue& work = state->work;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t helpers = std::min(threads, work.total) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
+  state->Drain();
+  std::unique_lock<std::mutex> lock(work.mu);
+  work.cv.wait(lock, [&] { return work.done.load() == work.total; });
+}
+
+}  // namespace jaxpaged_native
+
+#endif  // JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
