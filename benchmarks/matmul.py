@@ -14,14 +14,12 @@ this table is there to justify. Median of --runs calls after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from common import write_json
-from step_anatomy import cpu_name
+from step_anatomy import cpu_name, device_ms
 
 from jaxpaged.model_runner import NATIVE_MATMUL_ROWS
 from jaxpaged.models.matmul import matmul
@@ -38,16 +36,6 @@ def layer_loop(mm, layers: int):
             return acc + mm(x, w, i)[:, :1].astype(jnp.float32)
         return jax.lax.fori_loop(0, layers, body, jnp.zeros((x.shape[0], 1), jnp.float32))
     return jax.jit(run)
-
-
-def median_ms(fn, *args, runs: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def main():
@@ -71,7 +59,7 @@ def main():
             equal = bool(jnp.all(matmul(x, w[3]) == matmul_native(x, w, 3)))
             row = {"weights": name, "K": k, "N": n, "rows": m, "bitwise_equal": equal}
             for label, fn in (("xla", xla), ("native", native)):
-                ms = median_ms(fn.lower(x, w).compile(compiler_options=XLA_OPTIONS), x, w, runs=args.runs)
+                ms = device_ms(fn.lower(x, w).compile(compiler_options=XLA_OPTIONS), x, w, runs=args.runs)
                 row[f"{label}_ms"] = ms
                 row[f"{label}_GFLOPs"] = 2 * m * k * n * args.layers / ms / 1e6
             row["speedup"] = row["xla_ms"] / row["native_ms"]
