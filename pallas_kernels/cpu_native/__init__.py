@@ -1,5 +1,5 @@
 """Native CPU kernels (XLA FFI custom calls built with g++ on first use): ragged paged attention and its pool writes
-(paged_attention.cc), and a bf16 matmul for small batches (matmul.cc)."""
+(paged_attention.cc), and a bf16 matmul reading a stacked layer weight in place (matmul.cc)."""
 
 from pallas_kernels.cpu_native.native import (
     available,

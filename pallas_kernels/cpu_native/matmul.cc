@@ -1,4 +1,4 @@
-// Native CPU bf16 matmul for small batches, an XLA FFI custom call (built and registered by native.py).
+// Native CPU bf16 matmul over a stacked layer weight, an XLA FFI custom call (built and registered by native.py).
 //
 //   x      [M, K]        bfloat16   activations (K even)
 //   w      [K, N] or [L, K, N]  bfloat16   weights as stored for x @ w; a stacked [L, K, N] is read at `layer`
@@ -8,14 +8,15 @@
 //
 // Why: XLA CPU's bf16 dot packs the whole weight matrix into its own layout on every call. A decode step's few
 // rows do little work per weight, so that packing (a read and a write of every weight, every step) is a large part
-// of the step. Here each worker takes panels of 32 output columns, interleaves the panel's rows in pairs
+// of the step (at prefill sizes the two run at about the same rate, and here the bf16 result is written
+// directly). Here each worker takes panels of 32 output columns, interleaves the panel's rows in pairs
 // ([K/2, 32, 2], what VDPBF16PS multiplies) into a buffer that stays in its L1/L2 cache, and runs every row of x
 // over it in blocks of kRows rows: per pair of k, two loads of packed weights and 2 x kRows dot-product
 // instructions, the x pair broadcast from memory. Every weight is read from memory once per call.
 //
-// Panels are claimed from an atomic counter by the calling thread and by helper tasks on XLA's intra-op thread
-// pool, as in paged_attention.cc. Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks
-// `JaxpagedMatmulIsFast` and does not pick this kernel then.
+// Panels are claimed by the calling thread and by helper tasks on XLA's intra-op thread pool (work_queue.h).
+// Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks `JaxpagedMatmulIsFast` and does
+// not pick this kernel then.
 
 #include <immintrin.h>
 

@@ -1,5 +1,6 @@
 """Native CPU kernels as XLA FFI custom calls, built with g++ on first use: ragged paged attention and its pool
-writes (paged_attention.cc), and a bf16 matmul for small batches (matmul.cc, `matmul_native`).
+writes (paged_attention.cc), and a bf16 matmul that reads a stacked layer weight in place (matmul.cc,
+`matmul_native`).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None)

@@ -29,7 +29,8 @@
 // one sequence) is cut into tiles of 16 query tokens (AttendTile): each block is converted to float32 once per tile
 // and kv head (K transposed), the scores of four (token, query head) rows at a time are vectors over the block's
 // offsets, and each row then gets the same online-softmax update, with offsets past its own position weighing 0.
-// Items are claimed from an atomic counter by the calling thread
+// Decode items over a bfloat16 pool take AttendItemFast (AVX512_BF16 dot products) on CPUs that have it.
+// Items are claimed from an atomic counter (work_queue.h) by the calling thread
 // and by helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for
 // items that were claimed, so it is correct with a pool of any size, including none. The inner loops are written
 // over fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a
