@@ -221,15 +221,17 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
-    """The Llama-family `model` split over `mesh`: (graphdef, state, config) with heads laid out by
+    """The Llama-family or Gemma 3 `model` split over `mesh`: (graphdef, state, config) with heads laid out by
     `jaxpaged.parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter placed straight
-    into its shards (cast on the host first, so no device ever holds a whole split tensor)."""
+    into its shards (cast on the host first, so no device ever holds a whole split tensor). Both modules hold the
+    loader's layout (`jaxpaged.loader.layout`), which is what the Megatron split names; Gemma 3's extra tensors
+    (per-head q/k norms, post-attention and post-MLP norms) are per head_dim or per hidden unit and stay replicated."""
     from jaxpaged import parallel
-    from jaxpaged.models import families, llama
+    from jaxpaged.models import families, gemma3, llama
 
-    if not isinstance(model, llama.LlamaForCausalLM):
-        raise ValueError(f"tensor_parallel_size > 1 splits Llama-family models (LlamaForCausalLM); "
-                         f"{type(model).__name__} is served with tensor_parallel_size=1")
+    if not isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)):
+        raise ValueError(f"tensor_parallel_size > 1 splits the built-in modules (LlamaForCausalLM, "
+                         f"Gemma3ForCausalLM); {type(model).__name__} is served with tensor_parallel_size=1")
     config, tp = model.config, mesh.size
     layout = parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
     (logger.info if layout.is_plain_split else logger.warning)(

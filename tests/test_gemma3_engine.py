@@ -100,15 +100,3 @@ def test_engine_equals_transformers(case, backend):
         aliased = {int(p) for p in re.findall(r"\{\d+\}: \((\d+), \{\}", hlo.splitlines()[0])}
         assert {n, n + 1} <= aliased, key
         assert pool_copies(hlo, runner.kv_pool.shape) == [], key
-
-
-def test_tensor_parallelism_refuses_gemma_by_name():
-    """Only Llama-family modules have a Megatron split; a Gemma 3 module at tp > 1 is a ValueError naming the
-    option (checked before anything is placed, so one device is enough to see it)."""
-    from jaxpaged.engine_setup import split_model_tensor_parallel
-    from jaxpaged.parallel import make_mesh
-
-    config, params = ours(hf_model("base"))
-    model = families.from_params(config, params)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits Llama-family models.*Gemma3ForCausalLM"):
-        split_model_tensor_parallel(model, np.float32, make_mesh(1))

@@ -2,7 +2,7 @@
 several tensor-parallel sizes and prints, as JSON on its last line, what each size generated and what its compiled
 steps and arrays look like. Used by tests/test_tensor_parallel.py.
 
-    python -m tests.tp_worker tiny8|tiny3|default 1,2,4
+    python -m tests.tp_worker tiny8|tiny3|gemma|default|ckpt 1,2,4
 """
 
 from __future__ import annotations
@@ -26,6 +26,11 @@ def model(case: str):
         config = tiny_config(hidden=32, heads=8, kv_heads=8, head_dim=8, layers=2)
     elif case == "tiny3":  # SmolLM2's heads: 9 query, 3 kv (replicated and padded at 2 and 4)
         config = tiny_config(hidden=36, heads=9, kv_heads=3, head_dim=8, layers=2)
+    elif case == "gemma":  # Gemma 3: 4 query heads, 1 kv head (replicated), q/k and post norms, sliding layers
+        from tests.test_gemma3_engine import hf_model
+        from tests.test_gemma3_tiny import ours
+
+        return ours(hf_model("softcap_scaled_untied"))
     else:
         raise ValueError(case)
     return config, random_params(config, seed=1)
