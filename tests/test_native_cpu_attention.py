@@ -158,22 +158,39 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
 # --- prefill and mixed batches ----------------------------------------------------------------------------------
 
 
+@DTYPES  # bfloat16 tiles of head_dim 64 take the kernel's AVX-512 tile path where the CPU has AVX512_BF16
 @pytest.mark.parametrize("block_size", [4, 8, 16, 32])  # 8 / 16 / 32: the kernel's unrolled tile paths; 4: generic
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
-def test_prefill_whole_prompts_and_chunks(block_size, heads):
+def test_prefill_whole_prompts_and_chunks(block_size, heads, dtype):
     """Whole prompts (q_len == context) and chunks of longer ones (q_len < context: the chunk's tokens attend to the
     cached part and causally to each other), 16-token tiles with padding between segments; the kernel cuts each
     sequence's run of tokens into work items of 16 query tokens, so runs of 20, 33 and 37 tokens span several."""
     num_q_heads, num_kv_heads = heads
     check(prefill_case([(20, 20), (33, 5), (1, 1), (100, 37), (block_size, block_size)], num_q_heads=num_q_heads,
                        num_kv_heads=num_kv_heads, block_size=block_size, num_padding_seqs=2, num_padding_tokens=5,
-                       seed=block_size))
+                       seed=block_size, dtype=dtype))
 
 
-def test_mixed_decodes_and_prefill_chunks_without_tile_padding():
+@DTYPES
+def test_mixed_decodes_and_prefill_chunks_without_tile_padding(dtype):
     """One batch of decodes (q_len 1) and prefill chunks packed back to back (tile 1): the layout a mixed step has."""
     check(build_case([(7, 1), (40, 40), (100, 1), (64, 30), (3, 1), (129, 17)], tile_size=1, num_q_heads=6,
-                     num_kv_heads=2, block_size=16, num_padding_seqs=1, num_padding_tokens=4, seed=11))
+                     num_kv_heads=2, block_size=16, num_padding_seqs=1, num_padding_tokens=4, seed=11, dtype=dtype))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bfloat16_prefills_match_the_reference_to_a_rounding_step(head_dim):
+    """The AVX-512 bf16 tile path against the pure-JAX reference on the same bf16 inputs (chunks that start
+    mid-block, a block size of 8 so a 16-offset chunk spans blocks, a sliding window): one bf16 rounding step of
+    the output apart at most (float32 sums in another order)."""
+    for extra, block_size in (({}, 16), ({}, 8), (dict(sliding_window=21), 16)):
+        case = prefill_case([(45, 45), (90, 27), (16, 16), (3, 3)], poison=False, num_q_heads=6, num_kv_heads=2,
+                            head_dim=head_dim, block_size=block_size, seed=9, dtype=jnp.bfloat16)
+        want = ragged_paged_attention_reference(*case.args, **case.kwargs(**extra)).astype(jnp.float32)
+        got = native.paged_attention_native(*case.args, **case.kwargs(**extra)).astype(jnp.float32)
+        got, want = np.asarray(got)[case.valid_tokens], np.asarray(want)[case.valid_tokens]
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3)
+        assert np.mean(got == want) > 0.9, extra
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

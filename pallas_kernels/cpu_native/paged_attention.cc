@@ -29,7 +29,8 @@
 // one sequence) is cut into tiles of 16 query tokens (AttendTile): each block is converted to float32 once per tile
 // and kv head (K transposed), the scores of four (token, query head) rows at a time are vectors over the block's
 // offsets, and each row then gets the same online-softmax update, with offsets past its own position weighing 0.
-// Decode items over a bfloat16 pool take AttendItemFast (AVX512_BF16 dot products) on CPUs that have it.
+// Over a bfloat16 pool, decode items take AttendItemFast and prompt tiles AttendTileFast (AVX512_BF16 dot products
+// for the scores) on CPUs that have it.
 // Items are claimed from an atomic counter (work_queue.h) by the calling thread
 // and by helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for
 // items that were claimed, so it is correct with a pool of any size, including none. The inner loops are written
@@ -602,6 +603,195 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   }
 }
 
+#if defined(__AVX512BF16__)
+// ---- bfloat16 prompt tiles with AVX-512 (AVX512_BF16): AttendTile's rules and results up to float32 summation
+// order. Per block, kv head and chunk of 16 offsets: the chunk's keys are laid out as bf16 pairs by head dimension
+// ([D/2, 16] dwords, offset t in lane t), so a row's 16 scores are D/2 VDPBF16PS with the row's query pair
+// broadcast, for four rows at a time (no lane sums); the online softmax runs on those 16-lane vectors; the chunk's
+// V rows are converted to float32 once for all the rows of the tile and acc += p @ V runs in float32, as the decode
+// path. Rows are (token, query head) pairs of the tile; each token's visible offsets [lo, hi) are a lane mask.
+
+// Per-thread scratch of AttendTileFast: `rows` = tokens x query heads of an item.
+struct TileFastScratch {
+  std::vector<float> acc, m, l, vf;  // [rows, D], [rows], [rows, 16] (lane sums), [16, D]
+  std::vector<int32_t> kp;           // [D/2, 16]
+  std::vector<int64_t> row_ids;      // [rows]
+  TileFastScratch(int64_t rows, int64_t head_dim)
+      : acc(rows * head_dim), m(rows), l(rows * 16), vf(16 * head_dim), kp(head_dim * 8), row_ids(rows) {}
+};
+
+// Scores of R rows (query rows q32[r], bf16 pairs) against one chunk's keys kp [DP, 16]: s[r] lane t = q_r . k_t.
+template <int R, int DP>
+inline void ChunkScores(const int32_t* const* q32, const int32_t* __restrict kp, __m512* s) {
+  __m512 a[R];
+  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
+  for (int dp = 0; dp < DP; ++dp) {
+    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + 16 * dp);
+    for (int r = 0; r < R; ++r) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(q32[r][dp]), kv);
+  }
+  for (int r = 0; r < R; ++r) s[r] = a[r];
+}
+
+// One row's online-softmax update with its chunk scores `sc` (already scaled; lanes outside `valid` ignored) and
+// acc += p @ vf over the chunk's n offsets.
+template <int DC>
+inline void ChunkRow(__m512 sc, __mmask16 valid, int n, const float* __restrict vf, float* __restrict acc, float* m,
+                     float* l) {
+  constexpr int64_t D = 16 * DC;
+  sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);
+  const float block_max = _mm512_reduce_max_ps(sc);
+  const float m_new = std::max(*m, block_max);
+  const float alpha = *m == -INFINITY ? 0.0f : m_new == *m ? 1.0f : std::exp(*m - m_new);
+  const __m512 e = _mm512_maskz_mov_ps(valid, Exp16NonPositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+  // l keeps 16 lane sums (added up once, at the end)
+  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha), e));
+  *m = m_new;
+  alignas(64) float pr[16];
+  _mm512_store_ps(pr, e);
+  __m512 a[DC];
+  const __m512 al = _mm512_set1_ps(alpha);
+  for (int c = 0; c < DC; ++c) {
+    a[c] = _mm512_loadu_ps(acc + 16 * c);
+    if (alpha != 1.0f) a[c] = _mm512_mul_ps(al, a[c]);
+  }
+  for (int t = 0; t < n; ++t) {
+    const __m512 pt = _mm512_set1_ps(pr[t]);
+    for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf + t * D + 16 * c), a[c]);
+  }
+  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+template <int R, int DC>
+inline void ChunkRows(const Problem& p, const int32_t* const* q32, const int64_t* ids, const __mmask16* row_mask,
+                      const int32_t* kp, const float* vf, int n, float* acc, float* m, float* l) {
+  constexpr int64_t D = 16 * DC;
+  __m512 s[R];
+  ChunkScores<R, 8 * DC>(q32, kp, s);
+  for (int r = 0; r < R; ++r) {
+    __m512 x = _mm512_mul_ps(s[r], _mm512_set1_ps(p.scale));
+    if (p.soft_cap > 0.0f) {
+      alignas(64) float v[16];
+      _mm512_store_ps(v, x);
+      for (int t = 0; t < 16; ++t) v[t] = p.soft_cap * std::tanh(v[t] / p.soft_cap);
+      x = _mm512_load_ps(v);
+    }
+    const int64_t row = ids[r];
+    ChunkRow<DC>(x, row_mask[r], n, vf, acc + row * D, m + row, l + row * 16);
+  }
+}
+
+// AttendTile for a bfloat16 pool, head_dim D = 16 * DC.
+template <int DC>
+void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                    uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
+                    TileFastScratch& sc) {
+  constexpr int64_t D = 16 * DC, DP = D / 2;
+  const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
+  const int64_t H = (kh1 - kh0) * G;  // query heads of the item, per token
+  const int64_t context = p.context_lens[s];
+  if (context <= 0) return;
+  int64_t lo[kTile], hi[kTile];
+  int64_t first = INT64_MAX, last = 0;  // the union of the tokens' ranges
+  for (int64_t r = 0; r < nt; ++r) {
+    const int64_t pos = p.positions[toks[r]];
+    hi[r] = pos < 0 ? 0 : std::min({context, pos + 1, p.width * BS});
+    lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+    if (hi[r] <= lo[r]) lo[r] = hi[r] = 0;  // padding, or nothing visible: a 0 row
+    else first = std::min(first, lo[r]), last = std::max(last, hi[r]);
+  }
+  if (last == 0) return;
+  float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *vf = sc.vf.data();
+  int32_t* kp = sc.kp.data();
+  int64_t* ids = sc.row_ids.data();
+  std::fill(acc, acc + nt * H * D, 0.0f);
+  std::fill(m, m + nt * H, -INFINITY);
+  std::fill(l, l + nt * H * 16, 0.0f);
+  std::vector<const int32_t*> q32(nt * H);  // each row's query as bf16 pairs
+  for (int64_t r = 0; r < nt; ++r)
+    for (int64_t h = 0; h < H; ++h)
+      q32[r * H + h] = reinterpret_cast<const int32_t*>(q + (toks[r] * p.num_q_heads + kh0 * G + h) * D);
+  std::vector<const int32_t*> group_q(nt * G);
+  std::vector<__mmask16> group_mask(nt * G);
+
+  const int32_t* table = p.block_tables + s * p.width;
+  const int64_t row_stride = Hkv * D;
+  for (int64_t b = first / BS; b * BS < last; ++b) {
+    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+    const int64_t start = ((p.layer * p.num_blocks + physical) * BS) * row_stride;
+    const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
+    for (int64_t j = jlo; j < jhi; j += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
+      const int64_t c0 = b * BS + j;  // the position of lane 0
+      __mmask16 token_mask[kTile];
+      for (int64_t r = 0; r < nt; ++r) {
+        const int64_t a = std::clamp<int64_t>(lo[r] - c0, 0, n), z = std::clamp<int64_t>(hi[r] - c0, 0, n);
+        token_mask[r] = z > a ? static_cast<__mmask16>(((1u << z) - 1) & ~((1u << a) - 1)) : 0;
+      }
+      for (int64_t kh = kh0; kh < kh1; ++kh) {
+        const uint16_t* k_rows = k_cache + start + j * row_stride + kh * D;
+        const uint16_t* v_rows = v_cache + start + j * row_stride + kh * D;
+        // keys as pairs by head dimension, offsets in lanes; offsets past n are zeros (never NaN from the pool)
+        for (int t = 0; t < n; ++t) {
+          const int32_t* kr = reinterpret_cast<const int32_t*>(k_rows + t * row_stride);
+          for (int64_t dp = 0; dp < DP; ++dp) kp[dp * 16 + t] = kr[dp];
+        }
+        for (int t = n; t < 16; ++t)
+          for (int64_t dp = 0; dp < DP; ++dp) kp[dp * 16 + t] = 0;
+        for (int t = 0; t < n; ++t)
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + t * D + 16 * c, Bf16x16(v_rows + t * row_stride + 16 * c));
+        int64_t rows = 0;  // this kv head's rows that see part of the chunk
+        for (int64_t r = 0; r < nt; ++r)
+          if (token_mask[r])
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t row = r * H + (kh - kh0) * G + g;
+              ids[rows] = row;
+              group_q[rows] = q32[row];
+              group_mask[rows++] = token_mask[r];
+            }
+        int64_t i = 0;
+        for (; i + 4 <= rows; i += 4)
+          ChunkRows<4, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l);
+        switch (rows - i) {
+          case 3: ChunkRows<3, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
+          case 2: ChunkRows<2, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
+          case 1: ChunkRows<1, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
+          default: break;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < nt; ++r) {
+    uint16_t* out_rows = out + (toks[r] * p.num_q_heads + kh0 * G) * D;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = r * H + h;
+      const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(l + row * 16));
+      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      for (int c = 0; c < DC; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + h * D + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + row * D + 16 * c), inv)));
+    }
+  }
+}
+
+// The fast tile where it applies (bfloat16, head_dim 64, 128 or 256); false: use AttendTile.
+inline bool AttendTileFastIfAny(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+                                uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
+                                std::unique_ptr<TileFastScratch>& scratch) {
+  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
+  if (!scratch) scratch = std::make_unique<TileFastScratch>(kTile * p.num_q_heads, p.head_dim);
+  if (p.head_dim == 64) AttendTileFast<4>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
+  if (p.head_dim == 128) AttendTileFast<8>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
+  if (p.head_dim == 256) AttendTileFast<16>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
+  return true;
+}
+#else
+struct TileFastScratch {};
+inline bool AttendTileFastIfAny(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+                                const int32_t*, int64_t, int64_t, int64_t, std::unique_ptr<TileFastScratch>&) {
+  return false;
+}
+#endif
+
 // A unit of work before the kv-head split: one decode token (AttendItem), or up to kTile consecutive query tokens of
 // one sequence (AttendTile): tokens[start, start + count) of the state's token list, all of sequence `seq`.
 struct Unit {
@@ -627,6 +817,7 @@ struct ParallelAttention {
     Scratch scratch(heads, p.head_dim, p.block_size);
     std::unique_ptr<TileScratch> tile;
     std::unique_ptr<FastScratch> fast;
+    std::unique_ptr<TileFastScratch> fast_tile;
     for (; i < work.total; i = work.Claim()) {
       const int64_t kh0 = (i % items_per_unit) * kv_per_item;
       const int64_t kh1 = std::min(kh0 + kv_per_item, p.num_kv_heads);
@@ -637,8 +828,14 @@ struct ParallelAttention {
           done_fast = AttendItemFastIfAny(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, fast);
         if (!done_fast) AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
       } else {
-        if (!tile) tile = std::make_unique<TileScratch>(kTile * heads, p.head_dim, p.block_size);
-        AttendTile(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1, *tile);
+        bool done_fast = false;
+        if constexpr (std::is_same_v<T, uint16_t>)
+          done_fast = AttendTileFastIfAny(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1,
+                                          fast_tile);
+        if (!done_fast) {
+          if (!tile) tile = std::make_unique<TileScratch>(kTile * heads, p.head_dim, p.block_size);
+          AttendTile(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1, *tile);
+        }
       }
       work.Finish();
     }
