@@ -1,6 +1,7 @@
 """The native CPU bf16 matmul (pallas_kernels/cpu_native/matmul.cc) against exact products and XLA's dot, its
-errors, and the engine's use of it: bf16 layer matmuls of small steps run natively on a CPU with AVX512_BF16 (never
-under a tensor-parallel mesh), with the same greedy tokens as XLA's dot gives."""
+errors, and the engine's use of it: bf16 layer matmuls run natively on a CPU with AVX512_BF16 (never under a
+tensor-parallel mesh), with the same greedy tokens as XLA's dot gives. Its gated-MLP form, act(x @ w_gate) *
+(x @ w_up) in one pass, against XLA's unfused bfloat16 computation of the same."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 from jaxpaged import SamplingParams
 from jaxpaged import model_runner as model_runner_module
-from jaxpaged.models.matmul import layer_matmul, matmul, native_matmul
+from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul, native_matmul
 from pallas_kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels could not be built")
@@ -106,6 +107,51 @@ def test_layer_matmul_uses_the_kernel_only_inside_native_matmul_and_up_to_its_ro
     np.testing.assert_array_equal(np.asarray(under(8)(x, w), np.float32), np.asarray(matmul(x, w[1]), np.float32))
 
 
+@fast
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m, k, n", [(1, 2, 1), (13, 64, 40), (25, 576, 1536), (130, 96, 97)])
+def test_glu_equals_xla_s_unfused_bfloat16_mlp(activation, m, k, n):
+    """Rows not a multiple of the 12-row block, columns not a multiple of the 16-column panel, a stacked weight
+    read at its layer: bitwise XLA's act(x @ w_gate) * (x @ w_up) in bfloat16 (every operation rounded, as JAX does;
+    exp and tanh agree after rounding to bfloat16 on these values)."""
+    rng = np.random.default_rng(m + k + n)
+    x = bf16(rng, m, k, scale=2.0)
+    w_gate, w_up = bf16(rng, 3, k, n, scale=k ** -0.5), bf16(rng, 3, k, n, scale=k ** -0.5)
+    got = cpu_native.matmul_glu_native(x, w_gate, w_up, 2, activation)
+    want = ACTIVATIONS[activation](matmul(x, w_gate[2])) * matmul(x, w_up[2])
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_glu_bad_arguments_raise_value_error_naming_them():
+    x, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="activation"):
+        cpu_native.matmul_glu_native(x, w, w, 0, "relu")
+    with pytest.raises(ValueError, match="w_gate and w_up"):
+        cpu_native.matmul_glu_native(x, w, jnp.zeros((8, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_native.matmul_glu_native(x.astype(jnp.float32), w.astype(jnp.float32), w.astype(jnp.float32))
+    with pytest.raises(ValueError, match="K"):
+        cpu_native.matmul_glu_native(jnp.zeros((4, 7), jnp.bfloat16), w[:7], w[:7])
+
+
+def test_layer_glu_is_native_only_inside_native_matmul():
+    import jax
+
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((2, 16, 32), jnp.bfloat16)
+
+    def glu(rows):
+        def fn(x, w):
+            with native_matmul(rows):
+                return layer_glu(x, w, w, 1, "silu")
+        return fn
+
+    hlo = jax.jit(glu(8)).lower(x, w).as_text(dialect="hlo")
+    assert cpu_native.native.GLU_TARGET in hlo
+    assert cpu_native.native.GLU_TARGET not in jax.jit(glu(0)).lower(x, w).as_text(dialect="hlo")
+    np.testing.assert_array_equal(np.asarray(glu(8)(x, w), np.float32), np.asarray(glu(0)(x, w), np.float32))
+
+
 ENGINE_ROWS = model_runner_module.NATIVE_MATMUL_ROWS
 CONFIG = tiny_config(vocab_size=136, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)
 
@@ -125,6 +171,7 @@ def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(mo
     native_outs, native_hlo = run(True, monkeypatch)
     xla_outs, xla_hlo = run(False, monkeypatch)
     assert cpu_native.native.MATMUL_TARGET in native_hlo and cpu_native.native.MATMUL_TARGET not in xla_hlo
+    assert cpu_native.native.GLU_TARGET in native_hlo and cpu_native.native.GLU_TARGET not in xla_hlo
     for a, b in zip(native_outs, xla_outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):

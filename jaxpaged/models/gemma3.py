@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
-from jaxpaged.models.matmul import layer_matmul, matmul
+from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul
 
 NEG_INF = -1e30
 NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
@@ -76,10 +76,9 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def _act(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
-    if config.hidden_act == "gelu_pytorch_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu
+def _act_name(config: ModelConfig) -> str:
+    """The gated MLP's activation, as `layer_glu` names it."""
+    return "gelu_tanh" if config.hidden_act == "gelu_pytorch_tanh" else "silu"
 
 
 def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
@@ -108,11 +107,13 @@ Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array, attend: Attend, *,
-                  config: ModelConfig, matmul: Callable[[jax.Array, jax.Array], jax.Array] = matmul) -> jax.Array:
+                  config: ModelConfig, matmul: Callable[[jax.Array, jax.Array], jax.Array] = matmul,
+                  glu: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """One Gemma 3 layer. p: this layer's params (the loader's per-layer names); h [T, H];
     cos, sin [T, 1, D/2] float32 of this layer's rope base; window int32 scalar. Returns h [T, H].
     matmul(x, p[name]) multiplies by a weight matrix: by default p holds this layer's [K, N] matrices; the paged
-    model passes the stacked [L, K, N] ones with a `layer_matmul` of its layer."""
+    model passes the stacked [L, K, N] ones with a `layer_matmul` of its layer, and glu(x, w_gate, w_up) (default:
+    act(matmul(x, w_gate)) * matmul(x, w_up)) as its `layer_glu`."""
     c = config
     num_tokens = h.shape[0]
     x = rms_norm(h, p["attn_norm"], c)
@@ -125,7 +126,11 @@ def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window:
     out = matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
     h = h + (rms_norm(out, p["post_attn_norm"], c) if c.post_norms else out)
     x = rms_norm(h, p["mlp_norm"], c)
-    out = matmul(_act(c)(matmul(x, p["w_gate"])) * matmul(x, p["w_up"]), p["w_down"])  # [T, H]
+    if glu is None:
+        gated = ACTIVATIONS[_act_name(c)](matmul(x, p["w_gate"])) * matmul(x, p["w_up"])  # [T, I]
+    else:
+        gated = glu(x, p["w_gate"], p["w_up"])
+    out = matmul(gated, p["w_down"])  # [T, H]
     return h + (rms_norm(out, p["post_mlp_norm"], c) if c.post_norms else out)
 
 
@@ -264,7 +269,8 @@ class Gemma3ForCausalLM(nnx.Module):
 
             cos, sin = rope[tables[j].tobytes()]
             h = decoder_layer(p, h, cos, sin, jnp.int32(window or NO_WINDOW), attend, config=c,
-                              matmul=lambda x, w: layer_matmul(x, w, layer))
+                              matmul=lambda x, w: layer_matmul(x, w, layer),
+                              glu=lambda x, wg, wu: layer_glu(x, wg, wu, layer, _act_name(c)))
             return h, box[0]
 
         def group(g, carry):

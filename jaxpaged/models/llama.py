@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.matmul import layer_matmul
+from jaxpaged.models.matmul import layer_glu, layer_matmul
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -131,7 +131,7 @@ class LlamaDecoderLayer(nnx.Module):
         out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
         h = h + mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo)
         x = _rms_norm(h, vec(self.mlp_norm), eps)
-        return h + mm(jax.nn.silu(mm(x, self.w_gate)) * mm(x, self.w_up), self.w_down), kv_pool
+        return h + mm(layer_glu(x, self.w_gate[...], self.w_up[...], layer, "silu"), self.w_down), kv_pool
 
 
 # ModelConfig fields at the values every Llama-family model has; others (Gemma 3's) this module does not implement

@@ -2,6 +2,7 @@
 
     y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
+    y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
 
 `layer_matmul` is XLA's dot of the slice `w[layer]`, unless the step is traced inside `native_matmul(max_rows)`:
 then a bfloat16 product of at most max_rows rows runs as `pallas_kernels.cpu_native.matmul_native`, which reads
@@ -9,13 +10,16 @@ layer `layer` of the stacked weight in place. The engine's step sets this on CPU
 tensor-parallel mesh is in use (XLA cannot split a custom call over a mesh): XLA CPU's bf16 dot packs the whole
 weight into its own layout on every call and slices the layer out of the stack first, which costs a decode step
 more than its arithmetic (benchmarks/step_anatomy.py). At prefill sizes the two run at about the same rate
-(benchmarks/matmul.py), and the native one writes its bf16 result directly.
+(benchmarks/matmul.py), and the native one writes its bf16 result directly. `layer_glu` is, under the same
+conditions, one native pass over both weights that writes act(gate) * up (`cpu_native.matmul_glu_native`): XLA
+would write both [M, N] products and read them back for the activation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +43,30 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+def _native(x: jax.Array, w: jax.Array) -> bool:
+    rows = _NATIVE_ROWS.get()
+    return bool(rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
+                and w.dtype == jnp.bfloat16)
+
+
 def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x [M, K] @ w[layer] for w [L, K, N] stacked over layers; `matmul`'s numbers, in x's dtype."""
-    rows = _NATIVE_ROWS.get()
-    if (rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
-            and w.dtype == jnp.bfloat16):
+    if _native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer)
     return matmul(x, w[layer])
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
+
+def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array | int, activation: str) -> jax.Array:
+    """act(x [M, K] @ w_gate[layer]) * (x @ w_up[layer]) [M, N] in x's dtype, for stacked w_gate, w_up [L, K, N]; act
+    is "silu" or "gelu_tanh". Natively the roundings are the same (each product, act(gate), their product) and
+    only act's float32 approximation differs from XLA's (an occasional bf16 rounding step)."""
+    if _native(x, w_gate) and w_up.dtype == w_gate.dtype:
+        from pallas_kernels.cpu_native import matmul_glu_native
+
+        return matmul_glu_native(x, w_gate, w_up, layer, activation)
+    return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer)) * layer_matmul(x, w_up, layer)

@@ -14,6 +14,12 @@
 // over it in blocks of kRows rows: per pair of k, two loads of packed weights and 2 x kRows dot-product
 // instructions, the x pair broadcast from memory. Every weight is read from memory once per call.
 //
+// JaxpagedMatmulGlu is the first half of a gated MLP in one pass: out = act(x @ w_gate) * (x @ w_up), with
+// w_gate, w_up [K, N] or [L, K, N] and act SiLU (0) or GELU-tanh (1). Each worker packs the same 32 output columns of
+// both weights and runs them as two halves of 16, with a gate and an up accumulator per row. The roundings are the unfused bf16 model's: each
+// product, then act(gate), then the product of the two are rounded to bfloat16 (act in float32). XLA would write
+// both [M, N] products and read them back for the activation's fusion.
+//
 // Panels are claimed by the calling thread and by helper tasks on XLA's intra-op thread pool (work_queue.h).
 // Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks `JaxpagedMatmulIsFast` and does
 // not pick this kernel then.
@@ -25,21 +31,29 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::Exp16;
 using jaxpaged_native::RunOnPool;
+using jaxpaged_native::Tanh16;
 using jaxpaged_native::WorkQueue;
 
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per work item (two 16-lane float32 accumulators per row)
 constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers
+constexpr int kGluRows = 12;     // GLU: rows per register block over 16 columns: 24 accumulators + 2 weight registers
+
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 inline float Bf16ToFloat(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -62,7 +76,18 @@ struct Problem {
   void* out;          // [M, N]
   bool out_f32;
   int64_t m, k, n;
+  const uint16_t* w_up = nullptr;  // GLU only: [K, N] (this layer's); w is then the gate's
+  int64_t act = kSilu;             // GLU only
 };
+
+inline float R(float f) { return Bf16ToFloat(FloatToBf16(f)); }  // rounded to bfloat16
+
+// ActBf16's operations one value at a time (the portable path)
+inline float Activate(int64_t act, float g) {
+  if (act == kSilu) return R(g * R(1.0f / R(1.0f + R(std::exp(-g)))));
+  const float inner = R(g + R(R(R(g * g) * g) * 0.0446777344f));
+  return R(g * R(R(R(std::tanh(R(inner * 0.796875f))) + 1.0f) * 0.5f));
+}
 
 // Columns [c0, c0 + width) of every row, by a plain loop: the portable path and reference.
 void PanelPlain(const Problem& p, int64_t c0, int64_t width) {
@@ -72,6 +97,16 @@ void PanelPlain(const Problem& p, int64_t c0, int64_t width) {
       const float a = Bf16ToFloat(p.x[r * p.k + kk]);
       const uint16_t* wr = p.w + kk * p.n + c0;
       for (int64_t j = 0; j < width; ++j) acc[j] += a * Bf16ToFloat(wr[j]);
+    }
+    if (p.w_up) {  // GLU: acc holds the gate; the up product, then act(gate) * up from bf16-rounded products
+      float up[kPanel] = {};
+      for (int64_t kk = 0; kk < p.k; ++kk) {
+        const float a = Bf16ToFloat(p.x[r * p.k + kk]);
+        const uint16_t* wr = p.w_up + kk * p.n + c0;
+        for (int64_t j = 0; j < width; ++j) up[j] += a * Bf16ToFloat(wr[j]);
+      }
+      for (int64_t j = 0; j < width; ++j)
+        acc[j] = Activate(p.act, R(acc[j])) * R(up[j]);
     }
     for (int64_t j = 0; j < width; ++j) {
       if (p.out_f32)
@@ -86,7 +121,7 @@ void PanelPlain(const Problem& p, int64_t c0, int64_t width) {
 constexpr bool kFast = true;
 
 // packed [K/2][2][16] int32 lanes: lane j of half h of pair kp holds (w[2kp][c0 + 16h + j], w[2kp + 1][...]).
-void PackPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
+void PackPanel(const Problem& p, const uint16_t* w, int64_t c0, int64_t width, __m512i* packed) {
   const __mmask32 mask = width >= 32 ? ~__mmask32(0) : ((__mmask32(1) << width) - 1);
   alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -94,8 +129,8 @@ void PackPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
   const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
   for (int64_t kp = 0; kp < p.k / 2; ++kp) {
-    const __m512i a = _mm512_maskz_loadu_epi16(mask, p.w + (2 * kp) * p.n + c0);
-    const __m512i b = _mm512_maskz_loadu_epi16(mask, p.w + (2 * kp + 1) * p.n + c0);
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, w + (2 * kp) * p.n + c0);
+    const __m512i b = _mm512_maskz_loadu_epi16(mask, w + (2 * kp + 1) * p.n + c0);
     _mm512_store_si512(packed + 2 * kp, _mm512_permutex2var_epi16(a, lo, b));
     _mm512_store_si512(packed + 2 * kp + 1, _mm512_permutex2var_epi16(a, hi, b));
   }
@@ -144,10 +179,85 @@ void Tail(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, int64
 }
 
 void Panel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
-  PackPanel(p, c0, width, packed);
+  PackPanel(p, p.w, c0, width, packed);
   int64_t r = 0;
   for (; r + kRows <= p.m; r += kRows) RowBlock<kRows>(p, packed, r, c0, width);
   if (r < p.m) Tail<kRows - 1>(p, packed, r, c0, width, p.m - r);
+}
+
+inline __m512 RoundToBf16(__m512 v) {  // float32 -> nearest-even bfloat16 -> float32
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// act(g) for a bf16 g as JAX computes it in bfloat16 (jax.nn.silu, jax.nn.gelu(approximate=True)): every operation
+// in float32 and its result rounded to bfloat16, in JAX's order, so the native MLP has the unfused model's numbers
+// (up to exp and tanh's float32 approximations).
+inline __m512 ActBf16(int64_t act, __m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (act == kSilu) {  // g * (1 / (1 + exp(-g)))
+    const __m512 e = RoundToBf16(Exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    const __m512 sigmoid = RoundToBf16(_mm512_div_ps(one, RoundToBf16(_mm512_add_ps(one, e))));
+    return RoundToBf16(_mm512_mul_ps(g, sigmoid));
+  }
+  // g * (0.5 * (1 + tanh(c * (g + a * g^3)))), with c = sqrt(2 / pi) and a = 0.044715 rounded to bfloat16
+  const __m512 g3 = RoundToBf16(_mm512_mul_ps(RoundToBf16(_mm512_mul_ps(g, g)), g));
+  const __m512 inner = RoundToBf16(_mm512_add_ps(g, RoundToBf16(_mm512_mul_ps(g3, _mm512_set1_ps(0.0446777344f)))));
+  const __m512 t = RoundToBf16(Tanh16(RoundToBf16(_mm512_mul_ps(inner, _mm512_set1_ps(0.796875f)))));
+  const __m512 cdf = RoundToBf16(_mm512_mul_ps(RoundToBf16(_mm512_add_ps(t, one)), _mm512_set1_ps(0.5f)));
+  return RoundToBf16(_mm512_mul_ps(g, cdf));
+}
+
+// GLU rows [r0, r0 + R) of 16 columns from c0 (width of them): gate and up packed as PackPanel's, read at half
+// `gate` / `up` (pointing at the half) with a stride of 2 vectors per pair.
+template <int R>
+void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0, int64_t c0, int64_t width) {
+  __m512 g[R], u[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();
+  const int32_t* xr = reinterpret_cast<const int32_t*>(p.x + r0 * p.k);  // bf16 pairs
+  const int64_t pairs = p.k / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    const __m512bh wg = (__m512bh)_mm512_load_si512(gate + 2 * kp);
+    const __m512bh wu = (__m512bh)_mm512_load_si512(up + 2 * kp);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r * pairs + kp]);
+      g[r] = _mm512_dpbf16_ps(g[r], a, wg);
+      u[r] = _mm512_dpbf16_ps(u[r], a, wu);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+  for (int r = 0; r < R; ++r) {
+    const __m512 gr = RoundToBf16(g[r]);
+    const __m512 y = _mm512_mul_ps(ActBf16(p.act, gr), RoundToBf16(u[r]));
+    const int64_t at = (r0 + r) * p.n + c0;
+    if (p.out_f32)
+      _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
+    else
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+  }
+}
+
+template <int R>
+void GluTail(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0, int64_t c0, int64_t width,
+             int64_t rows) {
+  if constexpr (R > 0) {
+    if (rows == R) return GluRowBlock<R>(p, gate, up, r0, c0, width);
+    GluTail<R - 1>(p, gate, up, r0, c0, width, rows);
+  }
+}
+
+void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
+  __m512i *gate = packed, *up = packed + p.k;
+  PackPanel(p, p.w, c0, width, gate);
+  PackPanel(p, p.w_up, c0, width, up);
+  for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
+    const int64_t c = c0 + 16 * h, w = std::min<int64_t>(width - 16 * h, 16);
+    int64_t r = 0;
+    for (; r + kGluRows <= p.m; r += kGluRows) GluRowBlock<kGluRows>(p, gate + h, up + h, r, c, w);
+    if (r < p.m) GluTail<kGluRows - 1>(p, gate + h, up + h, r, c, w, p.m - r);
+  }
 }
 #else
 constexpr bool kFast = false;
@@ -162,14 +272,17 @@ struct ParallelMatmul {
     int64_t i = work.Claim();
     if (i >= work.total) return;
 #if defined(__AVX512BF16__)
-    // K/2 pairs x 2 halves of 64 bytes, 64-byte aligned
-    std::unique_ptr<void, void (*)(void*)> buffer(std::aligned_alloc(64, p.k * 64), std::free);
+    // K/2 pairs x 2 halves of 64 bytes (x 2 weights for a GLU), 64-byte aligned
+    std::unique_ptr<void, void (*)(void*)> buffer(std::aligned_alloc(64, p.k * (p.w_up ? 128 : 64)), std::free);
     __m512i* packed = static_cast<__m512i*>(buffer.get());
 #endif
     for (; i < work.total; i = work.Claim()) {
       const int64_t c0 = i * kPanel, width = std::min(kPanel, p.n - c0);
 #if defined(__AVX512BF16__)
-      Panel(p, c0, width, packed);
+      if (p.w_up)
+        GluPanel(p, c0, width, packed);
+      else
+        Panel(p, c0, width, packed);
 #else
       PanelPlain(p, c0, width);
 #endif
@@ -178,35 +291,58 @@ struct ParallelMatmul {
   }
 };
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                      ffi::Result<ffi::AnyBuffer> out) {
+// Checks the shapes and dtypes and fills `p` (w and w_up at `layer`); an error names what does not fit.
+ffi::Error Setup(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* w_up, int32_t layer,
+                 ffi::Result<ffi::AnyBuffer>& out, Problem& p) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  auto fail = [&](const std::string& what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || od.size() != 2)
-    return ffi::Error::InvalidArgument("matmul: x must be [M, K], w [K, N] or [L, K, N], out [M, N]");
+    return fail("x must be [M, K], w [K, N] or [L, K, N], out [M, N]");
   const int64_t m = xd[0], k = xd[1], n = wd[wd.size() - 1];
-  if (wd[wd.size() - 2] != k || od[0] != m || od[1] != n)
-    return ffi::Error::InvalidArgument("matmul: the shapes of x, w and out do not fit");
-  if (k % 2) return ffi::Error::InvalidArgument("matmul: K must be even");
-  if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16)
-    return ffi::Error::InvalidArgument("matmul: x and w must be bfloat16");
+  if (wd[wd.size() - 2] != k || od[0] != m || od[1] != n) return fail("the shapes of x, w and out do not fit");
+  if (w_up && !std::equal(wd.begin(), wd.end(), w_up->dimensions().begin(), w_up->dimensions().end()))
+    return fail("w_gate and w_up must have one shape");
+  if (k % 2) return fail("K must be even");
+  if (x.element_type() != ffi::BF16 || w.element_type() != ffi::BF16 || (w_up && w_up->element_type() != ffi::BF16))
+    return fail("x and the weights must be bfloat16");
   const auto ot = out->element_type();
-  if (ot != ffi::BF16 && ot != ffi::F32) return ffi::Error::InvalidArgument("matmul: out must be bfloat16 or float32");
-  if (m == 0 || n == 0) return ffi::Error::Success();
-  auto state = std::make_shared<ParallelMatmul>();
-  Problem& p = state->p;
+  if (ot != ffi::BF16 && ot != ffi::F32) return fail("out must be bfloat16 or float32");
+  const int64_t offset = wd.size() == 3 && wd[0] > 0 ? std::clamp<int64_t>(layer, 0, wd[0] - 1) * k * n : 0;
   p.x = static_cast<const uint16_t*>(x.untyped_data());
-  p.w = static_cast<const uint16_t*>(w.untyped_data());
-  if (wd.size() == 3 && wd[0] > 0) p.w += std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1) * k * n;
+  p.w = static_cast<const uint16_t*>(w.untyped_data()) + offset;
+  if (w_up) p.w_up = static_cast<const uint16_t*>(w_up->untyped_data()) + offset;
   p.out = out->untyped_data();
   p.out_f32 = ot == ffi::F32;
   p.m = m, p.k = k, p.n = n;
-  if (k == 0) {
-    std::memset(p.out, 0, out->size_bytes());
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<ParallelMatmul> state, size_t out_bytes) {
+  const Problem& p = state->p;
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {  // empty sums: 0, and act(0) * 0 = 0
+    std::memset(p.out, 0, out_bytes);
     return ffi::Error::Success();
   }
-  state->work.total = (n + kPanel - 1) / kPanel;
+  state->work.total = (p.n + kPanel - 1) / kPanel;
   RunOnPool(pool, state);
   return ffi::Error::Success();
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto state = std::make_shared<ParallelMatmul>();
+  if (auto e = Setup("matmul", x, w, nullptr, layer.typed_data()[0], out, state->p); e.failure()) return e;
+  return Run(pool, state, out->size_bytes());
+}
+
+ffi::Error MatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
+                         ffi::Buffer<ffi::S32> layer, int64_t act, ffi::Result<ffi::AnyBuffer> out) {
+  if (act != kSilu && act != kGeluTanh) return ffi::Error::InvalidArgument("matmul_glu: act must be 0 or 1");
+  auto state = std::make_shared<ParallelMatmul>();
+  state->p.act = act;
+  if (auto e = Setup("matmul_glu", x, w_gate, &w_up, layer.typed_data()[0], out, state->p); e.failure()) return e;
+  return Run(pool, state, out->size_bytes());
 }
 
 }  // namespace
@@ -219,4 +355,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Arg<ffi::AnyBuffer>()          // w
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulGlu, MatmulGluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::AnyBuffer>()          // w_gate
+                                  .Arg<ffi::AnyBuffer>()          // w_up
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Attr<int64_t>("act")
                                   .Ret<ffi::AnyBuffer>());        // out

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("paged_attention.cc", "matmul.cc"))
-HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h",))
+HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
 WRITE_SYMBOL = "JaxpagedKvWrite"
@@ -50,6 +50,9 @@ BLOCKS_SYMBOL = "JaxpagedSetBlocks"
 BLOCKS_TARGET = "jaxpaged_set_blocks"
 MATMUL_SYMBOL = "JaxpagedMatmul"
 MATMUL_TARGET = "jaxpaged_matmul"
+GLU_SYMBOL = "JaxpagedMatmulGlu"
+GLU_TARGET = "jaxpaged_matmul_glu"
+GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # matmul.cc's Activation
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -121,6 +124,7 @@ def _load() -> None:
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(lib, WRITE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(BLOCKS_TARGET, jax.ffi.pycapsule(getattr(lib, BLOCKS_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(getattr(lib, GLU_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -273,6 +277,29 @@ def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dt
     return call(x, w, _int32("layer", layer, 0))
 
 
+def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array | int = 0,
+                      activation: str = "silu") -> jax.Array:
+    """act(x @ w_gate) * (x @ w_up) [M, N] bfloat16 in one pass (a gated MLP's first half): the weights [K, N], or
+    stacked [L, K, N] and read at `layer` in place; rounded as the unfused bfloat16 computation is: each product
+    (as `matmul_native`'s), act(gate) (computed in float32) and the product. activation: "silu" or "gelu_tanh"
+    (GELU's tanh approximation)."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(GLU_ACTIVATIONS)}, got {activation!r}")
+    if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
+        raise ValueError(f"w_gate and w_up must have one shape and dtype, got {w_gate.shape} {w_gate.dtype} and "
+                         f"{w_up.shape} {w_up.dtype}")
+    if x.ndim != 2 or w_gate.ndim not in (2, 3) or w_gate.shape[-2] != x.shape[1]:
+        raise ValueError(f"x must be [M, K] and w_gate [K, N] or [L, K, N], got {x.shape} and {w_gate.shape}")
+    if x.dtype != jnp.bfloat16 or w_gate.dtype != jnp.bfloat16:
+        raise ValueError(f"x and the weights must be bfloat16, got {x.dtype} and {w_gate.dtype}")
+    if x.shape[1] % 2:
+        raise ValueError(f"K = {x.shape[1]} must be even")
+    if not available():
+        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_gate.shape[-1]), jnp.bfloat16))
+    return call(x, w_gate, w_up, _int32("layer", layer, 0), act=np.int64(GLU_ACTIVATIONS[activation]))
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -289,4 +316,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
-           "set_blocks_native", "matmul_native", "matmul_is_fast", "cache_dir"]
+           "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "cache_dir"]

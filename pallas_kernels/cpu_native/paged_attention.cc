@@ -52,10 +52,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::Exp16NonPositive;
 using jaxpaged_native::RunOnPool;
 using jaxpaged_native::WorkQueue;
 
@@ -230,24 +232,6 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
 // sums in one vector, offset t in lane t), the online softmax runs on those vectors, and the chunk's V rows are
 // converted to float32 once for all G heads. AttendItem converts every K and V element to float32 per query head.
 constexpr bool kFastDecode = true;
-
-// exp(x) for x <= 0 on 16 lanes: ExpNonPositive's algorithm and constants; NaN stays NaN.
-inline __m512 Exp16NonPositive(__m512 x) {
-  x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-  poly = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
-}
 
 // Lane t of the result = the sum of v[t]'s 16 lanes (v is overwritten).
 inline __m512 LaneSums16(__m512* v) {
