@@ -88,7 +88,8 @@ def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, s
           graphdef: nnx.GraphDef, attn: AttentionBackend, mesh: Mesh | None = None,
           native_matmul_rows: int = 0) -> tuple[SamplerOutput, KVPool]:
     model = nnx.merge(graphdef, state)  # inside the trace: the module's arrays are the step's arguments
-    with native_matmul(native_matmul_rows):
+    # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
+    with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
         hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
     # The LM head runs only on the rows that need logits: one per sequence, not one per token.
     logits = model.logits(hidden[md.logits_indices])  # [S, V] f32

@@ -123,6 +123,24 @@ def test_glu_equals_xla_s_unfused_bfloat16_mlp(activation, m, k, n):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("rows", [0, 5, 13, 40, -3])
+def test_only_the_live_rows_are_computed_and_the_padding_rows_are_zeros(rows):
+    """A bucketed step's padding rows (from `rows` on; clipped to [0, M]) come out as zeros and the live ones as
+    without the argument, for the plain matmul (bfloat16 and float32 out) and the GLU, with `rows` traced."""
+    import jax
+
+    rng = np.random.default_rng(rows + 10)
+    x, w, w_up = bf16(rng, 13, 64), bf16(rng, 2, 64, 40), bf16(rng, 2, 64, 40)
+    live = min(max(rows, 0), 13)
+    for fn in (lambda x, w, w_up, r: cpu_native.matmul_native(x, w, 1, None, r),
+               lambda x, w, w_up, r: cpu_native.matmul_native(x, w, 1, jnp.float32, r),
+               lambda x, w, w_up, r: cpu_native.matmul_glu_native(x, w, w_up, 1, "silu", r)):
+        got = np.asarray(jax.jit(fn)(x, w, w_up, jnp.int32(rows)), np.float32)
+        full = np.asarray(fn(x, w, w_up, None), np.float32)
+        np.testing.assert_array_equal(got[:live], full[:live])
+        assert not got[live:].any()
+
+
 def test_glu_bad_arguments_raise_value_error_naming_them():
     x, w = jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match="activation"):

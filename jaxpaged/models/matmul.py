@@ -25,22 +25,31 @@ import jax
 import jax.numpy as jnp
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
+_LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
 
 
 @contextlib.contextmanager
-def native_matmul(max_rows: int):
-    """While tracing inside this block, `layer_matmul` of bfloat16 x with at most max_rows rows uses the native
-    CPU kernel (0: never). The caller checks that the kernel is fast here (`cpu_native.matmul_is_fast()`)."""
-    token = _NATIVE_ROWS.set(max_rows)
+def native_matmul(max_rows: int, live_rows: tuple[int, jax.Array] | None = None):
+    """While tracing inside this block, `layer_matmul` and `layer_glu` of bfloat16 x with at most max_rows rows use
+    the native CPU kernel (0: never). The caller checks that the kernel is fast here (`cpu_native.matmul_is_fast()`).
+    live_rows = (T, n), n an int32 scalar of the same trace: of an x of T rows (the step's tokens) only the first n
+    are real, the others a bucketed step's padding; the native kernel multiplies only those, zeros for the rest."""
+    tokens = _NATIVE_ROWS.set(max_rows), _LIVE_ROWS.set(live_rows)
     try:
         yield
     finally:
-        _NATIVE_ROWS.reset(token)
+        _NATIVE_ROWS.reset(tokens[0])
+        _LIVE_ROWS.reset(tokens[1])
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w accumulated in float32 (as GPU and TPU matrix units do for 16-bit inputs), returned in x's dtype."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _live_rows(x: jax.Array) -> jax.Array | None:
+    live = _LIVE_ROWS.get()
+    return live[1] if live is not None and x.shape[0] == live[0] else None
 
 
 def _native(x: jax.Array, w: jax.Array) -> bool:
@@ -54,7 +63,7 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Arra
     if _native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
-        return matmul_native(x, w, layer)
+        return matmul_native(x, w, layer, rows=_live_rows(x))
     return matmul(x, w[layer])
 
 
@@ -68,5 +77,5 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
     if _native(x, w_gate) and w_up.dtype == w_gate.dtype:
         from pallas_kernels.cpu_native import matmul_glu_native
 
-        return matmul_glu_native(x, w_gate, w_up, layer, activation)
+        return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
     return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer)) * layer_matmul(x, w_up, layer)

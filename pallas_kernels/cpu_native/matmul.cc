@@ -4,6 +4,8 @@
 //   w      [K, N] or [L, K, N]  bfloat16   weights as stored for x @ w; a stacked [L, K, N] is read at `layer`
 //                                   in place (no per-layer slice is copied)
 //   layer  [] int32                 which of the L matrices (ignored for a [K, N] w; clipped to [0, L))
+//   rows   [] int32                 how many rows of x are real (clipped to [0, M]): only those are multiplied, the
+//                                   others are a bucketed step's padding and get zeros
 //   out    [M, N]        bfloat16 or float32   x @ w accumulated in float32 (bf16 out: rounded to nearest even)
 //
 // Why: XLA CPU's bf16 dot packs the whole weight matrix into its own layout on every call. A decode step's few
@@ -292,8 +294,10 @@ struct ParallelMatmul {
 };
 
 // Checks the shapes and dtypes and fills `p` (w and w_up at `layer`); an error names what does not fit.
+// Only the first `rows` rows of x are multiplied (clipped to [0, M]); the rest of out is zeros (a bucketed step's
+// padding rows).
 ffi::Error Setup(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* w_up, int32_t layer,
-                 ffi::Result<ffi::AnyBuffer>& out, Problem& p) {
+                 int32_t rows, ffi::Result<ffi::AnyBuffer>& out, Problem& p) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   auto fail = [&](const std::string& what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
   if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || od.size() != 2)
@@ -313,15 +317,17 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi
   if (w_up) p.w_up = static_cast<const uint16_t*>(w_up->untyped_data()) + offset;
   p.out = out->untyped_data();
   p.out_f32 = ot == ffi::F32;
-  p.m = m, p.k = k, p.n = n;
+  p.m = std::clamp<int64_t>(rows, 0, m), p.k = k, p.n = n;
+  const size_t row_bytes = n * (p.out_f32 ? 4 : 2);
+  std::memset(static_cast<char*>(p.out) + p.m * row_bytes, 0, (m - p.m) * row_bytes);
   return ffi::Error::Success();
 }
 
-ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<ParallelMatmul> state, size_t out_bytes) {
+ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<ParallelMatmul> state) {
   const Problem& p = state->p;
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {  // empty sums: 0, and act(0) * 0 = 0
-    std::memset(p.out, 0, out_bytes);
+    std::memset(p.out, 0, p.m * p.n * (p.out_f32 ? 4 : 2));
     return ffi::Error::Success();
   }
   state->work.total = (p.n + kPanel - 1) / kPanel;
@@ -330,19 +336,24 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<ParallelMatmul> state, size
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                      ffi::Result<ffi::AnyBuffer> out) {
+                      ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::AnyBuffer> out) {
   auto state = std::make_shared<ParallelMatmul>();
-  if (auto e = Setup("matmul", x, w, nullptr, layer.typed_data()[0], out, state->p); e.failure()) return e;
-  return Run(pool, state, out->size_bytes());
+  if (auto e = Setup("matmul", x, w, nullptr, layer.typed_data()[0], rows.typed_data()[0], out, state->p);
+      e.failure())
+    return e;
+  return Run(pool, state);
 }
 
 ffi::Error MatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
-                         ffi::Buffer<ffi::S32> layer, int64_t act, ffi::Result<ffi::AnyBuffer> out) {
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t act,
+                         ffi::Result<ffi::AnyBuffer> out) {
   if (act != kSilu && act != kGeluTanh) return ffi::Error::InvalidArgument("matmul_glu: act must be 0 or 1");
   auto state = std::make_shared<ParallelMatmul>();
   state->p.act = act;
-  if (auto e = Setup("matmul_glu", x, w_gate, &w_up, layer.typed_data()[0], out, state->p); e.failure()) return e;
-  return Run(pool, state, out->size_bytes());
+  if (auto e = Setup("matmul_glu", x, w_gate, &w_up, layer.typed_data()[0], rows.typed_data()[0], out, state->p);
+      e.failure())
+    return e;
+  return Run(pool, state);
 }
 
 }  // namespace
@@ -355,6 +366,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Arg<ffi::AnyBuffer>()          // w
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
                                   .Ret<ffi::AnyBuffer>());        // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulGlu, MatmulGluImpl,
@@ -364,5 +376,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmulGlu, MatmulGluImpl,
                                   .Arg<ffi::AnyBuffer>()          // w_gate
                                   .Arg<ffi::AnyBuffer>()          // w_up
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
                                   .Attr<int64_t>("act")
                                   .Ret<ffi::AnyBuffer>());        // out

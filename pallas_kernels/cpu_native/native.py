@@ -257,11 +257,13 @@ def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_
                 jnp.asarray(v_blocks, v_cache.dtype))
 
 
-def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None) -> jax.Array:
+def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None,
+                  rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N], or @ w[layer] for a stacked w [L, K, N] (read in place: no slice is copied), both
     bfloat16 with K even, accumulated in float32 and returned in out_dtype (bfloat16 by default, rounded to nearest
     even, or float32). Equal to `jnp.dot(x, w[layer], preferred_element_type=jnp.float32).astype(out_dtype)` up to
-    float32 summation order. Fast on CPUs with AVX512_BF16 (`matmul_is_fast`); see matmul.cc."""
+    float32 summation order, on the first `rows` rows (default: all M; an int32 scalar, traced or not); the rows
+    after them are zeros. Fast on CPUs with AVX512_BF16 (`matmul_is_fast`); see matmul.cc."""
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
     if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
         raise ValueError(f"x must be [M, K] and w [K, N] or [L, K, N], got {x.shape} and {w.shape}")
@@ -274,15 +276,15 @@ def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dt
     if not available():
         raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype))
-    return call(x, w, _int32("layer", layer, 0))
+    return call(x, w, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0))
 
 
 def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array | int = 0,
-                      activation: str = "silu") -> jax.Array:
+                      activation: str = "silu", rows: jax.Array | int | None = None) -> jax.Array:
     """act(x @ w_gate) * (x @ w_up) [M, N] bfloat16 in one pass (a gated MLP's first half): the weights [K, N], or
     stacked [L, K, N] and read at `layer` in place; rounded as the unfused bfloat16 computation is: each product
     (as `matmul_native`'s), act(gate) (computed in float32) and the product. activation: "silu" or "gelu_tanh"
-    (GELU's tanh approximation)."""
+    (GELU's tanh approximation). Only the first `rows` rows (default: all) are computed, as in `matmul_native`."""
     if activation not in GLU_ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(GLU_ACTIVATIONS)}, got {activation!r}")
     if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
@@ -297,7 +299,8 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
     if not available():
         raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_gate.shape[-1]), jnp.bfloat16))
-    return call(x, w_gate, w_up, _int32("layer", layer, 0), act=np.int64(GLU_ACTIVATIONS[activation]))
+    return call(x, w_gate, w_up, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0),
+                act=np.int64(GLU_ACTIVATIONS[activation]))
 
 
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
