@@ -110,9 +110,11 @@ async def closed_loop(url: str, model: str, prompts: list[list[int]], concurrenc
 
 
 async def interference(url: str, model: str, prompts: list[list[int]], long_prompts: list[list[int]],
-                       concurrency: int, max_tokens: int, alone_s: float) -> tuple[list[dict], float, float]:
+                       concurrency: int, max_tokens: int,
+                       alone_s: float) -> tuple[list[dict], list[dict], float, float]:
     """`concurrency` streams of `max_tokens` start together; `alone_s` seconds later the long prompts arrive (one
-    new token each). Returns the streams' results, the long prompts' arrival time and the elapsed time."""
+    new token each). Returns the streams' results, the long prompts' results, their arrival time and the elapsed
+    time."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -122,8 +124,8 @@ async def interference(url: str, model: str, prompts: list[list[int]], long_prom
         arrival = time.perf_counter()
         longs = [asyncio.create_task(one_request(session, url, model, p, 1)) for p in long_prompts]
         results = await asyncio.gather(*streams)
-        await asyncio.gather(*longs)
-    return results, arrival, time.perf_counter() - t0
+        long_results = await asyncio.gather(*longs)
+    return results, long_results, arrival, time.perf_counter() - t0
 
 
 def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[float]]:
@@ -218,6 +220,9 @@ def print_table(rows: list[dict]) -> None:
               f"{r['output_tokens_per_s']:>9.1f} {ms(r['ttft_p50_s']):>9} {ms(r['ttft_p99_s']):>9} "
               f"{ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>9} {ms(r['itl_p50_s']):>8} {ms(r['itl_p99_s']):>8} "
               f"{ms(r['itl_max_s']):>8}")
+        if "long_ttft_p50_s" in r:
+            print(f"    the long prompts' TTFT: p50 {ms(r['long_ttft_p50_s'])}, max {ms(r['long_ttft_max_s'])}, "
+                  f"{r['long_failed']} failed")
         for e in r["errors"]:
             print(f"    error: {e}")
 
@@ -317,12 +322,16 @@ def main():
             print(f"interference: {args.concurrency} streams, then {args.long_prompts} prompts of "
                   f"{args.long_prompt_tokens} tokens ...", file=sys.stderr)
             longs = long_prompts(prompts, args.long_prompts, args.long_prompt_tokens)
-            results, arrival, elapsed = asyncio.run(interference(url, model, prompts, longs, args.concurrency,
-                                                                 args.stream_tokens, args.alone_s))
+            results, long_results, arrival, elapsed = asyncio.run(interference(
+                url, model, prompts, longs, args.concurrency, args.stream_tokens, args.alone_s))
             alone, disturbed = itl_split(results, arrival)
             rows.append(summarize(f"streams alone x{args.concurrency}", None, results, elapsed, alone))
             rows.append(summarize(f"+ {args.long_prompts} x {args.long_prompt_tokens}-token prompts", None, results,
                                   elapsed, disturbed))
+            # what the streams' ITL costs the long prompts: their time to first token, from their arrival
+            long_ttft = [r["ttft"] for r in long_results if r["ok"]]
+            rows[-1].update(long_ttft_p50_s=_pct(long_ttft, 50), long_ttft_max_s=max(long_ttft, default=None),
+                            long_failed=len(long_results) - len(long_ttft))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
