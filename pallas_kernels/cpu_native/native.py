@@ -257,6 +257,18 @@ def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_
                 jnp.asarray(v_blocks, v_cache.dtype))
 
 
+def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
+    """The native matmuls' arguments: x [M, K] and w [K, N] or [L, K, N], both bfloat16, K even; the kernels built."""
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
+        raise ValueError(f"x must be [M, K] and {name} [K, N] or [L, K, N], got {x.shape} and {w.shape}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"x and {name} must be bfloat16, got {x.dtype} and {w.dtype}")
+    if x.shape[1] % 2:
+        raise ValueError(f"K = {x.shape[1]} must be even")
+    if not available():
+        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+
+
 def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None,
                   rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] @ w [K, N], or @ w[layer] for a stacked w [L, K, N] (read in place: no slice is copied), both
@@ -265,16 +277,9 @@ def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dt
     float32 summation order, on the first `rows` rows (default: all M; an int32 scalar, traced or not); the rows
     after them are zeros. Fast on CPUs with AVX512_BF16 (`matmul_is_fast`); see matmul.cc."""
     out_dtype = jnp.dtype(out_dtype or jnp.bfloat16)
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
-        raise ValueError(f"x must be [M, K] and w [K, N] or [L, K, N], got {x.shape} and {w.shape}")
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"x and w must be bfloat16, got {x.dtype} and {w.dtype}")
-    if x.shape[1] % 2:
-        raise ValueError(f"K = {x.shape[1]} must be even")
+    _check_matmul(x, w, "w")
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    if not available():
-        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
     call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype))
     return call(x, w, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0))
 
@@ -290,14 +295,7 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
     if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
         raise ValueError(f"w_gate and w_up must have one shape and dtype, got {w_gate.shape} {w_gate.dtype} and "
                          f"{w_up.shape} {w_up.dtype}")
-    if x.ndim != 2 or w_gate.ndim not in (2, 3) or w_gate.shape[-2] != x.shape[1]:
-        raise ValueError(f"x must be [M, K] and w_gate [K, N] or [L, K, N], got {x.shape} and {w_gate.shape}")
-    if x.dtype != jnp.bfloat16 or w_gate.dtype != jnp.bfloat16:
-        raise ValueError(f"x and the weights must be bfloat16, got {x.dtype} and {w_gate.dtype}")
-    if x.shape[1] % 2:
-        raise ValueError(f"K = {x.shape[1]} must be even")
-    if not available():
-        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    _check_matmul(x, w_gate, "w_gate")
     call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_gate.shape[-1]), jnp.bfloat16))
     return call(x, w_gate, w_up, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0),
                 act=np.int64(GLU_ACTIVATIONS[activation]))

@@ -493,6 +493,23 @@ inline void TileRowAny(const float* qr, const float* kt, const float* vf, float*
     for (int64_t d = 0; d < D; ++d) acc[d] += s[j] * vf[j * D + d];
 }
 
+// The cached range [lo[r], hi[r]) that each of a tile's tokens toks[0, nt) of sequence s sees (AttendItem's rules;
+// [0, 0) for padding or nothing visible) and their union [first, last); false when no token sees anything.
+inline bool TileRanges(const Problem& p, int64_t s, const int32_t* toks, int64_t nt, int64_t* lo, int64_t* hi,
+                       int64_t* first, int64_t* last) {
+  const int64_t context = p.context_lens[s];
+  *first = INT64_MAX, *last = 0;
+  if (context <= 0) return false;
+  for (int64_t r = 0; r < nt; ++r) {
+    const int64_t pos = p.positions[toks[r]];
+    hi[r] = pos < 0 ? 0 : std::min({context, pos + 1, p.width * p.block_size});
+    lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+    if (hi[r] <= lo[r]) lo[r] = hi[r] = 0;  // padding, or nothing visible: a 0 row
+    else *first = std::min(*first, lo[r]), *last = std::max(*last, hi[r]);
+  }
+  return *last > 0;
+}
+
 // A tile item: the nt query tokens toks[0, nt) of sequence s (a prompt chunk), kv heads [kh0, kh1). Each block is
 // read once for the whole tile: one kv head's keys are converted to float32 and transposed (kt [D, BS]) and its
 // values converted (vf [BS, D]); then every (token, query head) row of that kv head gets its scores as a
@@ -504,18 +521,8 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
   const int64_t G = p.num_q_heads / Hkv;
   const int64_t H = (kh1 - kh0) * G;  // query heads of the item, per token
-  const int64_t context = p.context_lens[s];
-  if (context <= 0) return;
-  int64_t lo[kTile], hi[kTile];
-  int64_t first = INT64_MAX, last = 0;  // the union of the tokens' ranges
-  for (int64_t r = 0; r < nt; ++r) {
-    const int64_t pos = p.positions[toks[r]];
-    hi[r] = pos < 0 ? 0 : std::min({context, pos + 1, p.width * BS});
-    lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-    if (hi[r] <= lo[r]) lo[r] = hi[r] = 0;  // padding, or nothing visible: a 0 row
-    else first = std::min(first, lo[r]), last = std::max(last, hi[r]);
-  }
-  if (last == 0) return;
+  int64_t lo[kTile], hi[kTile], first, last;
+  if (!TileRanges(p, s, toks, nt, lo, hi, &first, &last)) return;
   const float scale = p.scale, soft_cap = p.soft_cap;
   float* qf = sc.q.data();
   float* acc = sc.acc.data();
@@ -672,18 +679,8 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   constexpr int64_t D = 16 * DC, DP = D / 2;
   const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
   const int64_t H = (kh1 - kh0) * G;  // query heads of the item, per token
-  const int64_t context = p.context_lens[s];
-  if (context <= 0) return;
-  int64_t lo[kTile], hi[kTile];
-  int64_t first = INT64_MAX, last = 0;  // the union of the tokens' ranges
-  for (int64_t r = 0; r < nt; ++r) {
-    const int64_t pos = p.positions[toks[r]];
-    hi[r] = pos < 0 ? 0 : std::min({context, pos + 1, p.width * BS});
-    lo[r] = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-    if (hi[r] <= lo[r]) lo[r] = hi[r] = 0;  // padding, or nothing visible: a 0 row
-    else first = std::min(first, lo[r]), last = std::max(last, hi[r]);
-  }
-  if (last == 0) return;
+  int64_t lo[kTile], hi[kTile], first, last;
+  if (!TileRanges(p, s, toks, nt, lo, hi, &first, &last)) return;
   float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *vf = sc.vf.data();
   int32_t* kp = sc.kp.data();
   int64_t* ids = sc.row_ids.data();

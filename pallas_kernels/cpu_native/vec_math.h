@@ -9,10 +9,9 @@
 namespace jaxpaged_native {
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 on 16 lanes: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' expf polynomial
-// (relative error ~2e-7). Below -87 it returns ~1e-38 instead of a denormal or 0; NaN stays NaN.
-inline __m512 Exp16NonPositive(__m512 x) {
-  x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_set1_ps(-87.0f));
+// 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error ~2e-7), for
+// x in [-87, 88] (the callers clamp); NaN stays NaN.
+inline __m512 Exp16InRange(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
                                         _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -28,25 +27,20 @@ inline __m512 Exp16NonPositive(__m512 x) {
   return _mm512_mul_ps(poly, _mm512_castsi512_ps(bits));
 }
 
-// exp(x) on 16 lanes for any x: Exp16NonPositive's algorithm up to x = 88, inf above 88.72 (float32's largest
-// exp), exp(88) in between.
+// x with the lanes below `bound` (kCmp = _CMP_GT_OQ: above it) set to it; NaN lanes keep NaN.
+template <int kCmp = _CMP_LT_OQ>
+inline __m512 Clamp16(__m512 x, float bound) {
+  return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(bound), kCmp), _mm512_set1_ps(bound));
+}
+
+// exp(x) for x <= 0 (scores minus their running max): below -87 it returns ~1e-38 instead of a denormal or 0.
+inline __m512 Exp16NonPositive(__m512 x) { return Exp16InRange(Clamp16(x, -87.0f)); }
+
+// exp(x) for any x: as Exp16NonPositive up to x = 88, inf above 88.72 (float32's largest exp), exp(88) in between.
 inline __m512 Exp16(__m512 x) {
   const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72f), _CMP_GT_OQ);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-  poly = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mask_mov_ps(_mm512_mul_ps(poly, _mm512_castsi512_ps(bits)), over, _mm512_set1_ps(INFINITY));
+  const __m512 e = Exp16InRange(Clamp16<_CMP_GT_OQ>(Clamp16(x, -87.0f), 88.0f));
+  return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
 }
 
 // tanh(x) on 16 lanes: sign(x) (1 - e) / (1 + e) with e = exp(-2 |x|) <= 1. NaN stays NaN.
