@@ -17,10 +17,10 @@
 // instructions, the x pair broadcast from memory. Every weight is read from memory once per call.
 //
 // JaxpagedMatmulGlu is the first half of a gated MLP in one pass: out = act(x @ w_gate) * (x @ w_up), with
-// w_gate, w_up [K, N] or [L, K, N] and act SiLU (0) or GELU-tanh (1). Each worker packs the same 32 output columns of
-// both weights and runs them as two halves of 16, with a gate and an up accumulator per row. The roundings are the unfused bf16 model's: each
-// product, then act(gate), then the product of the two are rounded to bfloat16 (act in float32). XLA would write
-// both [M, N] products and read them back for the activation's fusion.
+// w_gate, w_up [K, N] or [L, K, N] and act SiLU (0) or GELU-tanh (1). Each worker packs the same 32 output columns
+// of both weights and runs them as two halves of 16, with a gate and an up accumulator per row. The roundings are
+// the unfused bf16 model's: each product, then act(gate), then the product of the two are rounded to bfloat16 (act
+// in float32). XLA would write both [M, N] products and read them back for the activation's fusion.
 //
 // Panels are claimed by the calling thread and by helper tasks on XLA's intra-op thread pool (work_queue.h).
 // Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks `JaxpagedMatmulIsFast` and does
@@ -38,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "vec_math.h"
 #include "work_queue.h"
@@ -52,8 +53,8 @@ using jaxpaged_native::WorkQueue;
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per work item (two 16-lane float32 accumulators per row)
-constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers
-constexpr int kGluRows = 12;     // GLU: rows per register block over 16 columns: 24 accumulators + 2 weight registers
+constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers (a GLU's
+                                // block of 16 columns: 12 gate + 12 up accumulators)
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
@@ -172,11 +173,12 @@ void RowBlock(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, i
   }
 }
 
-template <int R>
-void Tail(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, int64_t width, int64_t rows) {
+// f(std::integral_constant<int, rows>{}) for a run-time rows in [1, R]: the register block for a tail of rows.
+template <int R, typename F>
+void WithRows(int64_t rows, F f) {
   if constexpr (R > 0) {
-    if (rows == R) return RowBlock<R>(p, packed, r0, c0, width);
-    Tail<R - 1>(p, packed, r0, c0, width, rows);
+    if (rows == R) return f(std::integral_constant<int, R>{});
+    WithRows<R - 1>(rows, f);
   }
 }
 
@@ -184,7 +186,7 @@ void Panel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
   PackPanel(p, p.w, c0, width, packed);
   int64_t r = 0;
   for (; r + kRows <= p.m; r += kRows) RowBlock<kRows>(p, packed, r, c0, width);
-  if (r < p.m) Tail<kRows - 1>(p, packed, r, c0, width, p.m - r);
+  if (r < p.m) WithRows<kRows - 1>(p.m - r, [&](auto rows) { RowBlock<rows>(p, packed, r, c0, width); });
 }
 
 inline __m512 RoundToBf16(__m512 v) {  // float32 -> nearest-even bfloat16 -> float32
@@ -241,15 +243,6 @@ void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64
   }
 }
 
-template <int R>
-void GluTail(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0, int64_t c0, int64_t width,
-             int64_t rows) {
-  if constexpr (R > 0) {
-    if (rows == R) return GluRowBlock<R>(p, gate, up, r0, c0, width);
-    GluTail<R - 1>(p, gate, up, r0, c0, width, rows);
-  }
-}
-
 void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
   __m512i *gate = packed, *up = packed + p.k;
   PackPanel(p, p.w, c0, width, gate);
@@ -257,8 +250,8 @@ void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
   for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
     const int64_t c = c0 + 16 * h, w = std::min<int64_t>(width - 16 * h, 16);
     int64_t r = 0;
-    for (; r + kGluRows <= p.m; r += kGluRows) GluRowBlock<kGluRows>(p, gate + h, up + h, r, c, w);
-    if (r < p.m) GluTail<kGluRows - 1>(p, gate + h, up + h, r, c, w, p.m - r);
+    for (; r + kRows <= p.m; r += kRows) GluRowBlock<kRows>(p, gate + h, up + h, r, c, w);
+    if (r < p.m) WithRows<kRows - 1>(p.m - r, [&](auto rows) { GluRowBlock<rows>(p, gate + h, up + h, r, c, w); });
   }
 }
 #else
