@@ -4,7 +4,9 @@ For each weight shape of SmolLM2-135M (q/o [576, 576], k/v [576, 192], gate/up [
 stacked over 30 layers as the engine holds them, a jitted `fori_loop` over the layers computes x [M, K] @ w[i] as
 the model's step does (`jaxpaged.models.matmul.layer_matmul`), with the step's XLA options
 (`step_compiler_options`): XLA slices w[i] and runs its dot; the native kernel reads w[i] in place
-(`cpu_native.matmul_native`). Both outputs are compared (bitwise equal bf16 is expected: both accumulate pairs of
+(`cpu_native.matmul_native`), from the weight as stored and from the weight prepacked in the kernel's panel layout
+(`cpu_native.prepack_weight`, what the engine holds on such a CPU). The outputs are compared (bitwise equal bf16
+is expected: both accumulate pairs of
 products with VDPBF16PS). The engine uses the native kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which
 this table is there to justify. Median of --runs calls after one warm-up.
 
@@ -23,7 +25,7 @@ from step_anatomy import cpu_name, device_ms
 
 from jaxpaged.model_runner import NATIVE_MATMUL_ROWS
 from jaxpaged.models.matmul import matmul
-from pallas_kernels.cpu_native import matmul_is_fast, matmul_native
+from pallas_kernels.cpu_native import matmul_is_fast, matmul_native, prepack_weight
 
 SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576)}
 XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # the bf16 step's (model_runner)
@@ -54,25 +56,29 @@ def main():
     results = []
     for name, (k, n) in SHAPES.items():
         w = jnp.asarray(rng.standard_normal((args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
+        packed = prepack_weight(w)
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-            equal = bool(jnp.all(matmul(x, w[3]) == matmul_native(x, w, 3)))
+            want = matmul(x, w[3])
+            equal = bool(jnp.all(want == matmul_native(x, w, 3)) & jnp.all(want == matmul_native(x, packed, 3)))
             row = {"weights": name, "K": k, "N": n, "rows": m, "bitwise_equal": equal}
-            for label, fn in (("xla", xla), ("native", native)):
-                ms = device_ms(fn.lower(x, w).compile(compiler_options=XLA_OPTIONS), x, w, runs=args.runs)
+            for label, fn, weight in (("xla", xla, w), ("native", native, w), ("prepacked", native, packed)):
+                ms = device_ms(fn.lower(x, weight).compile(compiler_options=XLA_OPTIONS), x, weight, runs=args.runs)
                 row[f"{label}_ms"] = ms
                 row[f"{label}_GFLOPs"] = 2 * m * k * n * args.layers / ms / 1e6
-            row["speedup"] = row["xla_ms"] / row["native_ms"]
+            row["speedup"] = row["xla_ms"] / row["prepacked_ms"]
             results.append(row)
             print(f"{name:<9} K={k:<5} N={n:<5} rows={m:<5} XLA {row['xla_ms']:8.2f} ms "
                   f"({row['xla_GFLOPs']:4.0f} GFLOP/s)  native {row['native_ms']:8.2f} ms "
-                  f"({row['native_GFLOPs']:4.0f} GFLOP/s)  x{row['speedup']:.2f}  equal={equal}", flush=True)
+                  f"({row['native_GFLOPs']:4.0f} GFLOP/s)  prepacked {row['prepacked_ms']:8.2f} ms "
+                  f"({row['prepacked_GFLOPs']:4.0f} GFLOP/s)  equal={equal}", flush=True)
     cpu = cpu_name()
     print(f"\nCPU: {cpu}; {args.layers} layers per call; the engine's native limit: {NATIVE_MATMUL_ROWS} rows")
-    print("| rows | " + " | ".join(f"{s} XLA / native ms" for s in SHAPES) + " |")
+    print("| rows | " + " | ".join(f"{s} XLA / native / prepacked ms" for s in SHAPES) + " |")
     print("|---" * (len(SHAPES) + 1) + "|")
     for m in args.rows:
-        cells = [f"{r['xla_ms']:.1f} / {r['native_ms']:.1f}" for r in results if r["rows"] == m]
+        cells = [f"{r['xla_ms']:.1f} / {r['native_ms']:.1f} / {r['prepacked_ms']:.1f}" for r in results
+                 if r["rows"] == m]
         print(f"| {m} | " + " | ".join(cells) + " |")
     write_json(args.out, {"cpu": cpu, "layers": args.layers, "native_matmul_rows": NATIVE_MATMUL_ROWS,
                           "results": results})

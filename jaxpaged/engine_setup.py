@@ -206,8 +206,12 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype.
 
     On CPU with a 16-bit dtype, the Llama family and Gemma 3 with tied embeddings first get a transposed copy of
-    the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step)."""
+    the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step),
+    and where every step's matmuls run by the native CPU kernel (`model_runner.native_matmul_rows`), their stacked
+    bfloat16 layer matrices are prepacked in its layout (`models.matmul.prepack_layer_weights`)."""
+    from jaxpaged.model_runner import native_matmul_rows
     from jaxpaged.models import gemma3, llama
+    from jaxpaged.models.matmul import prepack_layer_weights
 
     if (isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)) and model.config.tie_word_embeddings
             and jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize == 2):
@@ -217,7 +221,10 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     def cast(x):
         return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
 
-    return graphdef, nnx.merge_state(jax.tree.map(cast, params), jax.tree.map(jnp.asarray, rest))
+    params = jax.tree.map(cast, params)
+    if isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)) and native_matmul_rows(None):
+        nnx.replace_by_pure_dict(params, prepack_layer_weights(nnx.to_pure_dict(params)))
+    return graphdef, nnx.merge_state(params, jax.tree.map(jnp.asarray, rest))
 
 
 def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):

@@ -153,6 +153,54 @@ def test_glu_bad_arguments_raise_value_error_naming_them():
         cpu_native.matmul_glu_native(jnp.zeros((4, 7), jnp.bfloat16), w[:7], w[:7])
 
 
+@pytest.mark.parametrize("m", [1, 5, 13, 64])
+@pytest.mark.parametrize("k, n", [(64, 96), (576, 192), (1536, 576)])
+def test_a_prepacked_weight_gives_the_same_bits_as_the_weight_as_stored(m, k, n):
+    """`prepack_weight` ([L, K, N] -> [L, N/32, K/2, 64], the kernel's panel layout) and back is the identity; the
+    kernels read it in place with the same results as from the stored weight (plain, float32 out, live rows, GLU),
+    at every layer."""
+    rng = np.random.default_rng(m + k + n)
+    x, w, w_up = bf16(rng, m, k), bf16(rng, 2, k, n, scale=k ** -0.5), bf16(rng, 2, k, n, scale=k ** -0.5)
+    packed, packed_up = cpu_native.prepack_weight(w), cpu_native.prepack_weight(w_up)
+    assert packed.shape == (2, n // 32, k // 2, 64)
+    np.testing.assert_array_equal(np.asarray(cpu_native.unpack_weight(packed)), np.asarray(w))
+    np.testing.assert_array_equal(cpu_native.unpack_weight(cpu_native.prepack_weight(np.asarray(w))), np.asarray(w))
+    for layer in (0, 1):
+        for args in ((None, None), (jnp.float32, None), (None, m // 2)):
+            np.testing.assert_array_equal(np.asarray(cpu_native.matmul_native(x, packed, layer, *args), np.float32),
+                                          np.asarray(cpu_native.matmul_native(x, w, layer, *args), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(cpu_native.matmul_glu_native(x, packed, packed_up, layer, "gelu_tanh"), np.float32),
+            np.asarray(cpu_native.matmul_glu_native(x, w, w_up, layer, "gelu_tanh"), np.float32))
+
+
+def test_prepacking_refuses_shapes_it_cannot_lay_out():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_native.prepack_weight(jnp.zeros((2, 8, 40), jnp.bfloat16))
+    with pytest.raises(ValueError, match="K even"):
+        cpu_native.prepack_weight(jnp.zeros((2, 7, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match="prepacked"):  # last axis not 64
+        cpu_native.matmul_native(jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros((1, 1, 4, 32), jnp.bfloat16))
+    with pytest.raises(ValueError, match="prepacked"):  # K/2 does not fit x
+        cpu_native.matmul_native(jnp.zeros((2, 8), jnp.bfloat16), jnp.zeros((1, 1, 3, 64), jnp.bfloat16))
+
+
+def test_a_prepacked_weight_outside_the_native_kernel_is_unpacked():
+    """layer_matmul / layer_glu of a prepacked weight where the kernel does not run (no native_matmul, float32 x):
+    XLA's dot of the unpacked layer, the same numbers."""
+    rng = np.random.default_rng(3)
+    x, w = bf16(rng, 5, 64), bf16(rng, 2, 64, 32)
+    packed = cpu_native.prepack_weight(w)
+    np.testing.assert_array_equal(np.asarray(layer_matmul(x, packed, 1), np.float32),
+                                  np.asarray(matmul(x, w[1]), np.float32))
+    np.testing.assert_array_equal(np.asarray(layer_glu(x, packed, packed, 1, "silu"), np.float32),
+                                  np.asarray(layer_glu(x, w, w, 1, "silu"), np.float32))
+    x32 = x.astype(jnp.float32)
+    with native_matmul(64):
+        np.testing.assert_allclose(np.asarray(layer_matmul(x32, packed.astype(jnp.float32), 1)),
+                                   np.asarray(matmul(x32, w[1].astype(jnp.float32))), rtol=1e-6)
+
+
 def test_layer_glu_is_native_only_inside_native_matmul():
     import jax
 
@@ -174,9 +222,18 @@ ENGINE_ROWS = model_runner_module.NATIVE_MATMUL_ROWS
 CONFIG = tiny_config(vocab_size=136, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)
 
 
+PARAMS_SEEN: dict[bool, list] = {}
+
+
 def run(native: bool, monkeypatch):
+    from flax import nnx
+
+    from jaxpaged.models.matmul import LAYER_MATRICES
+
     monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", ENGINE_ROWS if native else 0)
     llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="bfloat16")
+    layers = nnx.to_pure_dict(llm.engine.runner.params)["layers"]
+    PARAMS_SEEN[native] = [layers[name] for name in LAYER_MATRICES]
     prompts = random_prompts(3, 5, 40, vocab=CONFIG.vocab_size, seed=2)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -188,6 +245,8 @@ def run(native: bool, monkeypatch):
 def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(monkeypatch):
     native_outs, native_hlo = run(True, monkeypatch)
     xla_outs, xla_hlo = run(False, monkeypatch)
+    # the native run's layer matrices were prepacked at load (4-D), XLA's kept as stored
+    assert {x.ndim for x in PARAMS_SEEN[True]} == {4} and {x.ndim for x in PARAMS_SEEN[False]} == {3}
     assert cpu_native.native.MATMUL_TARGET in native_hlo and cpu_native.native.MATMUL_TARGET not in xla_hlo
     assert cpu_native.native.GLU_TARGET in native_hlo and cpu_native.native.GLU_TARGET not in xla_hlo
     for a, b in zip(native_outs, xla_outs, strict=True):

@@ -260,7 +260,7 @@ class Gemma3ForCausalLM(nnx.Module):
             """Layer `layer` (traced in the loop, static in the tail), of the same type as layer j < period."""
             window = c.layer_window(j)
             # vectors sliced; matrices stacked, read at `layer` by layer_matmul (in place where it can)
-            p = {name: x if x.ndim == 3 else x[layer] for name, x in stacked.items()}
+            p = {name: x if x.ndim >= 3 else x[layer] for name, x in stacked.items()}
             box = [pool]
 
             def attend(q, k, v, _window):

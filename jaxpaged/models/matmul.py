@@ -3,6 +3,7 @@
     y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
     y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
+    prepack_layer_weights(state)          # the native kernels' layout for every stacked matrix, once at load
 
 `layer_matmul` is XLA's dot of the slice `w[layer]`, unless the step is traced inside `native_matmul(max_rows)`:
 then a bfloat16 product of at most max_rows rows runs as `pallas_kernels.cpu_native.matmul_native`, which reads
@@ -13,6 +14,12 @@ more than its arithmetic (benchmarks/step_anatomy.py). At prefill sizes the two 
 (benchmarks/matmul.py), and the native one writes its bf16 result directly. `layer_glu` is, under the same
 conditions, one native pass over both weights that writes act(gate) * up (`cpu_native.matmul_glu_native`): XLA
 would write both [M, N] products and read them back for the activation.
+
+`prepack_layer_weights` lays the stacked matrices out once, at load, as the native kernel reads them
+(`cpu_native.prepack_weight`, [L, N/32, K/2, 64]): a decode step's few rows then stream each weight from memory
+instead of gathering 64 bytes of every row of it and packing them on every call (benchmarks/matmul.py). Both
+functions take either layout; a prepacked weight outside the native kernel (another dtype, too many rows) is
+unpacked first, which is correct and slow: the engine prepacks only where every step runs natively.
 """
 
 from __future__ import annotations
@@ -58,13 +65,22 @@ def _native(x: jax.Array, w: jax.Array) -> bool:
                 and w.dtype == jnp.bfloat16)
 
 
+def _layer(w: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """[K, N] matrix `layer` of a stacked weight, [L, K, N] or prepacked [L, N/32, K/2, 64]."""
+    if w.ndim == 4:
+        from pallas_kernels.cpu_native import unpack_weight
+
+        return unpack_weight(w[layer])
+    return w[layer]
+
+
 def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x [M, K] @ w[layer] for w [L, K, N] stacked over layers; `matmul`'s numbers, in x's dtype."""
+    """x [M, K] @ w[layer] for w [L, K, N] stacked over layers (or prepacked); `matmul`'s numbers, in x's dtype."""
     if _native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
-    return matmul(x, w[layer])
+    return matmul(x, _layer(w, layer))
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -72,10 +88,29 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, 
 
 def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array | int, activation: str) -> jax.Array:
     """act(x [M, K] @ w_gate[layer]) * (x @ w_up[layer]) [M, N] in x's dtype, for stacked w_gate, w_up [L, K, N]; act
-    is "silu" or "gelu_tanh". Natively the roundings are the same (each product, act(gate), their product) and
+    is "silu" or "gelu_tanh" (the weights stacked or prepacked). Natively the roundings are the same (each product,
+    act(gate), their product) and
     only act's float32 approximation differs from XLA's (an occasional bf16 rounding step)."""
     if _native(x, w_gate) and w_up.dtype == w_gate.dtype:
         from pallas_kernels.cpu_native import matmul_glu_native
 
         return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
     return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer)) * layer_matmul(x, w_up, layer)
+
+
+LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the loader's names (jaxpaged.loader.layout)
+
+
+def prepack_layer_weights(state: dict) -> dict:
+    """The built-in models' state (a pure dict, `nnx.to_pure_dict`) with every stacked bfloat16 layer matrix
+    (`layers/wq` ... `layers/w_down`, [L, K, N]) prepacked for the native kernel where its shape allows (K even,
+    N a multiple of 32); the rest as it is. For a step that runs its matmuls natively (`native_matmul`)."""
+    from pallas_kernels.cpu_native import PANEL, prepack_weight
+
+    layers = dict(state["layers"])
+    for name in LAYER_MATRICES:
+        w = layers.get(name)
+        if (w is not None and w.ndim == 3 and w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0
+                and w.shape[2] % PANEL == 0):
+            layers[name] = jax.jit(prepack_weight)(w)
+    return {**state, "layers": layers}

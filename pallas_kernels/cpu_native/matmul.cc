@@ -81,7 +81,14 @@ struct Problem {
   int64_t m, k, n;
   const uint16_t* w_up = nullptr;  // GLU only: [K, N] (this layer's); w is then the gate's
   int64_t act = kSilu;             // GLU only
+  bool prepacked = false;          // w (and w_up) are already PackPanel's layout, panel after panel (see Setup)
 };
+
+// Element (kk, j) of a weight, in either layout: [K, N], or prepacked [N / 32][K / 2][2 halves][16][2].
+inline uint16_t WeightAt(const Problem& p, const uint16_t* w, int64_t kk, int64_t j) {
+  if (!p.prepacked) return w[kk * p.n + j];
+  return w[((j / kPanel) * (p.k / 2) + kk / 2) * 64 + (j % kPanel) / 16 * 32 + (j % 16) * 2 + kk % 2];
+}
 
 inline float R(float f) { return Bf16ToFloat(FloatToBf16(f)); }  // rounded to bfloat16
 
@@ -98,15 +105,13 @@ void PanelPlain(const Problem& p, int64_t c0, int64_t width) {
     float acc[kPanel] = {};
     for (int64_t kk = 0; kk < p.k; ++kk) {
       const float a = Bf16ToFloat(p.x[r * p.k + kk]);
-      const uint16_t* wr = p.w + kk * p.n + c0;
-      for (int64_t j = 0; j < width; ++j) acc[j] += a * Bf16ToFloat(wr[j]);
+      for (int64_t j = 0; j < width; ++j) acc[j] += a * Bf16ToFloat(WeightAt(p, p.w, kk, c0 + j));
     }
     if (p.w_up) {  // GLU: acc holds the gate; the up product, then act(gate) * up from bf16-rounded products
       float up[kPanel] = {};
       for (int64_t kk = 0; kk < p.k; ++kk) {
         const float a = Bf16ToFloat(p.x[r * p.k + kk]);
-        const uint16_t* wr = p.w_up + kk * p.n + c0;
-        for (int64_t j = 0; j < width; ++j) up[j] += a * Bf16ToFloat(wr[j]);
+        for (int64_t j = 0; j < width; ++j) up[j] += a * Bf16ToFloat(WeightAt(p, p.w_up, kk, c0 + j));
       }
       for (int64_t j = 0; j < width; ++j)
         acc[j] = Activate(p.act, R(acc[j])) * R(up[j]);
@@ -147,8 +152,8 @@ void RowBlock(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, i
   const int32_t* xr = reinterpret_cast<const int32_t*>(p.x + r0 * p.k);  // bf16 pairs
   const int64_t pairs = p.k / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh w0 = (__m512bh)_mm512_load_si512(packed + 2 * kp);
-    const __m512bh w1 = (__m512bh)_mm512_load_si512(packed + 2 * kp + 1);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(packed + 2 * kp);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(packed + 2 * kp + 1);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r * pairs + kp]);
@@ -182,8 +187,15 @@ void WithRows(int64_t rows, F f) {
   }
 }
 
-void Panel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
-  PackPanel(p, p.w, c0, width, packed);
+// The panel of columns [c0, c0 + width) as PackPanel lays it out: packed into `buffer`, or where it already is.
+const __m512i* PanelOf(const Problem& p, const uint16_t* w, int64_t c0, int64_t width, __m512i* buffer) {
+  if (p.prepacked) return reinterpret_cast<const __m512i*>(w + c0 * p.k);
+  PackPanel(p, w, c0, width, buffer);
+  return buffer;
+}
+
+void Panel(const Problem& p, int64_t c0, int64_t width, __m512i* buffer) {
+  const __m512i* packed = PanelOf(p, p.w, c0, width, buffer);
   int64_t r = 0;
   for (; r + kRows <= p.m; r += kRows) RowBlock<kRows>(p, packed, r, c0, width);
   if (r < p.m) WithRows<kRows - 1>(p.m - r, [&](auto rows) { RowBlock<rows>(p, packed, r, c0, width); });
@@ -222,8 +234,8 @@ void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64
   const int32_t* xr = reinterpret_cast<const int32_t*>(p.x + r0 * p.k);  // bf16 pairs
   const int64_t pairs = p.k / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh wg = (__m512bh)_mm512_load_si512(gate + 2 * kp);
-    const __m512bh wu = (__m512bh)_mm512_load_si512(up + 2 * kp);
+    const __m512bh wg = (__m512bh)_mm512_loadu_si512(gate + 2 * kp);
+    const __m512bh wu = (__m512bh)_mm512_loadu_si512(up + 2 * kp);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r * pairs + kp]);
@@ -243,10 +255,9 @@ void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64
   }
 }
 
-void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* packed) {
-  __m512i *gate = packed, *up = packed + p.k;
-  PackPanel(p, p.w, c0, width, gate);
-  PackPanel(p, p.w_up, c0, width, up);
+void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* buffer) {
+  const __m512i* gate = PanelOf(p, p.w, c0, width, buffer);
+  const __m512i* up = PanelOf(p, p.w_up, c0, width, buffer + p.k);
   for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
     const int64_t c = c0 + 16 * h, w = std::min<int64_t>(width - 16 * h, 16);
     int64_t r = 0;
@@ -293,10 +304,13 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi
                  int32_t rows, ffi::Result<ffi::AnyBuffer>& out, Problem& p) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   auto fail = [&](const std::string& what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || od.size() != 2)
-    return fail("x must be [M, K], w [K, N] or [L, K, N], out [M, N]");
-  const int64_t m = xd[0], k = xd[1], n = wd[wd.size() - 1];
-  if (wd[wd.size() - 2] != k || od[0] != m || od[1] != n) return fail("the shapes of x, w and out do not fit");
+  if (xd.size() != 2 || wd.size() < 2 || wd.size() > 4 || od.size() != 2)
+    return fail("x must be [M, K], w [K, N], [L, K, N] or prepacked [L, N/32, K/2, 64], out [M, N]");
+  const bool prepacked = wd.size() == 4;
+  if (prepacked && wd[3] != 2 * kPanel) return fail("a prepacked w must be [L, N/32, K/2, 64]");
+  const int64_t m = xd[0], k = xd[1];
+  const int64_t n = prepacked ? wd[1] * kPanel : wd[wd.size() - 1], w_k = prepacked ? 2 * wd[2] : wd[wd.size() - 2];
+  if (w_k != k || od[0] != m || od[1] != n) return fail("the shapes of x, w and out do not fit");
   if (w_up && !std::equal(wd.begin(), wd.end(), w_up->dimensions().begin(), w_up->dimensions().end()))
     return fail("w_gate and w_up must have one shape");
   if (k % 2) return fail("K must be even");
@@ -304,7 +318,8 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi
     return fail("x and the weights must be bfloat16");
   const auto ot = out->element_type();
   if (ot != ffi::BF16 && ot != ffi::F32) return fail("out must be bfloat16 or float32");
-  const int64_t offset = wd.size() == 3 && wd[0] > 0 ? std::clamp<int64_t>(layer, 0, wd[0] - 1) * k * n : 0;
+  const int64_t offset = wd.size() >= 3 && wd[0] > 0 ? std::clamp<int64_t>(layer, 0, wd[0] - 1) * k * n : 0;
+  p.prepacked = prepacked;
   p.x = static_cast<const uint16_t*>(x.untyped_data());
   p.w = static_cast<const uint16_t*>(w.untyped_data()) + offset;
   if (w_up) p.w_up = static_cast<const uint16_t*>(w_up->untyped_data()) + offset;

@@ -257,10 +257,40 @@ def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_
                 jnp.asarray(v_blocks, v_cache.dtype))
 
 
+PANEL = 32  # output columns per panel of a prepacked weight (matmul.cc's kPanel)
+
+
+def prepack_weight(w):
+    """A stacked weight [L, K, N] (K even, N a multiple of 32) laid out as the native matmuls read it, panel after
+    panel: [L, N/32, K/2, 64], where [l, p, i] holds, for the 32 columns c of panel p, w[l, 2i, c] and
+    w[l, 2i + 1, c] interleaved by halves of 16 columns (what VDPBF16PS multiplies). A panel is one contiguous run of
+    K * 64 bytes, so a call streams the weight instead of reading 64 bytes per row and packing it (matmul.cc).
+    numpy or jax arrays; the inverse is `unpack_weight`."""
+    xp = jnp if isinstance(w, jax.Array) else np
+    L, K, N = w.shape
+    if K % 2 or N % PANEL:
+        raise ValueError(f"a prepacked weight needs K even and N a multiple of {PANEL}, got [L, K, N] = {w.shape}")
+    w = w.reshape(L, K // 2, 2, N // PANEL, 2, PANEL // 2)  # [l, i, parity, panel, half, lane]
+    return xp.transpose(w, (0, 3, 1, 4, 5, 2)).reshape(L, N // PANEL, K // 2, 2 * PANEL)
+
+
+def unpack_weight(w):
+    """`prepack_weight`'s inverse: [L, N/32, K/2, 64] -> [L, K, N] (or [N/32, K/2, 64] -> [K, N])."""
+    xp = jnp if isinstance(w, jax.Array) else np
+    *lead, panels, pairs, _ = w.shape
+    w = w.reshape(*lead, panels, pairs, 2, PANEL // 2, 2)  # [.., panel, i, half, lane, parity]
+    n = len(lead)
+    w = xp.transpose(w, (*range(n), n + 1, n + 4, n, n + 2, n + 3))  # [.., i, parity, panel, half, lane]
+    return w.reshape(*lead, 2 * pairs, panels * PANEL)
+
+
 def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
-    """The native matmuls' arguments: x [M, K] and w [K, N] or [L, K, N], both bfloat16, K even; the kernels built."""
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
-        raise ValueError(f"x must be [M, K] and {name} [K, N] or [L, K, N], got {x.shape} and {w.shape}")
+    """The native matmuls' arguments: x [M, K] and w [K, N], [L, K, N] or prepacked [L, N/32, K/2, 64]
+    (`prepack_weight`), both bfloat16, K even; the kernels built."""
+    k = 2 * w.shape[2] if w.ndim == 4 else w.shape[-2]
+    if x.ndim != 2 or w.ndim not in (2, 3, 4) or k != x.shape[1] or (w.ndim == 4 and w.shape[3] != 2 * PANEL):
+        raise ValueError(f"x must be [M, K] and {name} [K, N], [L, K, N] or prepacked [L, N/32, K/2, 64], got "
+                         f"{x.shape} and {w.shape}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"x and {name} must be bfloat16, got {x.dtype} and {w.dtype}")
     if x.shape[1] % 2:
@@ -269,9 +299,14 @@ def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
         raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
 
 
+def _columns(w: jax.Array) -> int:
+    return w.shape[1] * PANEL if w.ndim == 4 else w.shape[-1]
+
+
 def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dtype=None,
                   rows: jax.Array | int | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N], or @ w[layer] for a stacked w [L, K, N] (read in place: no slice is copied), both
+    """x [M, K] @ w [K, N], or @ w[layer] for a stacked w [L, K, N] or a prepacked one (`prepack_weight`; read in
+    place: no slice is copied), both
     bfloat16 with K even, accumulated in float32 and returned in out_dtype (bfloat16 by default, rounded to nearest
     even, or float32). Equal to `jnp.dot(x, w[layer], preferred_element_type=jnp.float32).astype(out_dtype)` up to
     float32 summation order, on the first `rows` rows (default: all M; an int32 scalar, traced or not); the rows
@@ -280,7 +315,7 @@ def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dt
     _check_matmul(x, w, "w")
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), out_dtype))
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], _columns(w)), out_dtype))
     return call(x, w, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0))
 
 
@@ -288,15 +323,16 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
                       activation: str = "silu", rows: jax.Array | int | None = None) -> jax.Array:
     """act(x @ w_gate) * (x @ w_up) [M, N] bfloat16 in one pass (a gated MLP's first half): the weights [K, N], or
     stacked [L, K, N] and read at `layer` in place; rounded as the unfused bfloat16 computation is: each product
-    (as `matmul_native`'s), act(gate) (computed in float32) and the product. activation: "silu" or "gelu_tanh"
-    (GELU's tanh approximation). Only the first `rows` rows (default: all) are computed, as in `matmul_native`."""
+    (as `matmul_native`'s), act(gate) (computed in float32) and the product; both weights may be prepacked.
+    activation: "silu" or "gelu_tanh" (GELU's tanh approximation). Only the first `rows` rows (default: all) are
+    computed, as in `matmul_native`."""
     if activation not in GLU_ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(GLU_ACTIVATIONS)}, got {activation!r}")
     if w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
         raise ValueError(f"w_gate and w_up must have one shape and dtype, got {w_gate.shape} {w_gate.dtype} and "
                          f"{w_up.shape} {w_up.dtype}")
     _check_matmul(x, w_gate, "w_gate")
-    call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], w_gate.shape[-1]), jnp.bfloat16))
+    call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], _columns(w_gate)), jnp.bfloat16))
     return call(x, w_gate, w_up, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0),
                 act=np.int64(GLU_ACTIVATIONS[activation]))
 
@@ -317,4 +353,5 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
-           "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "cache_dir"]
+           "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
+           "unpack_weight", "cache_dir"]
