@@ -29,7 +29,7 @@ from flax import nnx
 from workload import workload_prompts
 
 from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
-from jaxpaged.models.matmul import layer_matmul, native_matmul
+from jaxpaged.models.matmul import head_matmul, layer_matmul, native_matmul
 
 
 def cpu_name() -> str:
@@ -125,7 +125,7 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
 
 def matmul_part(config, dtype, native_rows: int):
     """jit(weights, x [T, H], rows [S, H]) -> the layer matmuls over all layers plus the LM head on S rows, through
-    the models' `layer_matmul` with the step's own choice of the native kernel (native_rows)."""
+    the models' `layer_matmul` and `head_matmul` with the step's own choice of the native kernel (native_rows)."""
     def run(w, x, rows):
         def layer(i, x):
             def mm(a, name):
@@ -139,7 +139,8 @@ def matmul_part(config, dtype, native_rows: int):
 
         x = jax.lax.fori_loop(0, config.num_layers, layer, x)
         head = w["lm_head"] if "lm_head" in w else w["head_t"] if "head_t" in w else w["embed"].T  # as the model's
-        return x, jnp.dot(rows, head, preferred_element_type=jnp.float32)
+        with native_matmul(native_rows):
+            return x, head_matmul(rows, head)
 
     return run
 

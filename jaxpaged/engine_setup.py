@@ -208,22 +208,30 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     On CPU with a 16-bit dtype, the Llama family and Gemma 3 with tied embeddings first get a transposed copy of
     the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step),
     and where every step's matmuls run by the native CPU kernel (`model_runner.native_matmul_rows`), their stacked
-    bfloat16 layer matrices are prepacked in its layout (`models.matmul.prepack_layer_weights`)."""
+    bfloat16 layer matrices and the LM head are prepacked in its layout (`models.matmul.prepack_layer_weights`,
+    `prepack_head`)."""
     from jaxpaged.model_runner import native_matmul_rows
     from jaxpaged.models import gemma3, llama
-    from jaxpaged.models.matmul import prepack_layer_weights
+    from jaxpaged.models.matmul import prepack_head, prepack_layer_weights
 
-    if (isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)) and model.config.tie_word_embeddings
-            and jax.default_backend() == "cpu" and jnp.dtype(dtype).itemsize == 2):
+    built_in = isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM))
+    if (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
+            and jnp.dtype(dtype).itemsize == 2):
         llama.keep_transposed_head(model, dtype)
+    prepack = built_in and jnp.dtype(dtype) == jnp.bfloat16 and native_matmul_rows(None) > 0
+    if prepack and getattr(model, "head_t", None) is not None:
+        model.head_t = llama.TransposedHead(prepack_head(model.head_t[...]))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(x):
         return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
 
     params = jax.tree.map(cast, params)
-    if isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)) and native_matmul_rows(None):
-        nnx.replace_by_pure_dict(params, prepack_layer_weights(nnx.to_pure_dict(params)))
+    if prepack:
+        pure = prepack_layer_weights(nnx.to_pure_dict(params))
+        if "lm_head" in pure:
+            pure["lm_head"] = prepack_head(pure["lm_head"])
+        nnx.replace_by_pure_dict(params, pure)
     return graphdef, nnx.merge_state(params, jax.tree.map(jnp.asarray, rest))
 
 

@@ -201,6 +201,33 @@ def test_a_prepacked_weight_outside_the_native_kernel_is_unpacked():
                                    np.asarray(matmul(x32, w[1].astype(jnp.float32))), rtol=1e-6)
 
 
+def test_a_prepacked_lm_head_runs_natively_on_its_live_rows_in_float32():
+    """head_matmul: a prepacked head inside native_matmul is the native kernel with float32 out (XLA's dot up to
+    float32 summation order), zeros past the live rows; outside it, exactly XLA's dot of the unpacked head. A head
+    the layout cannot hold (V not a multiple of 32) stays as it is."""
+    import jax
+
+    from jaxpaged.models.matmul import head_matmul, prepack_head
+
+    rng = np.random.default_rng(4)
+    h, head = bf16(rng, 6, 64), bf16(rng, 64, 160, scale=0.125)
+    packed = prepack_head(head)
+    assert packed.shape == (1, 5, 32, 64) and prepack_head(head[:, :150]).shape == (64, 150)
+    want = np.asarray(jnp.dot(h, head, preferred_element_type=jnp.float32))
+    np.testing.assert_array_equal(np.asarray(head_matmul(h, packed)), want)
+
+    def native(h, packed, live):
+        with native_matmul(64, live_rows=(6, live)):
+            return head_matmul(h, packed)
+
+    hlo = jax.jit(native).lower(h, packed, jnp.int32(4)).as_text(dialect="hlo")
+    assert cpu_native.native.MATMUL_TARGET in hlo
+    got = np.asarray(jax.jit(native)(h, packed, jnp.int32(4)))
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got[:4], want[:4], rtol=1e-5, atol=1e-5)
+    assert not got[4:].any()
+
+
 def test_layer_glu_is_native_only_inside_native_matmul():
     import jax
 
@@ -219,7 +246,7 @@ def test_layer_glu_is_native_only_inside_native_matmul():
 
 
 ENGINE_ROWS = model_runner_module.NATIVE_MATMUL_ROWS
-CONFIG = tiny_config(vocab_size=136, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)
+CONFIG = tiny_config(vocab_size=160, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)  # V: 5 panels of 32
 
 
 PARAMS_SEEN: dict[bool, list] = {}
@@ -232,8 +259,9 @@ def run(native: bool, monkeypatch):
 
     monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", ENGINE_ROWS if native else 0)
     llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="bfloat16")
-    layers = nnx.to_pure_dict(llm.engine.runner.params)["layers"]
-    PARAMS_SEEN[native] = [layers[name] for name in LAYER_MATRICES]
+    state = nnx.to_pure_dict(llm.engine.runner.params)
+    head = state.get("head_t", state.get("lm_head"))
+    PARAMS_SEEN[native] = [state["layers"][name] for name in LAYER_MATRICES] + [head]
     prompts = random_prompts(3, 5, 40, vocab=CONFIG.vocab_size, seed=2)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -245,8 +273,8 @@ def run(native: bool, monkeypatch):
 def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(monkeypatch):
     native_outs, native_hlo = run(True, monkeypatch)
     xla_outs, xla_hlo = run(False, monkeypatch)
-    # the native run's layer matrices were prepacked at load (4-D), XLA's kept as stored
-    assert {x.ndim for x in PARAMS_SEEN[True]} == {4} and {x.ndim for x in PARAMS_SEEN[False]} == {3}
+    # the native run's layer matrices and LM head were prepacked at load (4-D), XLA's kept as stored
+    assert {x.ndim for x in PARAMS_SEEN[True]} == {4} and {x.ndim for x in PARAMS_SEEN[False]} == {2, 3}
     assert cpu_native.native.MATMUL_TARGET in native_hlo and cpu_native.native.MATMUL_TARGET not in xla_hlo
     assert cpu_native.native.GLU_TARGET in native_hlo and cpu_native.native.GLU_TARGET not in xla_hlo
     for a, b in zip(native_outs, xla_outs, strict=True):

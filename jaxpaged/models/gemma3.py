@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
-from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul
+from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
 
 NEG_INF = -1e30
 NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
@@ -290,6 +290,4 @@ class Gemma3ForCausalLM(nnx.Module):
         """hidden [S, H] -> logits [S, V] float32: final norm, LM head (embed.T when tied), final soft-cap."""
         c = self.config
         h = rms_norm(hidden, self.final_norm[...], c)
-        head = lm_head(self)  # [H, V]
-        return _soft_cap(jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32),
-                         c.final_logit_softcapping)
+        return _soft_cap(head_matmul(h, lm_head(self)), c.final_logit_softcapping)  # head [H, V] or prepacked

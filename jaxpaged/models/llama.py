@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.matmul import layer_glu, layer_matmul
+from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -70,7 +70,8 @@ def keep_transposed_head(model: nnx.Module, dtype) -> None:
 
 
 def lm_head(model: nnx.Module) -> jax.Array:
-    """The [H, V] LM head of a model with `embed` [V, H]: its own `lm_head`, the kept transpose, or embed.T."""
+    """The [H, V] LM head of a model with `embed` [V, H]: its own `lm_head`, the kept transpose, or embed.T (the
+    first two possibly prepacked at load for the native CPU matmul: `engine_setup.split_model`)."""
     if not model.config.tie_word_embeddings:
         return model.lm_head[...]
     head_t = getattr(model, "head_t", None)
@@ -185,8 +186,7 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""
         h = _rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
-        head = lm_head(self)  # [H, V]
-        return jnp.dot(h.astype(head.dtype), head, preferred_element_type=jnp.float32)
+        return head_matmul(h, lm_head(self))  # [H, V], or prepacked at load
 
 
 def abstract_model(config: ModelConfig) -> LlamaForCausalLM:

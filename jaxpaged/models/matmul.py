@@ -3,6 +3,7 @@
     y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
     y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
+    logits = head_matmul(h, head)         # h [S, H] @ head [H, V] (or prepacked) -> float32 logits
     prepack_layer_weights(state)          # the native kernels' layout for every stacked matrix, once at load
 
 `layer_matmul` is XLA's dot of the slice `w[layer]`, unless the step is traced inside `native_matmul(max_rows)`:
@@ -96,6 +97,28 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
 
         return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
     return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer)) * layer_matmul(x, w_up, layer)
+
+
+def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:
+    """h [S, H] @ head [H, V] accumulated and returned in float32: the LM head. A head prepacked as a one-layer
+    stack ([1, V/32, H/2, 64], `prepack_head`) runs natively inside `native_matmul` (bfloat16 h), on its live rows;
+    elsewhere XLA's dot (of the unpacked head)."""
+    if head.ndim == 4 and _native(h, head):
+        from pallas_kernels.cpu_native import matmul_native
+
+        return matmul_native(h, head, 0, jnp.float32, rows=_live_rows(h))
+    return jnp.dot(h.astype(head.dtype), _layer(head, 0) if head.ndim == 4 else head,
+                   preferred_element_type=jnp.float32)
+
+
+def prepack_head(head: jax.Array) -> jax.Array:
+    """An LM head [H, V] prepacked as a one-layer stack for `head_matmul` where its shape allows (H even, V a
+    multiple of 32); else as it is."""
+    from pallas_kernels.cpu_native import PANEL, prepack_weight
+
+    if head.ndim != 2 or head.shape[0] % 2 or head.shape[1] % PANEL:
+        return head
+    return jax.jit(prepack_weight)(head[None])
 
 
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the loader's names (jaxpaged.loader.layout)

@@ -2,7 +2,8 @@
 //
 //   x      [M, K]        bfloat16   activations (K even)
 //   w      [K, N] or [L, K, N]  bfloat16   weights as stored for x @ w; a stacked [L, K, N] is read at `layer`
-//                                   in place (no per-layer slice is copied)
+//                                   in place (no per-layer slice is copied); or prepacked [L, N/32, K/2, 64]:
+//                                   each panel already in the layout described below (native.py's prepack_weight)
 //   layer  [] int32                 which of the L matrices (ignored for a [K, N] w; clipped to [0, L))
 //   rows   [] int32                 how many rows of x are real (clipped to [0, M]): only those are multiplied, the
 //                                   others are a bucketed step's padding and get zeros
@@ -15,6 +16,11 @@
 // ([K/2, 32, 2], what VDPBF16PS multiplies) into a buffer that stays in its L1/L2 cache, and runs every row of x
 // over it in blocks of kRows rows: per pair of k, two loads of packed weights and 2 x kRows dot-product
 // instructions, the x pair broadcast from memory. Every weight is read from memory once per call.
+//
+// A prepacked weight skips the packing: its panels are laid out that way once, at load, each one contiguous run
+// of K * 64 bytes. Packing on every call reads 64 bytes of each weight row with a stride of N * 2 bytes and writes
+// them back; on the 2-core AMD EPYC this was measured on, that ran at ~17 GB/s against ~40 GB/s for a plain
+// stream, which is most of a decode step's matmul time (benchmarks/matmul.py, "prepacked" column).
 //
 // JaxpagedMatmulGlu is the first half of a gated MLP in one pass: out = act(x @ w_gate) * (x @ w_up), with
 // w_gate, w_up [K, N] or [L, K, N] and act SiLU (0) or GELU-tanh (1). Each worker packs the same 32 output columns
