@@ -623,12 +623,9 @@ inline void ChunkScores(const int32_t* const* q32, const int32_t* __restrict kp,
   for (int r = 0; r < R; ++r) s[r] = a[r];
 }
 
-// One row's online-softmax update with its chunk scores `sc` (already scaled; lanes outside `valid` ignored) and
-// acc += p @ vf over the chunk's n offsets.
-template <int DC>
-inline void ChunkRow(__m512 sc, __mmask16 valid, int n, const float* __restrict vf, float* __restrict acc, float* m,
-                     float* l) {
-  constexpr int64_t D = 16 * DC;
+// One row's online-softmax update with its chunk scores `sc` (already scaled; lanes outside `valid` ignored):
+// writes the row's weights p (16 lanes, 0 outside `valid`) to `pr` and returns the factor its acc is rescaled by.
+inline float ChunkSoftmax(__m512 sc, __mmask16 valid, float* m, float* l, float* pr) {
   sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);
   const float block_max = _mm512_reduce_max_ps(sc);
   const float m_new = std::max(*m, block_max);
@@ -637,27 +634,39 @@ inline void ChunkRow(__m512 sc, __mmask16 valid, int n, const float* __restrict 
   // l keeps 16 lane sums (added up once, at the end)
   _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha), e));
   *m = m_new;
-  alignas(64) float pr[16];
   _mm512_store_ps(pr, e);
-  __m512 a[DC];
-  const __m512 al = _mm512_set1_ps(alpha);
-  for (int c = 0; c < DC; ++c) {
-    a[c] = _mm512_loadu_ps(acc + 16 * c);
-    if (alpha != 1.0f) a[c] = _mm512_mul_ps(al, a[c]);
-  }
-  for (int t = 0; t < n; ++t) {
-    const __m512 pt = _mm512_set1_ps(pr[t]);
-    for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf + t * D + 16 * c), a[c]);
-  }
-  for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  return alpha;
+}
+
+// The R rows' acc = alpha * acc + p @ vf over the chunk's n offsets, all R rows at once: each V vector is loaded
+// once for the R rows, whose accumulators stay in registers (R * DC of them). Per lane, the same additions in the
+// same order as one row at a time.
+template <int R, int DC>
+inline void ChunkPV(const float (*pr)[16], const float* alpha, int n, const float* __restrict vf, float* acc,
+                    const int64_t* ids) {
+  constexpr int64_t D = 16 * DC;
+  __m512 a[R][DC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) {
+      a[r][c] = _mm512_loadu_ps(acc + ids[r] * D + 16 * c);
+      if (alpha[r] != 1.0f) a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), a[r][c]);
+    }
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < DC; ++c) {
+      const __m512 v = _mm512_loadu_ps(vf + t * D + 16 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pr[r][t]), v, a[r][c]);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + ids[r] * D + 16 * c, a[r][c]);
 }
 
 template <int R, int DC>
 inline void ChunkRows(const Problem& p, const int32_t* const* q32, const int64_t* ids, const __mmask16* row_mask,
                       const int32_t* kp, const float* vf, int n, float* acc, float* m, float* l) {
-  constexpr int64_t D = 16 * DC;
   __m512 s[R];
   ChunkScores<R, 8 * DC>(q32, kp, s);
+  alignas(64) float pr[R][16];
+  float alpha[R];
   for (int r = 0; r < R; ++r) {
     __m512 x = _mm512_mul_ps(s[r], _mm512_set1_ps(p.scale));
     if (p.soft_cap > 0.0f) {
@@ -667,7 +676,13 @@ inline void ChunkRows(const Problem& p, const int32_t* const* q32, const int64_t
       x = _mm512_load_ps(v);
     }
     const int64_t row = ids[r];
-    ChunkRow<DC>(x, row_mask[r], n, vf, acc + row * D, m + row, l + row * 16);
+    alpha[r] = ChunkSoftmax(x, row_mask[r], m + row, l + row * 16, pr[r]);
+  }
+  // p @ V with at most 16 accumulators in registers: all R rows (head_dim 64), or one row at a time
+  if constexpr (R * DC <= 16) {
+    ChunkPV<R, DC>(pr, alpha, n, vf, acc, ids);
+  } else {
+    for (int r = 0; r < R; ++r) ChunkPV<1, DC>(pr + r, alpha + r, n, vf, acc, ids + r);
   }
 }
 
