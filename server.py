@@ -409,6 +409,13 @@ async def serve(app: web.Application, host: str, port: int, grace_s: float, keep
     logger.info("stopped")
 
 
+# The server's default for max_prefill_tokens_while_decoding (EngineConfig's is the whole token budget, for offline
+# throughput): streams keep a steady pace while long prompts arrive, which cost the long prompts a little of their
+# time to first token (README, "Serving": the interference run by chunk size). As vLLM, whose API server and LLM
+# class default to different token budgets.
+SERVER_PREFILL_TOKENS_WHILE_DECODING = 128
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="OpenAI-compatible server for jaxpaged")
     add_engine_args(p)
@@ -452,6 +459,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if not args.shutdown_grace >= 0:
         p.error("--shutdown-grace must be >= 0 seconds")
+    if args.max_prefill_tokens_while_decoding is None:
+        args.max_prefill_tokens_while_decoding = min(SERVER_PREFILL_TOKENS_WHILE_DECODING, args.max_num_batched_tokens)
     return args
 
 

@@ -45,8 +45,11 @@ FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_h
 # SmolLM2-135M's heads; 64 sequences of 160 / 256 tokens (640 / 1024 blocks in use), the throughput workload's range
 # and one prefill step of the workload's shape: 13 whole prompts of 157 tokens (2041 tokens)
 # The pool of those cases fits in the CPU's caches (8-12 MB); `layered`: the engine's case, a decode step over 30
-# layers (the throughput workload's mid-decode batch), whose 240 MB of K/V come from memory, timed per layer.
-CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64, mixed=None,
+# layers (the throughput workload's mid-decode batch), whose 240 MB of K/V come from memory, timed per layer;
+# `mixed`: a serving step while a long prompt arrives (benchmarks/serving.py's interference run): 16 streams decoding
+# and a 64-token chunk at the end of a 1536-token prompt.
+CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64,
+           mixed=dict(prefills=1, prefill_context=1536, chunk=64, decodes=16, decode_context=360),
            prefill=dict(prompts=13, length=157), layered=dict(batch=48, context=210, layers=30))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
@@ -237,7 +240,7 @@ def main():
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
         mixed = make_batch(seqs, tile=16, **shape)
         rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,
-                         decode=False, interpret=interpret, copy_bw=copy_bw, timing=timing)
+                         decode=False, interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
 
     print(f"\n{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; {cfg['q_heads']} q / {cfg['kv_heads']} "
           f"kv heads, head_dim {cfg['head_dim']}, block {cfg['block_size']}, {dtype.name}"

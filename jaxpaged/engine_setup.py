@@ -49,8 +49,9 @@ class EngineConfig:
     max_num_seqs: int = _option(64, "sequences per step")
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
     max_prefill_tokens_while_decoding: int | None = _option(
-        None, "prefill tokens per step while other sequences decode (default: max_num_batched_tokens); a decoding "
-              "stream waits one prefill step between tokens, so a smaller value bounds its inter-token latency")
+        None, "prefill tokens per step while other sequences decode (default: max_num_batched_tokens, for "
+              "throughput; server.py's default: 128, at most max_num_batched_tokens); a decoding stream waits one "
+              "prefill step between tokens, so a smaller value bounds its inter-token latency")
     max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "

@@ -203,6 +203,20 @@ def test_every_engine_option_is_a_flag():
     assert EngineConfig(**engine_options(p.parse_args([]))) == EngineConfig()
 
 
+def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overrides_it():
+    """server.py's own default (EngineConfig's is the whole token budget): 128 prompt tokens per step while streams
+    decode, never above max_num_batched_tokens (which would be refused); an explicit value is kept."""
+    import server
+    from jaxpaged.cli import engine_options
+    from jaxpaged.engine_setup import EngineConfig
+
+    assert EngineConfig().max_prefill_tokens_while_decoding is None
+    assert server.parse_args([]).max_prefill_tokens_while_decoding == server.SERVER_PREFILL_TOKENS_WHILE_DECODING
+    assert server.parse_args(["--max-num-batched-tokens", "64"]).max_prefill_tokens_while_decoding == 64
+    args = server.parse_args(["--max-prefill-tokens-while-decoding", "2048"])
+    assert EngineConfig(**engine_options(args)).max_prefill_tokens_while_decoding == 2048
+
+
 def test_pool_too_small_for_one_max_length_sequence_says_the_numbers():
     with pytest.raises(ValueError, match=r"holds 3 blocks .*needs 8 blocks"):
         LLM.from_params(CONFIG, random_params(CONFIG), None, max_model_len=64, block_size=8, num_blocks=4,
