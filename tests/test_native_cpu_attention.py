@@ -41,7 +41,7 @@ DTYPES = pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32
 
 @DTYPES
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1), (18, 1)], ids=["gqa1", "gqa3", "gqa8", "gqa18"])
 def test_ragged_lengths_block_sizes_and_gqa(block_size, heads, dtype):
     num_q_heads, num_kv_heads = heads
     lens = [1, block_size, block_size + 1, 5 * block_size - 3, 1]
@@ -158,9 +158,9 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
 # --- prefill and mixed batches ----------------------------------------------------------------------------------
 
 
-@DTYPES  # bfloat16 tiles of head_dim 64 take the kernel's AVX-512 tile path where the CPU has AVX512_BF16
+@DTYPES  # bf16 tiles take the AVX-512 tile path where the CPU has AVX512_BF16, but for gqa18 (> 128 rows per kv head)
 @pytest.mark.parametrize("block_size", [4, 8, 16, 32])  # 8 / 16 / 32: the kernel's unrolled tile paths; 4: generic
-@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["gqa1", "gqa3", "gqa8"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1), (18, 1)], ids=["gqa1", "gqa3", "gqa8", "gqa18"])
 def test_prefill_whole_prompts_and_chunks(block_size, heads, dtype):
     """Whole prompts (q_len == context) and chunks of longer ones (q_len < context: the chunk's tokens attend to the
     cached part and causally to each other), 16-token tiles with padding between segments; the kernel cuts each

@@ -596,175 +596,193 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
 
 #if defined(__AVX512BF16__)
 // ---- bfloat16 prompt tiles with AVX-512 (AVX512_BF16): AttendTile's rules and results up to float32 summation
-// order. Per block, kv head and chunk of 16 offsets: the chunk's keys are laid out as bf16 pairs by head dimension
-// ([D/2, 16] dwords, offset t in lane t), so a row's 16 scores are D/2 VDPBF16PS with the row's query pair
-// broadcast, for four rows at a time (no lane sums); the online softmax runs on those 16-lane vectors; the chunk's
-// V rows are converted to float32 once for all the rows of the tile and acc += p @ V runs in float32, as the decode
-// path. Rows are (token, query head) pairs of the tile; each token's visible offsets [lo, hi) are a lane mask.
+// order (and the exponential's approximation). The rows of a kv head, (token, query head) pairs of the tile, lie in
+// the lanes of up to kMaxRowVectors vectors: their queries are transposed once per item ([D/2, rows] bf16 pairs),
+// so a key's scores for 16 rows are D/2 VDPBF16PS with the key's pair broadcast (no key transposes, no lane sums),
+// and the online softmax (maxima, exponentials, sums) is per lane, with each row's visible range [lo, hi) as a
+// lane mask per key. The chunk's V rows are converted to float32 once and acc += p @ V runs in float32 for four
+// rows at a time (their sums in registers). More rows per kv head than that (G > 8): AttendTile.
 
-// Per-thread scratch of AttendTileFast: `rows` = tokens x query heads of an item.
+constexpr int kMaxRowVectors = 8;  // AttendTileFast: at most 8 x 16 (token, query head) rows per kv head
+
+// Per-thread scratch of AttendTileFast: `rows` = one kv head's (token, query head) rows, in vectors of 16.
 struct TileFastScratch {
-  std::vector<float> acc, m, l, vf;  // [rows, D], [rows], [rows, 16] (lane sums), [16, D]
-  std::vector<int32_t> kp;           // [D/2, 16]
-  std::vector<int64_t> row_ids;      // [rows]
+  std::vector<float> acc, m, l, p, alpha, vf;  // [rows, D], [rows], [rows], [16, rows], [rows], [16, D]
+  std::vector<int32_t> qt;                     // one kv head's queries, transposed: [D/2, rows of the kv head]
   TileFastScratch(int64_t rows, int64_t head_dim)
-      : acc(rows * head_dim), m(rows), l(rows * 16), vf(16 * head_dim), kp(head_dim * 8), row_ids(rows) {}
+      : acc(rows * head_dim), m(rows), l(rows), p(16 * rows), alpha(rows), vf(16 * head_dim),
+        qt(head_dim / 2 * rows) {}
 };
 
-// Scores of R rows (query rows q32[r], bf16 pairs) against one chunk's keys kp [DP, 16]: s[r] lane t = q_r . k_t.
-template <int R, int DP>
-inline void ChunkScores(const int32_t* const* q32, const int32_t* __restrict kp, __m512* s) {
-  __m512 a[R];
-  for (int r = 0; r < R; ++r) a[r] = _mm512_setzero_ps();
-  for (int dp = 0; dp < DP; ++dp) {
-    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + 16 * dp);
-    for (int r = 0; r < R; ++r) a[r] = _mm512_dpbf16_ps(a[r], (__m512bh)_mm512_set1_epi32(q32[r][dp]), kv);
-  }
-  for (int r = 0; r < R; ++r) s[r] = a[r];
-}
-
-// One row's online-softmax update with its chunk scores `sc` (already scaled; lanes outside `valid` ignored):
-// writes the row's weights p (16 lanes, 0 outside `valid`) to `pr` and returns the factor its acc is rescaled by.
-inline float ChunkSoftmax(__m512 sc, __mmask16 valid, float* m, float* l, float* pr) {
-  sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sc);
-  const float block_max = _mm512_reduce_max_ps(sc);
-  const float m_new = std::max(*m, block_max);
-  const float alpha = *m == -INFINITY ? 0.0f : m_new == *m ? 1.0f : std::exp(*m - m_new);
-  const __m512 e = _mm512_maskz_mov_ps(valid, Exp16NonPositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-  // l keeps 16 lane sums (added up once, at the end)
-  _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha), e));
-  *m = m_new;
-  _mm512_store_ps(pr, e);
-  return alpha;
-}
-
-// The R rows' acc = alpha * acc + p @ vf over the chunk's n offsets, all R rows at once: each V vector is loaded
-// once for the R rows, whose accumulators stay in registers (R * DC of them). Per lane, the same additions in the
-// same order as one row at a time.
+// acc[row] = alpha[row] * acc[row] + sum_t p[t][row] * vf[t] for R rows `rows` (indices into acc, p and alpha) over
+// the chunk's n offsets; p is offset-major with `stride` floats between offsets. Each V vector is loaded once for
+// the R rows, whose sums stay in registers (R * DC of them).
 template <int R, int DC>
-inline void ChunkPV(const float (*pr)[16], const float* alpha, int n, const float* __restrict vf, float* acc,
-                    const int64_t* ids) {
+inline void ChunkPV(const float* p, int64_t stride, const float* alpha, int n, const float* __restrict vf, float* acc,
+                    const int64_t* rows) {
   constexpr int64_t D = 16 * DC;
   __m512 a[R][DC];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c) {
-      a[r][c] = _mm512_loadu_ps(acc + ids[r] * D + 16 * c);
-      if (alpha[r] != 1.0f) a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), a[r][c]);
-    }
+    for (int c = 0; c < DC; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[rows[r]]), _mm512_loadu_ps(acc + rows[r] * D + 16 * c));
   for (int t = 0; t < n; ++t)
     for (int c = 0; c < DC; ++c) {
       const __m512 v = _mm512_loadu_ps(vf + t * D + 16 * c);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pr[r][t]), v, a[r][c]);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * stride + rows[r]]), v, a[r][c]);
     }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + ids[r] * D + 16 * c, a[r][c]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + rows[r] * D + 16 * c, a[r][c]);
 }
 
-template <int R, int DC>
-inline void ChunkRows(const Problem& p, const int32_t* const* q32, const int64_t* ids, const __mmask16* row_mask,
-                      const int32_t* kp, const float* vf, int n, float* acc, float* m, float* l) {
-  __m512 s[R];
-  ChunkScores<R, 8 * DC>(q32, kp, s);
-  alignas(64) float pr[R][16];
-  float alpha[R];
-  for (int r = 0; r < R; ++r) {
-    __m512 x = _mm512_mul_ps(s[r], _mm512_set1_ps(p.scale));
-    if (p.soft_cap > 0.0f) {
-      alignas(64) float v[16];
-      _mm512_store_ps(v, x);
-      for (int t = 0; t < 16; ++t) v[t] = p.soft_cap * std::tanh(v[t] / p.soft_cap);
-      x = _mm512_load_ps(v);
+// Scores of keys [t0, t0 + KT) of a chunk (rows `stride` elements apart, as bf16 pairs) against NV vectors of 16
+// query rows (qt [DP][NV * 16] dwords): s[t][v] lane i = q_(16 v + i) . k_t. Per pair of head dimensions, one
+// broadcast of the key's pair and NV dot-product instructions: no transposes, no lane sums.
+template <int KT, int NV, int DP>
+inline void KeyScores(const uint16_t* keys, int64_t stride, int t0, int n, const int32_t* __restrict qt,
+                      __m512 (*s)[kMaxRowVectors]) {
+  __m512 a[KT][NV];
+  for (int t = 0; t < KT; ++t)
+    for (int v = 0; v < NV; ++v) a[t][v] = _mm512_setzero_ps();
+  const int32_t* k32[KT];
+  for (int t = 0; t < KT; ++t)  // offsets past n read key t0 again (their scores are masked out)
+    k32[t] = reinterpret_cast<const int32_t*>(keys + (t0 + t < n ? t0 + t : t0) * stride);
+  for (int dp = 0; dp < DP; ++dp)
+    for (int t = 0; t < KT; ++t) {
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(k32[t][dp]);
+      for (int v = 0; v < NV; ++v)
+        a[t][v] = _mm512_dpbf16_ps(a[t][v], kb, (__m512bh)_mm512_loadu_si512(qt + dp * NV * 16 + 16 * v));
     }
-    const int64_t row = ids[r];
-    alpha[r] = ChunkSoftmax(x, row_mask[r], m + row, l + row * 16, pr[r]);
-  }
-  // p @ V with at most 16 accumulators in registers: all R rows (head_dim 64), or one row at a time
-  if constexpr (R * DC <= 16) {
-    ChunkPV<R, DC>(pr, alpha, n, vf, acc, ids);
-  } else {
-    for (int r = 0; r < R; ++r) ChunkPV<1, DC>(pr + r, alpha + r, n, vf, acc, ids + r);
-  }
+  for (int t = 0; t < KT; ++t)
+    for (int v = 0; v < NV; ++v) s[t0 + t][v] = a[t][v];
 }
 
-// AttendTile for a bfloat16 pool, head_dim D = 16 * DC.
+// One kv head's rows (NV vectors of 16 (token, query head) rows) over one chunk of n <= 16 offsets starting at
+// cache position c0: scores, the online softmax with the rows in the lanes (maxima, exponentials and sums are
+// per-lane, no horizontal reductions), then acc += p @ V four rows at a time.
+template <int NV, int DC>
+inline void ChunkRowsT(const Problem& p, const uint16_t* k_rows, const uint16_t* v_rows, int64_t stride, int n,
+                       int64_t c0, const int32_t* qt, const __m512i* row_lo, const __m512i* row_hi, int64_t nrows,
+                       const int64_t* acc_rows, TileFastScratch& sc) {
+  constexpr int64_t D = 16 * DC, DP = D / 2;
+  __m512 s[16][kMaxRowVectors];
+  constexpr int KT = NV <= 4 ? 4 : 2;  // KT x NV accumulators
+  int t = 0;
+  for (; t + KT <= n; t += KT) KeyScores<KT, NV, DP>(k_rows, stride, t, n, qt, s);
+  for (; t < n; ++t) KeyScores<1, NV, DP>(k_rows, stride, t, n, qt, s);
+  float* pm = sc.p.data();  // [16][NV * 16]
+  const int64_t ps = NV * 16;
+  for (int v = 0; v < NV; ++v) {
+    __mmask16 valid[16];
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int u = 0; u < n; ++u) {
+      const __m512i pos = _mm512_set1_epi32(static_cast<int32_t>(c0 + u));
+      valid[u] = _mm512_cmpge_epi32_mask(pos, row_lo[v]) & _mm512_cmplt_epi32_mask(pos, row_hi[v]);
+      __m512 x = _mm512_mul_ps(s[u][v], _mm512_set1_ps(p.scale));
+      if (p.soft_cap > 0.0f) {
+        alignas(64) float w[16];
+        _mm512_store_ps(w, x);
+        for (int i = 0; i < 16; ++i) w[i] = p.soft_cap * std::tanh(w[i] / p.soft_cap);
+        x = _mm512_load_ps(w);
+      }
+      s[u][v] = x;
+      mx = _mm512_mask_max_ps(mx, valid[u], mx, x);
+    }
+    float* m = sc.m.data() + 16 * v;
+    float* l = sc.l.data() + 16 * v;
+    const __m512 m_old = _mm512_loadu_ps(m), m_new = _mm512_max_ps(mx, m_old);
+    // rows that have seen nothing yet keep m = -inf: shift by 0 there (their weights are all 0)
+    const __mmask16 seen = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 shift = _mm512_maskz_mov_ps(seen, m_new);
+    const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, Exp16NonPositive(_mm512_sub_ps(m_old, shift)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int u = 0; u < n; ++u) {
+      const __m512 e = _mm512_maskz_mov_ps(valid[u], Exp16NonPositive(_mm512_sub_ps(s[u][v], shift)));
+      _mm512_storeu_ps(pm + u * ps + 16 * v, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
+    _mm512_storeu_ps(m, m_new);
+    _mm512_storeu_ps(sc.alpha.data() + 16 * v, alpha);
+  }
+  // V rows of the chunk in float32, once for every row
+  float* vf = sc.vf.data();
+  for (int u = 0; u < n; ++u)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + u * D + 16 * c, Bf16x16(v_rows + u * stride + 16 * c));
+  float* acc = sc.acc.data();
+  int64_t r = 0;
+  if constexpr (DC <= 4) {
+    for (; r + 4 <= nrows; r += 4) ChunkPV<4, DC>(pm, ps, sc.alpha.data(), n, vf, acc, acc_rows + r);
+  }
+  for (; r < nrows; ++r) ChunkPV<1, DC>(pm, ps, sc.alpha.data(), n, vf, acc, acc_rows + r);
+}
+
+// f(std::integral_constant<int, nv>{}) for a run-time nv in [1, N].
+template <int N, typename F>
+void WithVectorsUpTo(int64_t nv, F f) {
+  if constexpr (N > 0) {
+    if (nv == N) return f(std::integral_constant<int, N>{});
+    WithVectorsUpTo<N - 1>(nv, f);
+  }
+}
+template <typename F>
+void WithVectors(int64_t nv, F f) { WithVectorsUpTo<kMaxRowVectors>(nv, f); }
+
+// AttendTile for a bfloat16 pool, head_dim D = 16 * DC: per kv head of the item, its G query heads x the tile's
+// tokens are the rows (48 for G = 3: three vectors of 16; at most kMaxRowVectors), walked over the sequence's blocks in chunks of
+// 16 offsets (ChunkRowsT). AttendTile's rules and results up to float32 summation order and the exponential's
+// approximation.
 template <int DC>
 void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                     uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
                     TileFastScratch& sc) {
   constexpr int64_t D = 16 * DC, DP = D / 2;
   const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
-  const int64_t H = (kh1 - kh0) * G;  // query heads of the item, per token
   int64_t lo[kTile], hi[kTile], first, last;
   if (!TileRanges(p, s, toks, nt, lo, hi, &first, &last)) return;
-  float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data(), *vf = sc.vf.data();
-  int32_t* kp = sc.kp.data();
-  int64_t* ids = sc.row_ids.data();
-  std::fill(acc, acc + nt * H * D, 0.0f);
-  std::fill(m, m + nt * H, -INFINITY);
-  std::fill(l, l + nt * H * 16, 0.0f);
-  std::vector<const int32_t*> q32(nt * H);  // each row's query as bf16 pairs
-  for (int64_t r = 0; r < nt; ++r)
-    for (int64_t h = 0; h < H; ++h)
-      q32[r * H + h] = reinterpret_cast<const int32_t*>(q + (toks[r] * p.num_q_heads + kh0 * G + h) * D);
-  std::vector<const int32_t*> group_q(nt * G);
-  std::vector<__mmask16> group_mask(nt * G);
-
+  const int64_t nrows = nt * G, nv = (nrows + 15) / 16;  // one kv head's rows: token-major (token r, head g)
   const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;
-  for (int64_t b = first / BS; b * BS < last; ++b) {
-    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    const int64_t start = ((p.layer * p.num_blocks + physical) * BS) * row_stride;
-    const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
-    for (int64_t j = jlo; j < jhi; j += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
-      const int64_t c0 = b * BS + j;  // the position of lane 0
-      __mmask16 token_mask[kTile];
-      for (int64_t r = 0; r < nt; ++r) {
-        const int64_t a = std::clamp<int64_t>(lo[r] - c0, 0, n), z = std::clamp<int64_t>(hi[r] - c0, 0, n);
-        token_mask[r] = z > a ? static_cast<__mmask16>(((1u << z) - 1) & ~((1u << a) - 1)) : 0;
-      }
-      for (int64_t kh = kh0; kh < kh1; ++kh) {
-        const uint16_t* k_rows = k_cache + start + j * row_stride + kh * D;
-        const uint16_t* v_rows = v_cache + start + j * row_stride + kh * D;
-        // keys as pairs by head dimension, offsets in lanes; offsets past n are zeros (never NaN from the pool)
-        for (int t = 0; t < n; ++t) {
-          const int32_t* kr = reinterpret_cast<const int32_t*>(k_rows + t * row_stride);
-          for (int64_t dp = 0; dp < DP; ++dp) kp[dp * 16 + t] = kr[dp];
-        }
-        for (int t = n; t < 16; ++t)
-          for (int64_t dp = 0; dp < DP; ++dp) kp[dp * 16 + t] = 0;
-        for (int t = 0; t < n; ++t)
-          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + t * D + 16 * c, Bf16x16(v_rows + t * row_stride + 16 * c));
-        int64_t rows = 0;  // this kv head's rows that see part of the chunk
-        for (int64_t r = 0; r < nt; ++r)
-          if (token_mask[r])
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t row = r * H + (kh - kh0) * G + g;
-              ids[rows] = row;
-              group_q[rows] = q32[row];
-              group_mask[rows++] = token_mask[r];
-            }
-        int64_t i = 0;
-        for (; i + 4 <= rows; i += 4)
-          ChunkRows<4, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l);
-        switch (rows - i) {
-          case 3: ChunkRows<3, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
-          case 2: ChunkRows<2, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
-          case 1: ChunkRows<1, DC>(p, group_q.data() + i, ids + i, group_mask.data() + i, kp, vf, n, acc, m, l); break;
-          default: break;
-        }
+  std::vector<int64_t> rows(nrows);
+  for (int64_t i = 0; i < nrows; ++i) rows[i] = i;
+  alignas(64) int32_t lo32[16 * kMaxRowVectors], hi32[16 * kMaxRowVectors];
+  for (int64_t i = 0; i < 16 * nv; ++i) {
+    lo32[i] = i < nrows ? static_cast<int32_t>(lo[i / G]) : 0;
+    hi32[i] = i < nrows ? static_cast<int32_t>(hi[i / G]) : 0;
+  }
+  __m512i row_lo[kMaxRowVectors], row_hi[kMaxRowVectors];
+  for (int64_t v = 0; v < nv; ++v) row_lo[v] = _mm512_load_si512(lo32 + 16 * v), row_hi[v] = _mm512_load_si512(hi32 + 16 * v);
+  for (int64_t kh = kh0; kh < kh1; ++kh) {
+    float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
+    std::fill(acc, acc + nrows * D, 0.0f);
+    std::fill(m, m + 16 * nv, -INFINITY);
+    std::fill(l, l + 16 * nv, 0.0f);
+    int32_t* qt = sc.qt.data();  // [DP][16 nv]
+    for (int64_t i = 0; i < 16 * nv; ++i) {
+      const int32_t* qr = i < nrows ? reinterpret_cast<const int32_t*>(
+                                          q + (toks[i / G] * p.num_q_heads + kh * G + i % G) * D)
+                                    : nullptr;
+      for (int64_t dp = 0; dp < DP; ++dp) qt[dp * 16 * nv + i] = qr ? qr[dp] : 0;
+    }
+    for (int64_t b = first / BS; b * BS < last; ++b) {
+      const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
+      const int64_t start = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
+      const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
+      for (int64_t j = jlo; j < jhi; j += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
+        const uint16_t* k_rows = k_cache + start + j * row_stride;
+        const uint16_t* v_rows = v_cache + start + j * row_stride;
+        WithVectors(nv, [&](auto v) {
+          ChunkRowsT<v, DC>(p, k_rows, v_rows, row_stride, n, b * BS + j, qt, row_lo, row_hi, nrows, rows.data(), sc);
+        });
       }
     }
-  }
-  for (int64_t r = 0; r < nt; ++r) {
-    uint16_t* out_rows = out + (toks[r] * p.num_q_heads + kh0 * G) * D;
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t row = r * H + h;
-      const float sum = _mm512_reduce_add_ps(_mm512_loadu_ps(l + row * 16));
+    for (int64_t i = 0; i < nrows; ++i) {
+      const float sum = l[i];
       const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      uint16_t* o = out + (toks[i / G] * p.num_q_heads + kh * G + i % G) * D;
       for (int c = 0; c < DC; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + h * D + 16 * c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + row * D + 16 * c), inv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * c), inv)));
     }
   }
 }
@@ -774,7 +792,8 @@ inline bool AttendTileFastIfAny(const Problem& p, const uint16_t* q, const uint1
                                 uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
                                 std::unique_ptr<TileFastScratch>& scratch) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
-  if (!scratch) scratch = std::make_unique<TileFastScratch>(kTile * p.num_q_heads, p.head_dim);
+  if (p.num_q_heads / p.num_kv_heads * kTile > 16 * kMaxRowVectors) return false;  // rows of a kv head: AttendTile
+  if (!scratch) scratch = std::make_unique<TileFastScratch>(16 * kMaxRowVectors, p.head_dim);
   if (p.head_dim == 64) AttendTileFast<4>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
   if (p.head_dim == 128) AttendTileFast<8>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
   if (p.head_dim == 256) AttendTileFast<16>(p, q, k, v, out, s, toks, nt, kh0, kh1, *scratch);
