@@ -26,11 +26,12 @@
 // else one kv head per item): the item's query vectors are loaded once (as float32), then the sequence's blocks are
 // walked through its block table; per block the (query heads) x (offsets in range) scores, an online softmax
 // (running max m and sum l per query head, float32) and acc += p @ V in float32. A prompt chunk (several tokens of
-// one sequence) is cut into tiles of 16 query tokens (AttendTile): each block is converted to float32 once per tile
-// and kv head (K transposed), the scores of four (token, query head) rows at a time are vectors over the block's
-// offsets, and each row then gets the same online-softmax update, with offsets past its own position weighing 0.
-// Over a bfloat16 pool, decode items take AttendItemFast and prompt tiles AttendTileFast (AVX512_BF16 dot products
-// for the scores) on CPUs that have it.
+// one sequence) is cut into tiles of 16 query tokens (AttendTile), one work item per tile and kv head, claimed
+// before the decodes, longest context first (no thread is left alone with a long tile at the end of a mixed
+// step): each block is converted to float32 once per tile and kv head (K transposed), the scores of four (token,
+// query head) rows at a time are vectors over the block's offsets, and each row then gets the same online-softmax
+// update, with offsets past its own position weighing 0. Over a bfloat16 pool, decode items take AttendItemFast
+// and prompt tiles AttendTileFast (AVX512_BF16 dot products; the tile's rows in the lanes) on CPUs that have it.
 // Items are claimed from an atomic counter (work_queue.h) by the calling thread
 // and by helper tasks on XLA's intra-op thread pool (FFI ThreadPool); the caller works too and then waits only for
 // items that were claimed, so it is correct with a pool of any size, including none. The inner loops are written
@@ -821,22 +822,24 @@ struct ParallelAttention {
   T* out;
   std::vector<int32_t> tokens;  // the real query tokens, grouped by sequence, in order
   std::vector<Unit> units;
-  int64_t kv_per_item;      // kv heads per work item
-  int64_t items_per_unit;   // ceil(Hkv / kv_per_item)
-  WorkQueue work;           // total = units.size() * items_per_unit
+  struct Item {
+    int32_t unit, kh0, kh1;  // units[unit]'s kv heads [kh0, kh1)
+  };
+  std::vector<Item> items;  // in the order they are claimed
+  int64_t max_kv_per_item;  // the most kv heads of an item (scratch sizes)
+  WorkQueue work;           // total = items.size()
 
   void Drain() {
     int64_t i = work.Claim();
     if (i >= work.total) return;  // nothing left: return before reading anything
-    const int64_t heads = kv_per_item * (p.num_q_heads / p.num_kv_heads);
+    const int64_t heads = max_kv_per_item * (p.num_q_heads / p.num_kv_heads);
     Scratch scratch(heads, p.head_dim, p.block_size);
     std::unique_ptr<TileScratch> tile;
     std::unique_ptr<FastScratch> fast;
     std::unique_ptr<TileFastScratch> fast_tile;
     for (; i < work.total; i = work.Claim()) {
-      const int64_t kh0 = (i % items_per_unit) * kv_per_item;
-      const int64_t kh1 = std::min(kh0 + kv_per_item, p.num_kv_heads);
-      const Unit& u = units[i / items_per_unit];
+      const int64_t kh0 = items[i].kh0, kh1 = items[i].kh1;
+      const Unit& u = units[items[i].unit];
       if (u.count == 1) {
         bool done_fast = false;
         if constexpr (std::is_same_v<T, uint16_t>)
@@ -889,12 +892,28 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, c
   }
   const int64_t num_units = static_cast<int64_t>(state->units.size());
   if (num_units == 0) return ffi::Error::Success();
-  // Whole units (every kv head: each block is read as one contiguous run) when there are enough of them to
-  // balance the threads (8 items per thread); else each unit's kv heads are split over several items.
-  const int64_t splits = std::clamp<int64_t>((8 * threads + num_units - 1) / num_units, 1, p.num_kv_heads);
-  state->kv_per_item = (p.num_kv_heads + splits - 1) / splits;
-  state->items_per_unit = (p.num_kv_heads + state->kv_per_item - 1) / state->kv_per_item;
-  state->work.total = num_units * state->items_per_unit;
+  // Prompt tiles first, one item per kv head, longest context first: they are the long items (a tile walks its
+  // kv heads one after the other anyway), and a thread that takes one last while the others have run out of
+  // decodes would leave them idle (a mixed step: a chunk of a long prompt beside many decodes). Then decodes:
+  // whole units (every kv head: each block is read as one contiguous run) when there are enough of them to balance
+  // the threads (8 items per thread); else each unit's kv heads split over several items.
+  std::vector<int32_t> tiles, decodes;
+  for (int64_t u = 0; u < num_units; ++u) (state->units[u].count > 1 ? tiles : decodes).push_back(u);
+  std::stable_sort(tiles.begin(), tiles.end(), [&](int32_t a, int32_t b) {
+    return p.context_lens[state->units[a].seq] > p.context_lens[state->units[b].seq];
+  });
+  for (int32_t u : tiles)
+    for (int32_t kh = 0; kh < p.num_kv_heads; ++kh) state->items.push_back({u, kh, kh + 1});
+  const int64_t num_decodes = static_cast<int64_t>(decodes.size());
+  const int64_t splits =
+      num_decodes ? std::clamp<int64_t>((8 * threads + num_decodes - 1) / num_decodes, 1, p.num_kv_heads) : 1;
+  const int64_t kv_per_item = (p.num_kv_heads + splits - 1) / splits;
+  for (int32_t u : decodes)
+    for (int64_t kh = 0; kh < p.num_kv_heads; kh += kv_per_item)
+      state->items.push_back({u, static_cast<int32_t>(kh),
+                              static_cast<int32_t>(std::min<int64_t>(kh + kv_per_item, p.num_kv_heads))});
+  state->max_kv_per_item = num_decodes ? kv_per_item : 1;
+  state->work.total = static_cast<int64_t>(state->items.size());
   RunOnPool(pool, state);
   return ffi::Error::Success();
 }
