@@ -11,6 +11,8 @@ XLA's own dot rate on this machine at the same shapes. Last, each step's top ope
 
     python benchmarks/step_anatomy.py                      # float32, default model
     python benchmarks/step_anatomy.py --dtype bfloat16
+    python benchmarks/step_anatomy.py --dtype bfloat16 --mixed-chunk 16   # serving: a decode step of 16 streams and
+                                                           # a mixed step with a 16-token chunk of a long prompt
 """
 
 from __future__ import annotations
@@ -123,6 +125,42 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     return rows
 
 
+def capture_mixed(llm, chunk: int, streams: int = 16, long_tokens: int = 1536):
+    """benchmarks/serving.py's interference run as steps: `streams` sequences of 300 prompt tokens decode, then a
+    prompt of `long_tokens` arrives and is prefilled `chunk` tokens per step beside them (the server's
+    max_prefill_tokens_while_decoding). Returns the streams' decode step and the last mixed step (the chunk at
+    the longest context) as batches, and their prepare times."""
+    import dataclasses
+
+    from jaxpaged import SamplingParams
+
+    engine, runner = llm.engine, llm.engine.runner
+    rng = np.random.default_rng(0)
+    for i in range(streams):
+        engine.add_request(f"stream{i}", {"prompt_token_ids": rng.integers(100, 20000, 300).tolist()},
+                           SamplingParams(temperature=0.0, max_tokens=long_tokens, ignore_eos=True))
+    for _ in range(8):  # the streams' prompts in, a few decode steps
+        engine.step()
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_prefill_tokens_while_decoding=chunk)
+    seen: list = []
+    execute = runner.execute
+
+    def keep(batch):
+        seen.append(jax.tree.map(np.copy, batch))
+        return execute(batch)
+
+    runner.execute = keep
+    engine.step()
+    decode = seen[-1]
+    engine.add_request("long", {"prompt_token_ids": rng.integers(100, 20000, long_tokens).tolist()},
+                       SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
+    runner.execute = execute
+    mixed = [b for b in seen if b.shape_key[4] is None][-1]
+    return decode, mixed
+
+
 def matmul_part(config, dtype, native_rows: int):
     """jit(weights, x [T, H], rows [S, H]) -> the layer matmuls over all layers plus the LM head on S rows, through
     the models' `layer_matmul` and `head_matmul` with the step's own choice of the native kernel (native_rows)."""
@@ -229,15 +267,23 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>.json")
+    ap.add_argument("--mixed-chunk", type=int, default=None,
+                    help="instead: a decode step of 16 streams and a mixed step carrying this many tokens of a "
+                         "1536-token prompt beside them (benchmarks/serving.py's interference run)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>[_mixed<N>].json")
     args = ap.parse_args()
     use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
     dtype = jnp.dtype(args.dtype)
 
     llm = LLM(dtype=args.dtype, show_progress=False, enable_prefix_caching=False)
-    prefill, decode, host = capture_batches(llm, args.num_prompts, args.new_tokens)
-    rows = [anatomy(llm, prefill, "prefill", host["prefill"], dtype),
-            anatomy(llm, decode, "decode", host["decode"], dtype)]
+    if args.mixed_chunk:
+        decode, mixed = capture_mixed(llm, args.mixed_chunk)
+        rows = [anatomy(llm, decode, "decode", float("nan"), dtype),
+                anatomy(llm, mixed, f"mixed ({args.mixed_chunk}-token chunk)", float("nan"), dtype)]
+    else:
+        prefill, decode, host = capture_batches(llm, args.num_prompts, args.new_tokens)
+        rows = [anatomy(llm, prefill, "prefill", host["prefill"], dtype),
+                anatomy(llm, decode, "decode", host["decode"], dtype)]
     cpu = cpu_name()
     print(f"{cpu}, dtype {args.dtype}, pool {llm.engine.runner.kv_pool.dtype}")
     cols = ["kind", "shape", "step_ms", "matmul_ms", "attention_ms", "sampler_ms", "rest_ms", "host_prepare_ms",
@@ -252,7 +298,8 @@ def main():
         print("--- | --- | --- | --- | ---")
         for o in r["profile"]:
             print(f"{o['op']} | {o['ms_per_step']:.1f} | {o['calls_per_step']} | {o['shape']} | {o['what']}")
-    write_json(args.out or f"benchmarks/results/step_anatomy_{args.dtype}.json",
+    suffix = f"_mixed{args.mixed_chunk}" if args.mixed_chunk else ""
+    write_json(args.out or f"benchmarks/results/step_anatomy_{args.dtype}{suffix}.json",
                {"cpu": cpu, "dtype": args.dtype, "pool_dtype": str(llm.engine.runner.kv_pool.dtype),
                 "allocator": "tcmalloc" if tcmalloc_loaded() else "system", "rows": rows})
 
