@@ -111,14 +111,21 @@ def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:
                    preferred_element_type=jnp.float32)
 
 
-def prepack_head(head: jax.Array) -> jax.Array:
-    """An LM head [H, V] prepacked as a one-layer stack for `head_matmul` where its shape allows (H even, V a
+def _prepacked_if_it_fits(w: jax.Array) -> jax.Array:
+    """A stacked bfloat16 [L, K, N] prepacked (`cpu_native.prepack_weight`) where its shape allows (K even, N a
     multiple of 32); else as it is."""
     from pallas_kernels.cpu_native import PANEL, prepack_weight
 
-    if head.ndim != 2 or head.shape[0] % 2 or head.shape[1] % PANEL:
-        return head
-    return jax.jit(prepack_weight)(head[None])
+    if w.ndim != 3 or w.dtype != jnp.bfloat16 or w.shape[1] % 2 or w.shape[2] % PANEL:
+        return w
+    return jax.jit(prepack_weight)(w)
+
+
+def prepack_head(head: jax.Array) -> jax.Array:
+    """A bfloat16 LM head [H, V] prepacked as a one-layer stack for `head_matmul` where its shape allows (H even, V a
+    multiple of 32); else as it is."""
+    packed = _prepacked_if_it_fits(head[None]) if head.ndim == 2 else head
+    return head if packed.ndim == 3 else packed
 
 
 LAYER_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the loader's names (jaxpaged.loader.layout)
@@ -128,12 +135,8 @@ def prepack_layer_weights(state: dict) -> dict:
     """The built-in models' state (a pure dict, `nnx.to_pure_dict`) with every stacked bfloat16 layer matrix
     (`layers/wq` ... `layers/w_down`, [L, K, N]) prepacked for the native kernel where its shape allows (K even,
     N a multiple of 32); the rest as it is. For a step that runs its matmuls natively (`native_matmul`)."""
-    from pallas_kernels.cpu_native import PANEL, prepack_weight
-
     layers = dict(state["layers"])
     for name in LAYER_MATRICES:
-        w = layers.get(name)
-        if (w is not None and w.ndim == 3 and w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0
-                and w.shape[2] % PANEL == 0):
-            layers[name] = jax.jit(prepack_weight)(w)
+        if name in layers:
+            layers[name] = _prepacked_if_it_fits(layers[name])
     return {**state, "layers": layers}

@@ -615,24 +615,24 @@ struct TileFastScratch {
         qt(head_dim / 2 * rows) {}
 };
 
-// acc[row] = alpha[row] * acc[row] + sum_t p[t][row] * vf[t] for R rows `rows` (indices into acc, p and alpha) over
-// the chunk's n offsets; p is offset-major with `stride` floats between offsets. Each V vector is loaded once for
+// acc[row] = alpha[row] * acc[row] + sum_t p[t][row] * vf[t] for the R rows [r0, r0 + R) over the chunk's n
+// offsets; p is offset-major with `stride` floats between offsets. Each V vector is loaded once for
 // the R rows, whose sums stay in registers (R * DC of them).
 template <int R, int DC>
 inline void ChunkPV(const float* p, int64_t stride, const float* alpha, int n, const float* __restrict vf, float* acc,
-                    const int64_t* rows) {
+                    int64_t r0) {
   constexpr int64_t D = 16 * DC;
   __m512 a[R][DC];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < DC; ++c)
-      a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[rows[r]]), _mm512_loadu_ps(acc + rows[r] * D + 16 * c));
+      a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r0 + r]), _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c));
   for (int t = 0; t < n; ++t)
     for (int c = 0; c < DC; ++c) {
       const __m512 v = _mm512_loadu_ps(vf + t * D + 16 * c);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * stride + rows[r]]), v, a[r][c]);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * stride + r0 + r]), v, a[r][c]);
     }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + rows[r] * D + 16 * c, a[r][c]);
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
 }
 
 // Scores of keys [t0, t0 + KT) of a chunk (rows `stride` elements apart, as bf16 pairs) against NV vectors of 16
@@ -663,7 +663,7 @@ inline void KeyScores(const uint16_t* keys, int64_t stride, int t0, int n, const
 template <int NV, int DC>
 inline void ChunkRowsT(const Problem& p, const uint16_t* k_rows, const uint16_t* v_rows, int64_t stride, int n,
                        int64_t c0, const int32_t* qt, const __m512i* row_lo, const __m512i* row_hi, int64_t nrows,
-                       const int64_t* acc_rows, TileFastScratch& sc) {
+                       TileFastScratch& sc) {
   constexpr int64_t D = 16 * DC, DP = D / 2;
   __m512 s[16][kMaxRowVectors];
   constexpr int KT = NV <= 4 ? 4 : 2;  // KT x NV accumulators
@@ -712,9 +712,9 @@ inline void ChunkRowsT(const Problem& p, const uint16_t* k_rows, const uint16_t*
   float* acc = sc.acc.data();
   int64_t r = 0;
   if constexpr (DC <= 4) {
-    for (; r + 4 <= nrows; r += 4) ChunkPV<4, DC>(pm, ps, sc.alpha.data(), n, vf, acc, acc_rows + r);
+    for (; r + 4 <= nrows; r += 4) ChunkPV<4, DC>(pm, ps, sc.alpha.data(), n, vf, acc, r);
   }
-  for (; r < nrows; ++r) ChunkPV<1, DC>(pm, ps, sc.alpha.data(), n, vf, acc, acc_rows + r);
+  for (; r < nrows; ++r) ChunkPV<1, DC>(pm, ps, sc.alpha.data(), n, vf, acc, r);
 }
 
 // f(std::integral_constant<int, nv>{}) for a run-time nv in [1, N].
@@ -743,8 +743,6 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   const int64_t nrows = nt * G, nv = (nrows + 15) / 16;  // one kv head's rows: token-major (token r, head g)
   const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;
-  std::vector<int64_t> rows(nrows);
-  for (int64_t i = 0; i < nrows; ++i) rows[i] = i;
   alignas(64) int32_t lo32[16 * kMaxRowVectors], hi32[16 * kMaxRowVectors];
   for (int64_t i = 0; i < 16 * nv; ++i) {
     lo32[i] = i < nrows ? static_cast<int32_t>(lo[i / G]) : 0;
@@ -773,7 +771,7 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
         const uint16_t* k_rows = k_cache + start + j * row_stride;
         const uint16_t* v_rows = v_cache + start + j * row_stride;
         WithVectors(nv, [&](auto v) {
-          ChunkRowsT<v, DC>(p, k_rows, v_rows, row_stride, n, b * BS + j, qt, row_lo, row_hi, nrows, rows.data(), sc);
+          ChunkRowsT<v, DC>(p, k_rows, v_rows, row_stride, n, b * BS + j, qt, row_lo, row_hi, nrows, sc);
         });
       }
     }
