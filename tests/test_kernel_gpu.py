@@ -1,5 +1,5 @@
-"""The Pallas GPU kernel (gpu.py) in interpret mode against float64 dense attention and the reference; it lowers
-for CUDA here, without a GPU.
+"""The Pallas GPU kernel (gpu.py) against float64 dense attention and the reference: compiled for the GPU where JAX's
+default backend is one, else in interpret mode (it lowers for CUDA without a GPU: tests/test_attention_backends.py).
 
 Pools are small on purpose: interpret-mode cost grows with grid steps x pool size. Each case's pool is NaN wherever
 no real context lives (tests/attention_cases.py). Tolerances: float32 2e-5, bfloat16 2e-2.
@@ -20,8 +20,11 @@ import pallas_kernels.gpu as gpu
 from pallas_kernels.attention import IMPLEMENTATIONS, paged_attention
 from tests.attention_cases import GEMMA3_HEADS, build_case, decode_case, prefill_case, shape_args, tolerance
 
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU  # the interpreter on CPU / TPU hosts, the compiled Triton kernel on a GPU
 STATIC = ("scale", "tile_size", "sliding_window", "soft_cap", "decode_blocks")
-kernel = jax.jit(functools.partial(paged_attention, implementation="pallas_interpret"), static_argnames=STATIC)
+kernel = jax.jit(functools.partial(paged_attention, implementation="pallas_interpret" if INTERPRET else "pallas_gpu"),
+                   static_argnames=STATIC)
 reference = jax.jit(functools.partial(paged_attention, implementation="reference"), static_argnames=STATIC)
 
 # (context_len, q_len): whole prompts (one exactly a tile, one a single token), chunked-prefill steps, a decode.
@@ -126,10 +129,10 @@ def test_every_output_row_is_written(monkeypatch, splits):
     monkeypatch.setattr(gpu.pl, "pallas_call", _poisoned_pallas_call(pl.pallas_call))
     case = build_case([(170, 1), (9, 9), (40, 3)], num_q_heads=6, num_kv_heads=2, block_size=8, tile_size=1,
                       num_padding_seqs=2, num_padding_tokens=3, seed=16)
-    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True))
+    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=INTERPRET))
     # The poison is real: a kernel that writes nothing leaves every row NaN.
     monkeypatch.setattr(gpu, "_paged_attention_kernel", lambda *refs, **_: None)
-    out = gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True)
+    out = gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=INTERPRET)
     assert np.isnan(np.asarray(out)).all()
 
 
@@ -144,7 +147,7 @@ def test_kernel_splits_a_decode_context_over_programs(splits, dtype):
     """Flash-decoding: each split's partial softmax, merged by log-sum-exp, equals attention over the whole context."""
     case = decode_case(SPLIT_DECODE_LENS, num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
                        num_padding_seqs=1, num_padding_tokens=1, seed=20 + splits)
-    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=True))
+    check(case, gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=splits, interpret=INTERPRET))
 
 
 def test_split_prefill_tiles_and_sliding_window():
@@ -152,10 +155,10 @@ def test_split_prefill_tiles_and_sliding_window():
     prefill = prefill_case([(150, 20), (100, 100), (70, 1)], num_q_heads=4, num_kv_heads=2, block_size=8,
                            num_padding_seqs=1, seed=23)
     check(prefill, gpu.ragged_paged_attention_gpu(*prefill.args, **prefill.kwargs(), num_kv_splits=4,
-                                                  interpret=True))
+                                                  interpret=INTERPRET))
     decode = decode_case(SPLIT_DECODE_LENS, num_q_heads=4, num_kv_heads=2, block_size=8, seed=24)
     out = gpu.ragged_paged_attention_gpu(*decode.args, **decode.kwargs(sliding_window=100), num_kv_splits=4,
-                                         interpret=True)
+                                         interpret=INTERPRET)
     check(decode, out, sliding_window=100)
 
 
@@ -166,10 +169,10 @@ def test_kernel_gemma3_heads_with_a_sliding_window(splits):
     prefill = prefill_case([(150, 20), (40, 40), (70, 1)], **GEMMA3_HEADS, block_size=16, num_padding_seqs=1,
                            seed=40)
     check(prefill, gpu.ragged_paged_attention_gpu(*prefill.args, **prefill.kwargs(sliding_window=33),
-                                                  num_kv_splits=splits, interpret=True), sliding_window=33)
+                                                  num_kv_splits=splits, interpret=INTERPRET), sliding_window=33)
     decode = decode_case(SPLIT_DECODE_LENS, **GEMMA3_HEADS, block_size=16, num_padding_seqs=1, seed=41)
     check(decode, gpu.ragged_paged_attention_gpu(*decode.args, **decode.kwargs(sliding_window=100),
-                                                 num_kv_splits=splits, interpret=True), sliding_window=100)
+                                                 num_kv_splits=splits, interpret=INTERPRET), sliding_window=100)
 
 
 def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch):
@@ -182,11 +185,11 @@ def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch
     case = decode_case([5, 9], num_q_heads=2, num_kv_heads=1, block_size=16, width=64, seed=25)
     seen = []
     monkeypatch.setattr(gpu, "default_kv_splits", lambda n, chunks: seen.append((n, chunks)) or 1)
-    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), interpret=True)
-    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(decode_blocks=2), interpret=True)
+    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), interpret=INTERPRET)
+    gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(decode_blocks=2), interpret=INTERPRET)
     assert seen == [(2, 64 * 16 // 64), (2, 1)]  # 2 tiles x 1 kv head; 16 chunks of the table, 1 in use
     with pytest.raises(ValueError, match="num_kv_splits=0 must be >= 1"):
-        gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=0, interpret=True)
+        gpu.ragged_paged_attention_gpu(*case.args, **case.kwargs(), num_kv_splits=0, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -195,13 +198,13 @@ def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch
 ], ids=["block_size", "head_dim"])
 def test_unsupported_shapes_are_clear_errors(change, message):
     with pytest.raises(ValueError, match=message):
-        gpu.ragged_paged_attention_gpu(*shape_args(**change), scale=0.1, interpret=True)
+        gpu.ragged_paged_attention_gpu(*shape_args(**change), scale=0.1, interpret=INTERPRET)
 
 
 def test_token_count_must_be_a_multiple_of_the_tile():
     case = decode_case([3], num_q_heads=2, num_kv_heads=1, block_size=16, num_padding_tokens=2)
     with pytest.raises(ValueError, match="num_tokens=3 must be a multiple of tile_size=16"):
-        gpu.ragged_paged_attention_gpu(*case.args, scale=0.1, tile_size=16, interpret=True)
+        gpu.ragged_paged_attention_gpu(*case.args, scale=0.1, tile_size=16, interpret=INTERPRET)
 
 
 def test_dispatcher_names_its_implementations():
