@@ -109,13 +109,14 @@ Kernel = Callable[..., jax.Array]
 class PagedAttention:
     """A backend over one ragged paged-attention kernel: writes the new K/V with `KVPool.write`, then runs `kernel`.
 
-    `name` says which (for logs and tests); `dtypes` are the pool / query dtypes the kernel takes (None: any), checked
-    when the engine is built rather than at trace time.
+    `name` says which (for logs and tests); `dtypes` are the pool / query dtypes and `head_dims` the head sizes the
+    kernel takes (None: any), checked when the engine is built (`refusal`) rather than at trace time.
     """
 
     name: str
     kernel: Kernel
     dtypes: tuple[np.dtype, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
     # Whether a decode step's cost follows `decode_blocks` (the reference gathers that many blocks; the GPU kernel
     # sizes its splits by it): the runner then compiles decode steps for several block counts, else for one.
     reads_flat_blocks: bool = True
@@ -144,14 +145,16 @@ class PagedAttention:
                           soft_cap=soft_cap, decode_blocks=md.decode_blocks)
         return out, kv_pool
 
-    def check_dtypes(self, *dtypes) -> None:
-        """Raises ValueError when the kernel does not take one of `dtypes` (the model's and the pool's)."""
-        if self.dtypes is None:
-            return
+    def refusal(self, head_dim: int, *dtypes) -> str | None:
+        """Why the kernel cannot run a model of `head_dim` with `dtypes` (the model's, the pool's); None if it can."""
         for dtype in dtypes:
-            if np.dtype(dtype) not in self.dtypes:
-                raise ValueError(f"attention backend {self.name!r} takes {', '.join(d.name for d in self.dtypes)}, "
-                                 f"not {np.dtype(dtype).name}; choose another dtype or attention_backend='reference'")
+            if self.dtypes is not None and np.dtype(dtype) not in self.dtypes:
+                return (f"attention backend {self.name!r} takes {', '.join(d.name for d in self.dtypes)}, "
+                        f"not {np.dtype(dtype).name}")
+        if self.head_dims is not None and head_dim not in self.head_dims:
+            return (f"attention backend {self.name!r} takes head_dim {', '.join(map(str, self.head_dims))}, "
+                    f"not {head_dim}")
+        return None
 
 
 def attention_backend(backend: str = "auto") -> PagedAttention:
@@ -190,8 +193,12 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
 
     implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
                                                                                           "pallas_interpret")
+    if implementation == "pallas_tpu":
+        from pallas_kernels.tpu import SUPPORTED_HEAD_DIMS
+    else:
+        from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
     return PagedAttention(implementation, functools.partial(paged_attention, implementation=implementation),
-                          KERNEL_DTYPES, reads_flat_blocks=implementation != "pallas_tpu")
+                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, reads_flat_blocks=implementation != "pallas_tpu")
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "PagedAttention",

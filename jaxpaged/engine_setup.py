@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.attention import ATTENTION_BACKENDS, attention_backend
+from jaxpaged.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
 from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.distributed import DistributedConfig
 from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
@@ -181,6 +181,21 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str, writes_16bit
     return model_dtype
 
 
+def choose_attention(backend: str, cache_dtype: str, model_dtype, head_dim: int) -> tuple[PagedAttention, jnp.dtype]:
+    """The attention backend and the pool dtype for a model. A kernel that cannot take the model's head_dim or dtypes
+    is an error naming why when asked for by name; under 'auto' the engine runs the reference instead (logged)."""
+    attn = attention_backend(backend)
+    pool_dtype = resolve_cache_dtype(cache_dtype, model_dtype, jax.default_backend(), attn.writes_16bit)
+    refusal = attn.refusal(head_dim, model_dtype, pool_dtype)
+    if refusal is None:
+        return attn, pool_dtype
+    if backend != "auto":
+        raise ValueError(f"{refusal}; choose another dtype or attention_backend='reference'")
+    logger.warning("attention_backend auto: %s; running the pure-JAX reference instead", refusal)
+    attn = attention_backend("reference")
+    return attn, resolve_cache_dtype(cache_dtype, model_dtype, jax.default_backend(), attn.writes_16bit)
+
+
 def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
@@ -301,8 +316,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
         graphdef, state = split_model(model, dtype)
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
-    attn = attention_backend(config.attention_backend)
-    cache_dtype = resolve_cache_dtype(cache.cache_dtype, dtype, jax.default_backend(), attn.writes_16bit)
+    attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
     # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
     # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
     device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \
@@ -322,7 +336,6 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
-    attn.check_dtypes(dtype, cache_dtype)
     if mesh is not None:
         from jaxpaged.parallel import ShardedAttention
 

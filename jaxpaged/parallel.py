@@ -211,9 +211,6 @@ class ShardedAttention:
     def writes_16bit(self) -> bool:
         return getattr(self.inner, "writes_16bit", jax.default_backend() != "cpu")
 
-    def check_dtypes(self, *dtypes) -> None:
-        self.inner.check_dtypes(*dtypes)
-
     def __call__(self, q, k, v, kv_pool: KVPool, layer, md, *, scale=None, sliding_window=None, soft_cap=None):
         heads = P(None, AXIS, None)
         pool = KVPool(POOL_SPEC, POOL_SPEC)

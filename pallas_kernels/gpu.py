@@ -90,7 +90,10 @@ NEG_INF = -1e30
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_TILE_ROWS = 128  # query rows (tokens x padded group) of one program; bounds the [M, D] f32 accumulator
 MIN_DOT_DIM = 16  # Triton's tensor-core dots need every dimension >= 16
-CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block)
+CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block), fewer where a chunk would pass CHUNK_BYTES
+# Bytes of one loop step's K and V chunks. Triton keeps num_stages of them in shared memory: 64 KiB x 2 stages fits
+# an A100's 164 KiB and an H100's 227 KiB beside the rest (float32 head_dim 256 at 64 tokens asked for 256 KiB, H100).
+CHUNK_BYTES = 64 * 1024
 # Flash-decoding split: when a batch has fewer programs than this, each (tile, kv head) pair's context is split over
 # several programs. About four resident programs on each of an H100's 132 SMs: a memory-bound kernel needs many
 # loads in flight. A guess to tune on the device (benchmarks/kernel.py times splits 1 against the default).
@@ -109,6 +112,14 @@ def query_tile(tile_size: int, num_q_heads: int, num_kv_heads: int) -> int:
     while tq > 1 and tq * group_pow2 > MAX_TILE_ROWS:
         tq //= 2
     return tq
+
+
+def chunk_tokens(block_size: int, head_dim: int, kv_itemsize: int) -> int:
+    """K/V tokens per loop step: CHUNK_TOKENS (at least a block), halved while K + V of a chunk pass CHUNK_BYTES."""
+    chunk = max(CHUNK_TOKENS, block_size)
+    while chunk > MIN_DOT_DIM and 2 * chunk * head_dim * kv_itemsize > CHUNK_BYTES:
+        chunk //= 2
+    return chunk
 
 
 def default_kv_splits(num_programs: int, chunks_per_seq: int) -> int:
@@ -177,6 +188,7 @@ def _paged_attention_kernel(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    precision: jax.lax.Precision | None,
 ):
     tile = pl.program_id(0)
     kv_head = pl.program_id(1)
@@ -216,7 +228,8 @@ def _paged_attention_kernel(
         k = plgpu.load(k_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
         v = plgpu.load(v_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
 
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, C]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)  # [M, C]
         s = s * scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -230,7 +243,7 @@ def _paged_attention_kernel(
         # Zeroed where masked: a row with nothing visible yet has m = NEG_INF, and exp(s - m) = 1 there.
         p = jnp.where(mask, jnp.exp(s - m_next[:, None]), 0.0)  # [M, C] f32
         l_next = alpha * l_prev + jnp.sum(p, axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [M, D]
+        pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)  # [M, D]
         return m_next, l_next, alpha[:, None] * acc_prev + pv
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
@@ -289,7 +302,9 @@ def ragged_paged_attention_gpu(
     group_pow2 = _next_pow2(group)  # Triton blocks are powers of two: a group of 3 runs as 4, one row masked
     tq = query_tile(tile_size, num_q_heads, num_kv_heads)
     rows = max(MIN_DOT_DIM, tq * group_pow2)
-    chunk = max(CHUNK_TOKENS, block_size)
+    chunk = chunk_tokens(block_size, head_dim, jnp.dtype(k_cache.dtype).itemsize)
+    # float32 inputs are multiplied in float32 (IEEE): Triton's default for them is TF32, ~1e-3 off.
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     num_tiles = num_tokens // tq
     if num_kv_splits is None:
         # Blocks a sequence holds: the average in use for a decode batch (decode_blocks over S), else the width.
@@ -308,7 +323,7 @@ def ragged_paged_attention_gpu(
         _paged_attention_kernel, tq=tq, group=group, group_pow2=group_pow2, rows=rows, chunk=chunk,
         block_size=block_size, num_blocks=num_blocks, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         width=width, scale=float(scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), num_splits=num_kv_splits)
+        soft_cap=None if soft_cap is None else float(soft_cap), num_splits=num_kv_splits, precision=precision)
     if num_warps is None:
         num_warps = 4 if rows * head_dim <= 64 * 128 else 8
     kv_rows = num_layers * num_blocks * block_size * num_kv_heads

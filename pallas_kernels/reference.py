@@ -36,6 +36,9 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
+# The reference computes in float32, multiplied in float32: XLA's default on GPU (TF32) and TPU (bfloat16 passes)
+# would round the inputs of its dots. On CPU the setting changes nothing.
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def ragged_paged_attention_reference(
@@ -88,7 +91,7 @@ def ragged_paged_attention_reference(
         mask &= kv_pos[None, None, :] > pos[:, :, None] - sliding_window
 
     qt = q.reshape(num_tiles, tile_size, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("ntkgd,nckd->nkgtc", qt.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    scores = jnp.einsum("ntkgd,nckd->nkgtc", qt.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
@@ -97,7 +100,7 @@ def ragged_paged_attention_reference(
     p = jnp.where(mask[:, None, None, :, :], p, 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)  # fully masked rows (padding) give 0
-    out = jnp.einsum("nkgtc,nckd->ntkgd", p, v.astype(jnp.float32))
+    out = jnp.einsum("nkgtc,nckd->ntkgd", p, v.astype(jnp.float32), precision=HIGHEST)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -175,9 +178,9 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: f
     group = hq // hkv
     k = jnp.repeat(k, group, axis=1).astype(jnp.float32)
     v = jnp.repeat(v, group, axis=1).astype(jnp.float32)
-    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * scale
+    s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k, precision=HIGHEST) * scale
     q_pos = jnp.arange(tk - tq, tk)
     mask = jnp.arange(tk)[None, :] <= q_pos[:, None]
     s = jnp.where(mask[None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
+    return jnp.einsum("hqk,khd->qhd", p, v, precision=HIGHEST).astype(q.dtype)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged import SamplingParams, engine_setup
 from jaxpaged.attention import AttentionMetadata, KVPool, attention_backend
 from tests.attention_cases import build_case, tolerance
 from tests.tiny import tiny_llm
@@ -60,8 +61,28 @@ def test_the_backend_writes_the_new_kv_then_attends(backend, seqs, tile):
     np.testing.assert_allclose(np.asarray(out, np.float32)[valid], case.expected()[valid], **tolerance(case.dtype))
 
 
+ON_CPU = jax.default_backend() == "cpu"
+PALLAS = "pallas_interpret" if ON_CPU else "pallas_gpu" if jax.default_backend() == "gpu" else "pallas_tpu"
+
+
 def test_a_dtype_the_kernel_cannot_take_is_refused_when_the_engine_is_built():
     # float16 weights on CPU get a float32 pool, which the reference takes; the Pallas kernels take f32 and bf16 only
-    assert tiny_llm(dtype="float16", attention_backend="reference").engine.runner.kv_pool.dtype == jnp.float32
-    with pytest.raises(ValueError, match="'pallas_interpret' takes float32, bfloat16, not float16"):
+    pool = tiny_llm(dtype="float16", attention_backend="reference").engine.runner.kv_pool
+    assert pool.dtype == (jnp.float32 if ON_CPU else jnp.float16)
+    with pytest.raises(ValueError, match=f"'{PALLAS}' takes float32, bfloat16, not float16"):
         tiny_llm(dtype="float16", attention_backend="pallas")
+
+
+def test_a_head_dim_the_kernel_cannot_take_is_refused_by_name_and_auto_runs_the_reference(monkeypatch):
+    """The tiny model's head_dim 8 is below the Pallas kernels' smallest: attention_backend='pallas' is an error when
+    the engine is built; under 'auto' (Pallas on GPU / TPU, faked here where the platform is CPU) the engine runs
+    the reference and answers."""
+    with pytest.raises(ValueError, match=f"'{PALLAS}' takes head_dim 16, .*not 8; .*attention_backend='reference'"):
+        tiny_llm(attention_backend="pallas")
+    real = engine_setup.attention_backend
+    monkeypatch.setattr(engine_setup, "attention_backend", lambda name: real("pallas" if name == "auto" else name))
+    llm = tiny_llm()
+    assert llm.engine.runner.attn.name == "reference"
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, temperature=0.0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

@@ -23,6 +23,9 @@ from jaxpaged import SamplingParams
 from tests.hlo_checks import pool_copies
 from tests.tiny import random_prompts, tiny_llm
 
+# XLA CPU has no 16-bit scatter: what these tests check (the native write, the float32 pool) exists on CPU alone.
+cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU backend's 16-bit pool rules")
+
 
 @pytest.fixture(scope="module", params=["auto", "reference"])
 def llm(request):
@@ -83,6 +86,7 @@ def _generate_and_check_no_pool_convert_or_copy(llm) -> None:
         assert pool_copies(executable.as_text(), runner.kv_pool.shape) == [], key
 
 
+@cpu_only
 def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_native_kernel():
     """The native CPU backend writes K/V rows and whole blocks itself (XLA CPU has no 16-bit scatter), so 'auto'
     gives a bfloat16 model a bfloat16 pool: no pool-sized convert or copy in any step, the same buffer after steps,
@@ -103,6 +107,7 @@ def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_na
     assert (runner.kv_pool.k.unsafe_buffer_pointer(), runner.kv_pool.v.unsafe_buffer_pointer()) == pointers
 
 
+@cpu_only
 def test_without_the_native_write_a_bfloat16_model_on_cpu_gets_a_float32_pool():
     """XLA CPU has no 16-bit float scatter: with the reference backend a bfloat16 pool would be converted to
     float32 and back around every write, so kv_cache_dtype='auto' keeps the pool in float32 there, and the step
