@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -109,8 +110,9 @@ def test_all_position_logits_match_transformers(case):
     ids = prompt() * 2  # 24 tokens: several times the window of 5
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()  # [T, V]
-    hidden = gemma3.forward_dense(params, jnp.asarray(ids, jnp.int32), config=config)
-    got = np.asarray(gemma3.logits(params, hidden, config=config))
+    with jax.default_matmul_precision("highest"):  # float32 products on GPU / TPU too, as the engine's float32 step
+        hidden = gemma3.forward_dense(params, jnp.asarray(ids, jnp.int32), config=config)
+        got = np.asarray(gemma3.logits(params, hidden, config=config))
     assert np.abs(want).max() > 1.0  # logits are spread, so the tolerance is meaningful
     np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_ATOL)
 
