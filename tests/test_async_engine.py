@@ -285,6 +285,6 @@ def test_a_step_that_lost_its_donated_pool_stops_the_engine():
 def offline_tokens(engine, prompt):
     """The greedy tokens of `prompt` alone on a fresh engine with the same weights."""
     fresh = Engine(CONFIG, engine.runner.params, CharTokenizer(),
-                   EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
-                                num_blocks=40, precompile=False, show_progress=False))
+                   EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                                block_size=8, num_blocks=40, precompile=False, show_progress=False))
     return offline(fresh, prompt, GREEDY)

@@ -104,7 +104,13 @@ def prompts():
 def dense_greedy(model: TinyGPT, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     """Greedy tokens by the dense forward pass (one compiled shape: tokens padded at the end, which the causal mask
     hides from earlier positions), and the log-probs of the first one's distribution."""
+    # float32 products on every platform, as the engine's float32 step (XLA GPU's default is TF32)
     forward = nnx.jit(lambda m, ids: m.dense_logits(ids))
+    with jax.default_matmul_precision("highest"):
+        return _dense_greedy(forward, model, prompt, n)
+
+
+def _dense_greedy(forward, model: TinyGPT, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     seq, first = list(prompt), None
     for _ in range(n):
         ids = np.zeros(MAX_LEN, np.int32)
