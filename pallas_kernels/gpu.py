@@ -94,9 +94,12 @@ CHUNK_TOKENS = 64  # K/V tokens per loop step (at least one block), fewer where 
 # Bytes of one loop step's K and V chunks. Triton keeps num_stages of them in shared memory: 64 KiB x 2 stages fits
 # an A100's 164 KiB and an H100's 227 KiB beside the rest (float32 head_dim 256 at 64 tokens asked for 256 KiB, H100).
 CHUNK_BYTES = 64 * 1024
-# Flash-decoding split: when a batch has fewer programs than this, each (tile, kv head) pair's context is split over
-# several programs. About four resident programs on each of an H100's 132 SMs: a memory-bound kernel needs many
-# loads in flight. A guess to tune on the device (benchmarks/kernel.py times splits 1 against the default).
+# Flash-decoding split: when a batch has fewer than SPLIT_BELOW_PROGRAMS programs, each (tile, kv head) pair's
+# context is split over several, up to TARGET_PROGRAMS in all (about four resident programs on each of an H100's 132
+# SMs: a memory-bound kernel needs many loads in flight). On an H100 (benchmarks/kernel.py, README) 64 programs
+# (batch 8 x 8 kv heads) ran 1.4-1.9x faster split 8 ways, and 256 programs (batch 32) up to 1.5x slower split 2
+# ways (the merge costs more than the extra programs bring), hence no split from 128 programs on.
+SPLIT_BELOW_PROGRAMS = 128
 TARGET_PROGRAMS = 512
 MAX_KV_SPLITS = 16
 
@@ -129,6 +132,8 @@ def default_kv_splits(num_programs: int, chunks_per_seq: int) -> int:
     holds (a split gets at least one chunk).
     """
     splits = 1
+    if num_programs >= SPLIT_BELOW_PROGRAMS:
+        return splits
     while (splits < MAX_KV_SPLITS and num_programs * splits < TARGET_PROGRAMS
            and 2 * splits <= max(1, chunks_per_seq)):
         splits *= 2

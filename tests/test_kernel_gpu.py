@@ -181,6 +181,8 @@ def test_default_splits_fill_the_device_only_when_the_batch_does_not(monkeypatch
     assert gpu.default_kv_splits(num_programs=64, chunks_per_seq=3) == 2  # every split keeps a chunk
     assert gpu.default_kv_splits(num_programs=64, chunks_per_seq=1) == 1
     assert gpu.default_kv_splits(num_programs=128 * 8, chunks_per_seq=128) == 1  # a big batch fills the device
+    assert gpu.default_kv_splits(num_programs=32 * 8, chunks_per_seq=128) == 1  # the merge costs more (H100)
+    assert gpu.default_kv_splits(num_programs=100, chunks_per_seq=128) == 8  # doubled until 512 programs or more
     # The wrapper estimates a sequence's chunks from decode_blocks (blocks in use) when given, else the table width.
     case = decode_case([5, 9], num_q_heads=2, num_kv_heads=1, block_size=16, width=64, seed=25)
     seen = []
