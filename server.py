@@ -414,6 +414,9 @@ async def serve(app: web.Application, host: str, port: int, grace_s: float, keep
 # time to first token (README, "Serving": the interference run by chunk size). As vLLM, whose API server and LLM
 # class default to different token budgets.
 SERVER_PREFILL_TOKENS_WHILE_DECODING = 128
+# And max_decode_slowdown: within that bound, a step that prefills beside decoding streams delays their next token
+# by at most one decode step's time (README, "Serving"). --max-decode-slowdown 0 leaves the fixed bound alone.
+SERVER_MAX_DECODE_SLOWDOWN = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -461,6 +464,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shutdown-grace must be >= 0 seconds")
     if args.max_prefill_tokens_while_decoding is None:
         args.max_prefill_tokens_while_decoding = min(SERVER_PREFILL_TOKENS_WHILE_DECODING, args.max_num_batched_tokens)
+    if args.max_decode_slowdown is None:
+        args.max_decode_slowdown = SERVER_MAX_DECODE_SLOWDOWN
+    elif args.max_decode_slowdown == 0:
+        args.max_decode_slowdown = None
     return args
 
 

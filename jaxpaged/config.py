@@ -153,6 +153,10 @@ class SchedulerConfig:
     # Prefill tokens per step while other sequences are decoding (None: max_num_batched_tokens). A decoding stream
     # waits one prefill step between two tokens, so this bounds its inter-token latency.
     max_prefill_tokens_while_decoding: int | None = None
+    # While sequences decode, a step that also runs prompt tokens may delay their next token by at most this many
+    # decode steps' time minus one (the scheduler's StepPacer adapts the prompt-token bound to measured step times,
+    # with max_prefill_tokens_while_decoding as its ceiling). None: the fixed bound alone.
+    max_decode_slowdown: float | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -163,5 +167,7 @@ class SchedulerConfig:
         if chunk is not None and not 16 <= chunk <= self.max_num_batched_tokens:
             raise ValueError(f"max_prefill_tokens_while_decoding={chunk} must be in [16, max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}]")
+        if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1.0:
+            raise ValueError(f"max_decode_slowdown={self.max_decode_slowdown} must be > 1 (or None)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")

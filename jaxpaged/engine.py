@@ -316,6 +316,7 @@ class Engine:
         if failed:
             return failed
         t_host = time.perf_counter()
+        self.scheduler.observe_step(out, t_host - t_device)
 
         self.counters["steps"] += 1
         self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1

@@ -52,6 +52,10 @@ class EngineConfig:
         None, "prefill tokens per step while other sequences decode (default: max_num_batched_tokens, for "
               "throughput; server.py's default: 128, at most max_num_batched_tokens); a decoding stream waits one "
               "prefill step between tokens, so a smaller value bounds its inter-token latency")
+    max_decode_slowdown: float | None = _option(
+        None, "while sequences decode, the gap between their tokens when a step also prefills, at most this many "
+              "decode steps: the prefill bound follows measured step times (max_prefill_tokens_while_decoding is "
+              "its ceiling). Default: off; server.py's: 2.0, where 0 turns it off")
     max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "
@@ -111,7 +115,7 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                               max_model_len=max_model_len)
+                               max_decode_slowdown=self.max_decode_slowdown, max_model_len=max_model_len)
 
 
 _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}

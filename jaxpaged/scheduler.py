@@ -11,7 +11,9 @@ Policy (first-come-first-served), in one of two forms picked by the attention ba
   running sequences wait for a token: a decode step comes between. The two kinds stay apart because those kernels
   pad each prefill sequence to query tiles of `PREFILL_TILE` tokens: a decode in a prefill step would cost a tile.
 - `max_prefill_tokens_while_decoding` bounds the prompt tokens of a step that also has (or keeps waiting) decoding
-  sequences, and so the time between a stream's tokens.
+  sequences, and so the time between a stream's tokens. With `max_decode_slowdown` that bound is a ceiling, and the
+  bound in force follows the step times the engine reports (`StepPacer`): such a step may delay a stream's next
+  token by at most (slowdown - 1) decode steps, however long the prompt's context has grown.
 - A prompt longer than the token budget is chunked over several prefill steps.
 - When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
   is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
@@ -59,10 +61,48 @@ class SchedulerOutput:
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     # n > 1: (parent, its new sample sequences) forked this step; the engine adds them to their request's outputs
     forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0  # prompt (and recomputed) tokens among `scheduled`
+    paced: bool = False  # the prompt tokens were bounded because sequences wait to decode (the pacer's steps)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclasses.dataclass
+class StepPacer:
+    """The prompt-token bound of steps that run while sequences decode, kept so that such a step delays a stream's
+    next token by at most (slowdown - 1) decode steps: a mixed step may take `slowdown` decode steps, a prefill step
+    between two decode steps (separate steps) slowdown - 1.
+
+    It learns from the step times the engine reports (`observe`): a decode-only step's (a moving average) and, from
+    each paced step, its excess time per prompt token, taken as proportional to the step's prompt tokens (their
+    matmul rows and attention; a chunk deeper into a long prompt costs more per token, which the next estimate
+    sees). The next bound is the tokens that fit the allowed excess, in multiples of PREFILL_TILE, at least one
+    tile, at most `ceiling`, and at most twice the last bound."""
+
+    ceiling: int  # max_prefill_tokens_while_decoding (or the token budget)
+    slowdown: float
+    mixed_steps: bool
+    bound: int = -1  # -1: the ceiling (set in __post_init__)
+    decode_s: float | None = None  # a decode-only step's time, averaged
+
+    def __post_init__(self):
+        if self.bound < 0:
+            self.bound = self.ceiling
+
+    def observe(self, out: SchedulerOutput, seconds: float) -> None:
+        if out.prompt_tokens == 0:
+            if out.scheduled:
+                self.decode_s = seconds if self.decode_s is None else 0.75 * self.decode_s + 0.25 * seconds
+            return
+        if not out.paced or self.decode_s is None:
+            return
+        excess = seconds - self.decode_s if self.mixed_steps else seconds
+        allowed = (self.slowdown - 1.0) * self.decode_s
+        target = self.ceiling if excess <= 0 else min(self.ceiling, out.prompt_tokens * allowed / excess)
+        target = min(target, 2 * self.bound)
+        self.bound = max(PREFILL_TILE, int(target) // PREFILL_TILE * PREFILL_TILE)
 
 
 class Scheduler:
@@ -70,6 +110,10 @@ class Scheduler:
                  mixed_steps: bool = False):
         self.config = scheduler_config
         self.mixed_steps = mixed_steps
+        self.pacer: StepPacer | None = None
+        if scheduler_config.max_decode_slowdown is not None:
+            ceiling = scheduler_config.max_prefill_tokens_while_decoding or scheduler_config.max_num_batched_tokens
+            self.pacer = StepPacer(ceiling, scheduler_config.max_decode_slowdown, mixed_steps)
         self.cache_config = cache_config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -149,10 +193,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
 
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine reports how long a scheduled step took on the device (for the pacer)."""
+        if self.pacer is not None:
+            self.pacer.observe(out, seconds)
+
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
-        if self.config.max_prefill_tokens_while_decoding is not None and any(
-                self._decodable(s) for s in self.running):
-            budget = min(budget, self.config.max_prefill_tokens_while_decoding)
+        bound = self.pacer.bound if self.pacer is not None else self.config.max_prefill_tokens_while_decoding
+        if bound is not None and any(self._decodable(s) for s in self.running):
+            out.paced = True
+            budget = min(budget, bound)
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
             self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
@@ -220,6 +270,7 @@ class Scheduler:
         elif not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
             return budget
         out.scheduled.append(ScheduledSeq(seq, num_new))
+        out.prompt_tokens += num_new
         return budget - round_up(num_new, PREFILL_TILE)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:

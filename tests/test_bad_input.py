@@ -215,6 +215,20 @@ def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overri
     assert server.parse_args(["--max-num-batched-tokens", "64"]).max_prefill_tokens_while_decoding == 64
     args = server.parse_args(["--max-prefill-tokens-while-decoding", "2048"])
     assert EngineConfig(**engine_options(args)).max_prefill_tokens_while_decoding == 2048
+    # The pacer: on by default in the server (off in EngineConfig), a value kept, 0 turns it off
+    assert EngineConfig().max_decode_slowdown is None
+    assert server.parse_args([]).max_decode_slowdown == server.SERVER_MAX_DECODE_SLOWDOWN
+    args = server.parse_args(["--max-decode-slowdown", "1.5"])
+    assert EngineConfig(**engine_options(args)).max_decode_slowdown == 1.5
+    assert server.parse_args(["--max-decode-slowdown", "0"]).max_decode_slowdown is None
+
+
+@pytest.mark.parametrize("value, error", [(1.0, ValueError), (0.5, ValueError), (-2, ValueError), ("2", TypeError)])
+def test_max_decode_slowdown_must_be_a_number_above_one(value, error):
+    from jaxpaged.engine_setup import EngineConfig
+
+    with pytest.raises(error, match="max_decode_slowdown"):
+        EngineConfig(max_decode_slowdown=value).scheduler_config(64)
 
 
 def test_pool_too_small_for_one_max_length_sequence_says_the_numbers():

@@ -6,6 +6,7 @@ import jax
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.scheduler import SchedulerOutput, StepPacer
 from tests.tiny import random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()
@@ -170,3 +171,69 @@ def test_bounded_prefill_chunk_must_fit_the_step_budget():
         make_llm(max_num_batched_tokens=64, max_prefill_tokens_while_decoding=128)
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding"):
         make_llm(max_prefill_tokens_while_decoding=8)
+
+
+def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
+    """StepPacer's arithmetic: with decode steps of 20 ms and a slowdown of 2, a mixed step may add 20 ms; the next
+    bound is the tokens the last paced step's excess per token says fit, in 16s, between 16 and the ceiling, at most
+    twice the last bound. Steps nobody waited for (not paced) and steps before any decode teach it nothing."""
+    decode = SchedulerOutput(is_prefill=False, scheduled=["a decode"])
+
+    def paced(tokens, paced=True):
+        return SchedulerOutput(is_prefill=True, scheduled=["a chunk"], prompt_tokens=tokens, paced=paced)
+
+    pacer = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=True)
+    pacer.observe(paced(128), 0.080)  # no decode step seen yet
+    assert pacer.bound == 128
+    pacer.observe(decode, 0.020)
+    pacer.observe(paced(128), 0.080)  # 60 ms over a decode step for 128 tokens: 20 ms fit 42 -> 32
+    assert pacer.bound == 32
+    pacer.observe(paced(32), 0.036)  # 16 ms for 32 tokens: 40 fit -> 32
+    assert pacer.bound == 32
+    pacer.observe(paced(32), 0.025)  # 5 ms for 32: 128 would fit, growth is at most 2x
+    assert pacer.bound == 64
+    pacer.observe(paced(64, paced=False), 1.0)  # a prompt alone (nothing decoding): not a paced step
+    assert pacer.bound == 64
+    pacer.observe(paced(64), 0.500)  # far over: one tile, the least a step can prefill
+    assert pacer.bound == 16
+    for _ in range(4):
+        pacer.observe(paced(16), 0.020)  # no excess: back to the ceiling, doubling
+    assert pacer.bound == 128
+
+    separate = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=False)
+    separate.observe(decode, 0.020)
+    separate.observe(paced(128), 0.040)  # a prefill step between two decode steps is all delay: 20 ms fit 64
+    assert separate.bound == 64
+
+
+@pytest.mark.parametrize("per_token_s, bound", [(0.0005, 16), (0.0001, 64)])
+def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(prompts, reference, monkeypatch,
+                                                                           per_token_s, bound):
+    """The engine reports step times to the pacer (here: 10 ms per step plus per_token_s per prompt token, so the
+    test does not depend on this machine's speed). A 100-token prompt arrives while a stream decodes: its first
+    chunk is the ceiling (64); when a step's prompt tokens cost more than a decode step (0.5 ms each: 64 cost
+    32 ms), the rest comes 16 tokens a step; when they fit (0.1 ms each, mixed steps), 64 a step. The tokens are
+    those of the unpaced engine."""
+    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=64, max_decode_slowdown=2.0)
+    sched = llm.engine.scheduler
+    if not sched.mixed_steps and bound == 64:
+        pytest.skip("a separate prefill step is all delay: this case is about mixed steps")
+    real = sched.observe_step
+    monkeypatch.setattr(sched, "observe_step", lambda out, _: real(out, 0.010 + per_token_s * out.prompt_tokens))
+    steps = _spy_steps(sched)
+    engine = llm.engine
+    engine.add_request("first", prompts[0], GREEDY)
+    for _ in range(3):  # its prefill, then decode steps (the pacer's measure of a decode step)
+        engine.step()
+    long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
+    engine.add_request("long", long_prompt, GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    chunks = [prompt for decoding, prompt, _ in steps[1:] if prompt and decoding]
+    assert chunks[0] == 64 and sum(chunks) == 100
+    assert all(c <= bound for c in chunks[1:]) and max(chunks[1:]) == min(bound, 100 - 64)
+    assert outputs["first"] == reference[0]
+    assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
