@@ -103,6 +103,8 @@ class StepPacer:
         target = self.ceiling if excess <= 0 else min(self.ceiling, out.prompt_tokens * allowed / excess)
         target = min(target, 2 * self.bound)
         self.bound = max(PREFILL_TILE, int(target) // PREFILL_TILE * PREFILL_TILE)
+        logger.debug("pacer: %d prompt tokens in %.1f ms (decode step %.1f ms): next bound %d", out.prompt_tokens,
+                     1e3 * seconds, 1e3 * self.decode_s, self.bound)
 
 
 class Scheduler:
