@@ -181,16 +181,19 @@ def test_mixed_decodes_and_prefill_chunks_without_tile_padding(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bfloat16_prefills_match_the_reference_to_a_rounding_step(head_dim):
     """The AVX-512 bf16 tile path against the pure-JAX reference on the same bf16 inputs (chunks that start
-    mid-block, a block size of 8 so a 16-offset chunk spans blocks, a sliding window): one bf16 rounding step of
-    the output apart at most (float32 sums in another order)."""
+    mid-block, a block size of 8 so a 16-offset chunk spans blocks, a sliding window). Its p @ V multiplies the
+    softmax weights rounded to bfloat16 (as the Pallas GPU kernel and FlashAttention-style kernels do), each off by
+    at most 2^-9 relative, which moves an output by at most 2^-9 of the largest |V|: one bf16 rounding step of the
+    output plus twice that apart at most, and most outputs bitwise equal."""
     for extra, block_size in (({}, 16), ({}, 8), (dict(sliding_window=21), 16)):
         case = prefill_case([(45, 45), (90, 27), (16, 16), (3, 3)], poison=False, num_q_heads=6, num_kv_heads=2,
                             head_dim=head_dim, block_size=block_size, seed=9, dtype=jnp.bfloat16)
         want = ragged_paged_attention_reference(*case.args, **case.kwargs(**extra)).astype(jnp.float32)
         got = native.paged_attention_native(*case.args, **case.kwargs(**extra)).astype(jnp.float32)
         got, want = np.asarray(got)[case.valid_tokens], np.asarray(want)[case.valid_tokens]
-        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-3)
-        assert np.mean(got == want) > 0.9, extra
+        v_max = float(np.abs(np.asarray(case.v_cache.astype(jnp.float32))).max())
+        np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=2 ** -8 * v_max)
+        assert np.mean(got == want) > 0.6, extra
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -601,39 +601,60 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
 // the lanes of up to kMaxRowVectors vectors: their queries are transposed once per item ([D/2, rows] bf16 pairs),
 // so a key's scores for 16 rows are D/2 VDPBF16PS with the key's pair broadcast (no key transposes, no lane sums),
 // and the online softmax (maxima, exponentials, sums) is per lane, with each row's visible range [lo, hi) as a
-// lane mask per key. The chunk's V rows are converted to float32 once and acc += p @ V runs in float32 for four
-// rows at a time (their sums in registers). More rows per kv head than that (G > 8): AttendTile.
+// lane mask per key. acc += p @ V takes keys in pairs, also by VDPBF16PS: the rows' weights of two keys rounded to
+// bfloat16 and interleaved in each lane, against a broadcast pair of V values (the two keys' rows interleaved once
+// per chunk), with acc [D, rows] in float32 (rows in the lanes again). More rows per kv head than that (G > 8):
+// AttendTile.
 
 constexpr int kMaxRowVectors = 8;  // AttendTileFast: at most 8 x 16 (token, query head) rows per kv head
 
 // Per-thread scratch of AttendTileFast: `rows` = one kv head's (token, query head) rows, in vectors of 16.
 struct TileFastScratch {
-  std::vector<float> acc, m, l, p, alpha, vf;  // [rows, D], [rows], [rows], [16, rows], [rows], [16, D]
-  std::vector<int32_t> qt;                     // one kv head's queries, transposed: [D/2, rows of the kv head]
+  std::vector<float> acc, m, l, p, alpha;  // [D, rows] (rows in lanes), [rows], [rows], [16, rows], [rows]
+  std::vector<int32_t> qt;                 // one kv head's queries, transposed: [D/2, rows of the kv head]
+  std::vector<int32_t> vp, pp;             // a chunk's V row pairs [8, D] and weight pairs [8, rows], bf16 x 2
   TileFastScratch(int64_t rows, int64_t head_dim)
-      : acc(rows * head_dim), m(rows), l(rows), p(16 * rows), alpha(rows), vf(16 * head_dim),
-        qt(head_dim / 2 * rows) {}
+      : acc(rows * head_dim), m(rows), l(rows), p(16 * rows), alpha(rows), qt(head_dim / 2 * rows),
+        vp(8 * head_dim), pp(8 * rows) {}
 };
 
-// acc[row] = alpha[row] * acc[row] + sum_t p[t][row] * vf[t] for the R rows [r0, r0 + R) over the chunk's n
-// offsets; p is offset-major with `stride` floats between offsets. Each V vector is loaded once for
-// the R rows, whose sums stay in registers (R * DC of them).
-template <int R, int DC>
-inline void ChunkPV(const float* p, int64_t stride, const float* alpha, int n, const float* __restrict vf, float* acc,
-                    int64_t r0) {
-  constexpr int64_t D = 16 * DC;
-  __m512 a[R][DC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c)
-      a[r][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r0 + r]), _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c));
-  for (int t = 0; t < n; ++t)
-    for (int c = 0; c < DC; ++c) {
-      const __m512 v = _mm512_loadu_ps(vf + t * D + 16 * c);
-      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[t * stride + r0 + r]), v, a[r][c]);
+// acc[d] = alpha * acc[d] + sum_j pp[j] . vp[j][d] for every head dimension d, each a vector of the NV x 16 rows
+// (acc [D, NV * 16]): pp [npairs, NV] holds the rows' weights of keys (2j, 2j + 1) as bfloat16 pairs per lane, vp
+// [npairs, D] the two keys' V values as one bfloat16 pair per dimension. DB dimensions at a time, their NV x DB sums
+// in registers.
+template <int NV, int DC>
+inline void ChunkPVPairs(const int32_t* pp, int npairs, const int32_t* __restrict vp, const float* alpha,
+                         float* acc) {
+  constexpr int64_t D = 16 * DC, W = 16 * NV;
+  constexpr int DB = NV <= 3 ? 8 : NV <= 6 ? 4 : 2;
+  __m512 al[NV];
+  for (int v = 0; v < NV; ++v) al[v] = _mm512_loadu_ps(alpha + 16 * v);
+  for (int64_t d0 = 0; d0 < D; d0 += DB) {
+    __m512 a[DB][NV];
+    for (int i = 0; i < DB; ++i)
+      for (int v = 0; v < NV; ++v) a[i][v] = _mm512_mul_ps(al[v], _mm512_loadu_ps(acc + (d0 + i) * W + 16 * v));
+    for (int j = 0; j < npairs; ++j) {
+      __m512bh w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(pp + j * W + 16 * v);
+      for (int i = 0; i < DB; ++i) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(vp[j * D + d0 + i]);
+        for (int v = 0; v < NV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], w[v], b);
+      }
     }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
+    for (int i = 0; i < DB; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (d0 + i) * W + 16 * v, a[i][v]);
+  }
 }
+
+// Index vectors for VPERMT2W / VPERMW: element e of the result takes element e / 2 of the first source when e is
+// even, of the second (index + 32) when odd; kPairHi the same from the upper 16 elements; kPairPs pairs the two
+// halves of one vector (VCVTNE2PS2BF16's output: first key in the lower half).
+alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+alignas(64) constexpr uint16_t kPairPs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // Scores of keys [t0, t0 + KT) of a chunk (rows `stride` elements apart, as bf16 pairs) against NV vectors of 16
 // query rows (qt [DP][NV * 16] dwords): s[t][v] lane i = q_(16 v + i) . k_t. Per pair of head dimensions, one
@@ -705,16 +726,30 @@ inline void ChunkRowsT(const Problem& p, const uint16_t* k_rows, const uint16_t*
     _mm512_storeu_ps(m, m_new);
     _mm512_storeu_ps(sc.alpha.data() + 16 * v, alpha);
   }
-  // V rows of the chunk in float32, once for every row
-  float* vf = sc.vf.data();
-  for (int u = 0; u < n; ++u)
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + u * D + 16 * c, Bf16x16(v_rows + u * stride + 16 * c));
-  float* acc = sc.acc.data();
-  int64_t r = 0;
-  if constexpr (DC <= 4) {
-    for (; r + 4 <= nrows; r += 4) ChunkPV<4, DC>(pm, ps, sc.alpha.data(), n, vf, acc, r);
+  // Keys in pairs: V's rows 2j and 2j + 1 interleaved per dimension, and the rows' weights of the two keys as
+  // bfloat16 pairs per lane; an odd n pairs its last key with a zero weight on that key's own V row (finite).
+  const int npairs = (n + 1) / 2;
+  int32_t* vp = sc.vp.data();  // [npairs, D]
+  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
+  for (int j = 0; j < npairs; ++j) {
+    const uint16_t* r0 = v_rows + 2 * j * stride;
+    const uint16_t* r1 = 2 * j + 1 < n ? r0 + stride : r0;
+    for (int64_t c = 0; c < D / 32; ++c) {
+      const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+      _mm512_storeu_si512(vp + j * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
+      _mm512_storeu_si512(vp + j * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+    }
   }
-  for (; r < nrows; ++r) ChunkPV<1, DC>(pm, ps, sc.alpha.data(), n, vf, acc, r);
+  int32_t* pp = sc.pp.data();  // [npairs, NV * 16]
+  const __m512i ps_idx = _mm512_load_si512(kPairPs);
+  for (int j = 0; j < npairs; ++j)
+    for (int v = 0; v < NV; ++v) {
+      const __m512 p0 = _mm512_loadu_ps(pm + 2 * j * ps + 16 * v);
+      const __m512 p1 = 2 * j + 1 < n ? _mm512_loadu_ps(pm + (2 * j + 1) * ps + 16 * v) : _mm512_setzero_ps();
+      _mm512_storeu_si512(pp + j * ps + 16 * v,
+                          _mm512_permutexvar_epi16(ps_idx, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+  ChunkPVPairs<NV, DC>(pp, npairs, vp, sc.alpha.data(), sc.acc.data());
 }
 
 // f(std::integral_constant<int, nv>{}) for a run-time nv in [1, N].
@@ -752,7 +787,7 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   for (int64_t v = 0; v < nv; ++v) row_lo[v] = _mm512_load_si512(lo32 + 16 * v), row_hi[v] = _mm512_load_si512(hi32 + 16 * v);
   for (int64_t kh = kh0; kh < kh1; ++kh) {
     float *acc = sc.acc.data(), *m = sc.m.data(), *l = sc.l.data();
-    std::fill(acc, acc + nrows * D, 0.0f);
+    std::fill(acc, acc + 16 * nv * D, 0.0f);  // [D, 16 nv]: the rows in the lanes
     std::fill(m, m + 16 * nv, -INFINITY);
     std::fill(l, l + 16 * nv, 0.0f);
     int32_t* qt = sc.qt.data();  // [DP][16 nv]
@@ -775,13 +810,15 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
         });
       }
     }
+    alignas(64) float row[D];
     for (int64_t i = 0; i < nrows; ++i) {
       const float sum = l[i];
       const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      for (int64_t d = 0; d < D; ++d) row[d] = acc[d * 16 * nv + i];
       uint16_t* o = out + (toks[i / G] * p.num_q_heads + kh * G + i % G) * D;
       for (int c = 0; c < DC; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + i * D + 16 * c), inv)));
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(row + 16 * c), inv)));
     }
   }
 }
