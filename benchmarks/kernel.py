@@ -47,9 +47,9 @@ FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_h
 # The pool of those cases fits in the CPU's caches (8-12 MB); `layered`: the engine's case, a decode step over 30
 # layers (the throughput workload's mid-decode batch), whose 240 MB of K/V come from memory, timed per layer;
 # `mixed`: a serving step while a long prompt arrives (benchmarks/serving.py's interference run): 16 streams decoding
-# and a 64-token chunk at the end of a 1536-token prompt.
+# and a 64-token (then a 16-token) chunk at the end of a 1536-token prompt.
 CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64,
-           mixed=dict(prefills=1, prefill_context=1536, chunk=64, decodes=16, decode_context=360),
+           mixed=[dict(prefills=1, prefill_context=1536, chunk=c, decodes=16, decode_context=360) for c in (64, 16)],
            prefill=dict(prompts=13, length=157), layered=dict(batch=48, context=210, layers=30))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
@@ -235,8 +235,7 @@ def main():
         rows += run_case(f"decode b={lay['batch']} ctx={lay['context']}, {lay['layers']} layers (per layer)", batch,
                          decode=True, interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
         del batch
-    m = cfg["mixed"]
-    if m:
+    for m in cfg["mixed"] if isinstance(cfg["mixed"], list) else [cfg["mixed"]]:
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
         mixed = make_batch(seqs, tile=16, **shape)
         rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,
