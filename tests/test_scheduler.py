@@ -105,6 +105,24 @@ def _spy_steps(sched) -> list[tuple[bool, int, int]]:
     return steps
 
 
+def _long_prompt_while_decoding(engine, first, decode_steps: int) -> tuple[dict, dict[str, list[int]]]:
+    """Request "first" runs until it decodes (and `decode_steps` decode steps more), then a 100-token prompt "long"
+    arrives; runs both to the end. Returns ("long"'s prompt, each request's tokens)."""
+    engine.add_request("first", first, GREEDY)
+    while not any(s.output_token_ids for s in engine.scheduler.running):  # "first" is decoding now
+        engine.step()
+    for _ in range(decode_steps):
+        engine.step()
+    long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
+    engine.add_request("long", long_prompt, GREEDY)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    return long_prompt, outputs
+
+
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts, backend):
     """max_prefill_tokens_while_decoding: a prompt that arrives while sequences decode is prefilled at most that many
@@ -115,17 +133,7 @@ def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts, back
     mixed = llm.engine.scheduler.mixed_steps
     assert mixed == (backend == "auto" and ON_CPU)  # 'auto' off CPU is Pallas, which keeps steps apart
     steps = _spy_steps(llm.engine.scheduler)
-    engine = llm.engine
-    engine.add_request("first", prompts[0], GREEDY)
-    while not any(s.output_token_ids for s in engine.scheduler.running):  # "first" is decoding now
-        engine.step()
-    long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
-    engine.add_request("long", long_prompt, GREEDY)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    long_prompt, outputs = _long_prompt_while_decoding(llm.engine, prompts[0], decode_steps=0)
     assert steps[0][:2] == (False, len(prompts[0]["prompt_token_ids"])) and steps[0][1] > 32  # alone: all at once
     chunks = [(prompt, decodes) for decoding, prompt, decodes in steps[1:] if prompt]
     assert chunks and max(p for p, _ in chunks) <= 32 and sum(p for p, _ in chunks) >= 100
@@ -221,17 +229,7 @@ def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(pr
     real = sched.observe_step
     monkeypatch.setattr(sched, "observe_step", lambda out, _: real(out, 0.010 + per_token_s * out.prompt_tokens))
     steps = _spy_steps(sched)
-    engine = llm.engine
-    engine.add_request("first", prompts[0], GREEDY)
-    for _ in range(3):  # its prefill, then decode steps (the pacer's measure of a decode step)
-        engine.step()
-    long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
-    engine.add_request("long", long_prompt, GREEDY)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
+    long_prompt, outputs = _long_prompt_while_decoding(llm.engine, prompts[0], decode_steps=2)  # a decode's time
     chunks = [prompt for decoding, prompt, _ in steps[1:] if prompt and decoding]
     assert chunks[0] == 64 and sum(chunks) == 100
     assert all(c <= bound for c in chunks[1:]) and max(chunks[1:]) == min(bound, 100 - 64)
