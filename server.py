@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -491,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # The model, tokenizer and compiled steps leave millions of long-lived objects: frozen, a
+    # full collection scans only what serving allocates instead of pausing every stream for hundreds of ms.
+    gc.collect()
+    gc.freeze()
     app = build_app(engine, names, args.api_key, args.max_body_bytes, metrics_without_auth=args.metrics_without_auth,
                     max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
                     write_timeout=args.write_timeout,
