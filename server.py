@@ -492,8 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # The model, tokenizer and compiled steps leave millions of long-lived objects: frozen, a
-    # full collection scans only what serving allocates instead of pausing every stream for hundreds of ms.
+    # Loading leaves many long-lived objects (model, tokenizer, compiled steps): frozen, a full collection scans only
+    # what serving allocates, instead of pausing every stream while it walks them all.
     gc.collect()
     gc.freeze()
     app = build_app(engine, names, args.api_key, args.max_body_bytes, metrics_without_auth=args.metrics_without_auth,
