@@ -41,7 +41,7 @@ from pallas_kernels.reference import ragged_paged_attention_reference
 logger = logging.getLogger("benchmarks.kernel")
 
 FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_heads=32, kv_heads=8, head_dim=128,
-            mixed=dict(prefills=4, prefill_context=2048, chunk=512, decodes=60, decode_context=2048))
+            mixed=[dict(prefills=4, prefill_context=2048, chunk=512, decodes=60, decode_context=2048)])
 # SmolLM2-135M's heads; 64 sequences of 160 / 256 tokens (640 / 1024 blocks in use), the throughput workload's range
 # and one prefill step of the workload's shape: 13 whole prompts of 157 tokens (2041 tokens)
 # The pool of those cases fits in the CPU's caches (8-12 MB); `layered`: the engine's case, a decode step over 30
@@ -52,7 +52,7 @@ CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_head
            mixed=[dict(prefills=1, prefill_context=1536, chunk=c, decodes=16, decode_context=360) for c in (64, 16)],
            prefill=dict(prompts=13, length=157), layered=dict(batch=48, context=210, layers=30))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
-             mixed=dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40))
+             mixed=[dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40)])
 
 
 def make_batch(seqs: list[tuple[int, int]], *, tile: int, block_size: int, q_heads: int, kv_heads: int,
@@ -235,7 +235,7 @@ def main():
         rows += run_case(f"decode b={lay['batch']} ctx={lay['context']}, {lay['layers']} layers (per layer)", batch,
                          decode=True, interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
         del batch
-    for m in cfg["mixed"] if isinstance(cfg["mixed"], list) else [cfg["mixed"]]:
+    for m in cfg["mixed"]:
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
         mixed = make_batch(seqs, tile=16, **shape)
         rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,

@@ -84,12 +84,11 @@ class StepPacer:
     ceiling: int  # max_prefill_tokens_while_decoding (or the token budget)
     slowdown: float
     mixed_steps: bool
-    bound: int = -1  # -1: the ceiling (set in __post_init__)
+    bound: int = dataclasses.field(init=False)  # the prompt tokens a paced step may carry now; starts at ceiling
     decode_s: float | None = None  # a decode-only step's time, averaged
 
     def __post_init__(self):
-        if self.bound < 0:
-            self.bound = self.ceiling
+        self.bound = self.ceiling
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         if out.prompt_tokens == 0:
