@@ -1,14 +1,16 @@
 """The model's layer matmuls on CPU, bfloat16: XLA's dot of the layer's slice against the native kernel, by rows.
 
-For each weight shape of SmolLM2-135M (q/o [576, 576], k/v [576, 192], gate/up [576, 1536], down [1536, 576]),
-stacked over 30 layers as the engine holds them, a jitted `fori_loop` over the layers computes x [M, K] @ w[i] as
-the model's step does (`jaxpaged.models.matmul.layer_matmul`), with the step's XLA options
-(`step_compiler_options`): XLA slices w[i] and runs its dot; the native kernel reads w[i] in place
-(`cpu_native.matmul_native`), from the weight as stored and from the weight prepacked in the kernel's panel layout
-(`cpu_native.prepack_weight`, what the engine holds on such a CPU). The outputs are compared (bitwise equal bf16
-is expected: both accumulate pairs of
-products with VDPBF16PS). The engine uses the native kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which
-this table is there to justify. Median of --runs calls after one warm-up.
+For each weight shape of SmolLM2-135M (q/o [576, 576], k/v [576, 192], gate/up [576, 1536], down [1536, 576]), and
+for the gated MLP's first half (silu(x @ gate) * (x @ up): XLA's two dots and activation against the native
+one-pass `cpu_native.matmul_glu_native`), stacked over 30 layers as the engine holds them, a jitted `fori_loop`
+over the layers computes x [M, K] @ w[i] as the model's step does (`jaxpaged.models.matmul.layer_matmul`,
+`layer_glu`), with the step's XLA options (`step_compiler_options`): XLA slices w[i] and runs its dot; the native
+kernel reads w[i] in place (`cpu_native.matmul_native`), from the weight as stored and from the weight prepacked in
+the kernel's panel layout (`cpu_native.prepack_weight`, what the engine holds on such a CPU). The outputs are
+compared: the matmuls are expected bitwise equal (both accumulate pairs of products with VDPBF16PS); the gated MLP's
+activation is a float32 approximation, so its column is the fraction of equal values. The engine uses the native
+kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which this table is there to justify. Median of --runs calls
+after one warm-up.
 
     python benchmarks/matmul.py [--rows 16 48 64 128 256 512 1024 2048]   # -> benchmarks/results/matmul.json
 """
@@ -25,9 +27,11 @@ from step_anatomy import cpu_name, device_ms
 
 from jaxpaged.model_runner import NATIVE_MATMUL_ROWS
 from jaxpaged.models.matmul import matmul
-from pallas_kernels.cpu_native import matmul_is_fast, matmul_native, prepack_weight
+from pallas_kernels.cpu_native import matmul_glu_native, matmul_is_fast, matmul_native, prepack_weight
 
-SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576)}
+SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),
+          "gated MLP": (576, 1536)}  # the last: silu(x @ gate) * (x @ up), the weights a (gate, up) pair
+GLU = "gated MLP"
 XLA_OPTIONS = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}  # the bf16 step's (model_runner)
 
 
@@ -51,21 +55,32 @@ def main():
         raise SystemExit("the native matmul has no AVX512_BF16 path on this CPU (or could not be built): nothing to "
                          "compare")
     rng = np.random.default_rng(0)
-    xla = layer_loop(lambda x, w, i: matmul(x, w[i]), args.layers)
-    native = layer_loop(lambda x, w, i: matmul_native(x, w, i), args.layers)
+    kernels = {  # name -> (XLA's, the native kernel's): x [M, K], w [L, K, N] (or a (gate, up) pair), layer i
+        "matmul": (lambda x, w, i: matmul(x, w[i]), lambda x, w, i: matmul_native(x, w, i)),
+        "glu": (lambda x, w, i: jax.nn.silu(matmul(x, w[0][i])) * matmul(x, w[1][i]),
+                lambda x, w, i: matmul_glu_native(x, w[0], w[1], i, "silu"))}
+    loops = {kind: (layer_loop(xla_mm, args.layers), layer_loop(native_mm, args.layers))
+             for kind, (xla_mm, native_mm) in kernels.items()}
     results = []
     for name, (k, n) in SHAPES.items():
-        w = jnp.asarray(rng.standard_normal((args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
-        packed = prepack_weight(w)
+        kind = "glu" if name == GLU else "matmul"
+        (xla_mm, native_mm), (xla, native) = kernels[kind], loops[kind]
+
+        def stacked(k=k, n=n):
+            return jnp.asarray(rng.standard_normal((args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
+
+        w = (stacked(), stacked()) if kind == "glu" else stacked()
+        packed = jax.tree.map(prepack_weight, w)
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-            want = matmul(x, w[3])
-            equal = bool(jnp.all(want == matmul_native(x, w, 3)) & jnp.all(want == matmul_native(x, packed, 3)))
+            want = xla_mm(x, w, 3)
+            same = min(float(jnp.mean(want == native_mm(x, w, 3))), float(jnp.mean(want == native_mm(x, packed, 3))))
+            equal = same == 1.0 if kind == "matmul" else round(same, 4)
             row = {"weights": name, "K": k, "N": n, "rows": m, "bitwise_equal": equal}
             for label, fn, weight in (("xla", xla, w), ("native", native, w), ("prepacked", native, packed)):
                 ms = device_ms(fn.lower(x, weight).compile(compiler_options=XLA_OPTIONS), x, weight, runs=args.runs)
                 row[f"{label}_ms"] = ms
-                row[f"{label}_GFLOPs"] = 2 * m * k * n * args.layers / ms / 1e6
+                row[f"{label}_GFLOPs"] = 2 * m * k * n * args.layers * (2 if kind == "glu" else 1) / ms / 1e6
             row["speedup"] = row["xla_ms"] / row["prepacked_ms"]
             results.append(row)
             print(f"{name:<9} K={k:<5} N={n:<5} rows={m:<5} XLA {row['xla_ms']:8.2f} ms "
