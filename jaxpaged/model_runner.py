@@ -6,7 +6,8 @@ request's length never reaches a jitted shape:
                  flat list of B blocks, B in `flat_block_buckets(S)` (the blocks in use, rounded up)
   prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / tile), block-table width W in
                  `width_buckets`, tile 16; or tile 1 when the attention `mixes_steps` (then a prefill step may
-                 carry decodes too, and every sequence's tokens start right after the previous one's)
+                 carry decodes too, every sequence's tokens start right after the previous one's, and S is T / 2
+                 but at the largest T: a step with more sequences than that takes a larger T)
 
 The pool's device layout (`pool_format`): on TPU the pool is allocated, and passes through every jitted function
 that takes it (the step, the block copy, the swap-in write), in an explicit row-major format, the layout the Pallas
@@ -340,7 +341,21 @@ class ModelRunner:
         return shapes
 
     def _prefill_seqs(self, num_tokens: int) -> int:
-        return max(1, min(self.max_num_seqs, num_tokens // self.prefill_tile))
+        """The sequence rows S of a prefill step of T = num_tokens: T / tile (each sequence takes at least a tile), but
+        with tile 1 (mixed steps) T / 2 below the largest T. S rows cost whatever the step's sequences are (the LM
+        head's output and the sampler run over all of them), and a mixed step is mostly a few chunks beside decodes:
+        a step with more sequences than that takes the next T (benchmarks/step_anatomy.py --mixed-chunk)."""
+        per_seq = self.prefill_tile if self.prefill_tile > 1 or num_tokens >= self.max_prefill_tokens else 2
+        return max(1, min(self.max_num_seqs, num_tokens // per_seq))
+
+    def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int:
+        """The smallest prefill T that holds num_tokens tokens and num_seqs sequences."""
+        for t in self.prefill_buckets:
+            if t >= num_tokens and self._prefill_seqs(t) >= num_seqs:
+                return t
+        largest = self.prefill_buckets[-1]
+        raise ValueError(f"{num_tokens} tokens of {num_seqs} sequences exceed the largest prefill bucket "
+                         f"({largest} tokens, {self._prefill_seqs(largest)} sequences)")
 
     def warm_up(self, progress: bool = True) -> float:
         """Compiles (or loads from the persistent cache) every shape, running none; returns seconds spent."""
@@ -384,7 +399,7 @@ class ModelRunner:
         lengths = [round_up(s.num_new_tokens, tile) for s in out.scheduled]
         blocks = [-(-(s.seq.num_computed_tokens + s.num_new_tokens) // bs) for s in out.scheduled]
         if out.is_prefill:
-            num_tokens = pick_bucket(self.prefill_buckets, sum(lengths))
+            num_tokens = self._prefill_bucket(sum(lengths), n)
             num_seqs = self._prefill_seqs(num_tokens)
             width, decode_blocks = pick_bucket(self.width_buckets, max(blocks)), None
         else:

@@ -235,3 +235,35 @@ def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(pr
     assert all(c <= bound for c in chunks[1:]) and max(chunks[1:]) == min(bound, 100 - 64)
     assert outputs["first"] == reference[0]
     assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not ON_CPU, reason="mixed steps need the native CPU kernel (attention_backend='auto' on CPU)")
+def test_mixed_steps_take_half_as_many_sequence_rows_as_tokens_and_compile_nothing_new(prompts, reference):
+    """A prefill-shaped step of the mixed-step backends has S = T / 2 sequence rows below the largest T (the LM head
+    and the sampler cost per row); a step with more sequences than that runs at a larger T, which is compiled at
+    start-up too: every step's shape is one of all_shapes(), nothing compiles later, outputs are unchanged."""
+    llm = make_llm(max_num_seqs=40, max_num_batched_tokens=128, precompile=True)
+    runner = llm.engine.runner
+    assert runner.prefill_buckets == [64, 128]
+    assert [runner._prefill_seqs(t) for t in runner.prefill_buckets] == [32, 40]
+    assert runner._prefill_bucket(32, 17) == 64 and runner._prefill_bucket(40, 33) == 128
+    with pytest.raises(ValueError, match="exceed the largest prefill bucket"):
+        runner._prefill_bucket(129, 1)
+    shapes = runner.compiled_shapes
+    assert shapes == set(runner.all_shapes())
+    seen = []
+    execute = runner.execute
+
+    def spy(batch):
+        seen.append((batch.shape_key, int((batch.attn.context_lens > 0).sum())))
+        return execute(batch)
+
+    runner.execute = spy
+    many = prompts * 3  # 36 sequences decode while later prompts are prefilled beside them
+    outs = llm.generate(many, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference * 3
+    assert runner.compiled_shapes == shapes
+    mixed = [(key, n) for key, n in seen if key[4] is None]
+    assert all(n <= key[1] for key, n in mixed)
+    assert any(key[0] == 64 and key[1] == 32 for key, _ in mixed)
+    assert any(key[0] == 128 and n > 32 for key, n in mixed)  # more sequences than T = 64 takes: the next T
