@@ -13,7 +13,8 @@ Policy (first-come-first-served), in one of two forms picked by the attention ba
 - `max_prefill_tokens_while_decoding` bounds the prompt tokens of a step that also has (or keeps waiting) decoding
   sequences, and so the time between a stream's tokens. With `max_decode_slowdown` that bound is a ceiling, and the
   bound in force follows the step times the engine reports (`StepPacer`): such a step may delay a stream's next
-  token by at most (slowdown - 1) decode steps, however long the prompt's context has grown.
+  token by at most (slowdown - 1) decode steps, however long the prompt's context has grown. On mixed steps a
+  paced chunk is any number of tokens (the pacer's bound goes in 4s, below a tile where a machine needs it).
 - A prompt longer than the token budget is chunked over several prefill steps.
 - When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
   is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
@@ -69,41 +70,64 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
+PACED_CHUNK_UNIT = 4  # mixed steps: the pacer's bound is a multiple of this many tokens (and at least this many)
+PACER_WINDOW = 8  # the step times the pacer estimates from: the last this many of each kind
+
+
 @dataclasses.dataclass
 class StepPacer:
     """The prompt-token bound of steps that run while sequences decode, kept so that such a step delays a stream's
     next token by at most (slowdown - 1) decode steps: a mixed step may take `slowdown` decode steps, a prefill step
     between two decode steps (separate steps) slowdown - 1.
 
-    It learns from the step times the engine reports (`observe`): a decode-only step's (a moving average) and, from
-    each paced step, its excess time per prompt token, taken as proportional to the step's prompt tokens (their
-    matmul rows and attention; a chunk deeper into a long prompt costs more per token, which the next estimate
-    sees). The next bound is the tokens that fit the allowed excess, in multiples of PREFILL_TILE, at least one
-    tile, at most `ceiling`, and at most twice the last bound."""
+    It learns from the step times the engine reports (`observe`): a decode-only step's (the fastest of the last
+    PACER_WINDOW: the step itself, not one slowed by the host's other work, such as new requests arriving, which
+    would raise the budget while no decode-only step comes to correct it) and, from each paced step, its excess time
+    per prompt token, taken as proportional to the step's prompt tokens (their matmul rows and attention; a chunk
+    deeper into a long prompt costs more per token). The estimate is the largest excess per token of the last
+    PACER_WINDOW paced steps, so the bound keeps the slow steps, not the average one, within the delay. The next
+    bound is the tokens that fit the allowed excess, in multiples of `unit` (PREFILL_TILE for separate steps, whose
+    prefill segments take whole tiles; PACED_CHUNK_UNIT for mixed steps, laid out token by token), at least one
+    unit, at most `ceiling`, and at most twice the last bound."""
 
     ceiling: int  # max_prefill_tokens_while_decoding (or the token budget)
     slowdown: float
     mixed_steps: bool
     bound: int = dataclasses.field(init=False)  # the prompt tokens a paced step may carry now; starts at ceiling
-    decode_s: float | None = None  # a decode-only step's time, averaged
+    decode_times: deque = dataclasses.field(init=False)  # seconds of the last decode-only steps
+    excess_per_token: deque = dataclasses.field(init=False)  # seconds per prompt token of the last paced steps
 
     def __post_init__(self):
         self.bound = self.ceiling
+        self.decode_times = deque(maxlen=PACER_WINDOW)
+        self.excess_per_token = deque(maxlen=PACER_WINDOW)
+
+    @property
+    def unit(self) -> int:
+        return PACED_CHUNK_UNIT if self.mixed_steps else PREFILL_TILE
+
+    @property
+    def decode_s(self) -> float | None:
+        """A decode-only step's time: the fastest of the last ones (None before any)."""
+        return min(self.decode_times) if self.decode_times else None
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         if out.prompt_tokens == 0:
             if out.scheduled:
-                self.decode_s = seconds if self.decode_s is None else 0.75 * self.decode_s + 0.25 * seconds
+                self.decode_times.append(seconds)
             return
-        if not out.paced or self.decode_s is None:
+        decode_s = self.decode_s
+        if not out.paced or decode_s is None:
             return
-        excess = seconds - self.decode_s if self.mixed_steps else seconds
-        allowed = (self.slowdown - 1.0) * self.decode_s
-        target = self.ceiling if excess <= 0 else min(self.ceiling, out.prompt_tokens * allowed / excess)
+        excess = seconds - decode_s if self.mixed_steps else seconds
+        self.excess_per_token.append(max(excess, 0.0) / out.prompt_tokens)
+        per_token = max(self.excess_per_token)
+        allowed = (self.slowdown - 1.0) * decode_s
+        target = self.ceiling if per_token <= 0 else min(self.ceiling, allowed / per_token)
         target = min(target, 2 * self.bound)
-        self.bound = max(PREFILL_TILE, int(target) // PREFILL_TILE * PREFILL_TILE)
+        self.bound = max(self.unit, int(target) // self.unit * self.unit)
         logger.debug("pacer: %d prompt tokens in %.1f ms (decode step %.1f ms): next bound %d", out.prompt_tokens,
-                     1e3 * seconds, 1e3 * self.decode_s, self.bound)
+                     1e3 * seconds, 1e3 * decode_s, self.bound)
 
 
 class Scheduler:
@@ -204,16 +228,19 @@ class Scheduler:
         if bound is not None and any(self._decodable(s) for s in self.running):
             out.paced = True
             budget = min(budget, bound)
+        # Mixed steps lay a step's tokens out one after another, so a paced chunk may be any number of tokens (the
+        # pacer's bound can be below a tile on a slow machine); elsewhere a segment takes whole tiles.
+        unit = 1 if self.mixed_steps and out.paced else PREFILL_TILE
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
             self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do.
         for seq in [s for s in self.running if s.is_prefill]:
             if seq in self.running:
-                budget = self._try_prefill(seq, budget, out, preempt=True)
-            if budget < PREFILL_TILE:
+                budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
+            if budget < unit:
                 return
-        while self.waiting and not self.swapped and budget >= PREFILL_TILE:
+        while self.waiting and not self.swapped and budget >= unit:
             seq = self.waiting[0]
             if self._seats_taken() + 1 + seq.fork_pending + seq.extra_beams > self.config.max_num_seqs:
                 return
@@ -229,9 +256,9 @@ class Scheduler:
                     return
                 self._admit(seq)
                 for s in [seq, *self._fork(seq, out)]:
-                    budget = self._try_prefill(s, budget, out, preempt=False)
+                    budget = self._try_prefill(s, budget, out, preempt=False, unit=unit)
                 continue
-            new_budget = self._try_prefill(seq, budget, out, preempt=False)
+            new_budget = self._try_prefill(seq, budget, out, preempt=False, unit=unit)
             if new_budget == budget:  # no room in the pool: FCFS, so nobody behind it goes first
                 self._unadmit(seq)
                 return
@@ -256,12 +283,13 @@ class Scheduler:
         out.forked.append((parent, children))
         return children
 
-    def _try_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput, preempt: bool) -> int:
+    def _try_prefill(self, seq: Sequence, budget: int, out: SchedulerOutput, preempt: bool,
+                     unit: int = PREFILL_TILE) -> int:
         """Schedules as much of the sequence's missing tokens as the budget allows; returns the budget left."""
         num_new = min(seq.num_uncomputed_tokens - (1 if seq.fork_pending else 0), budget)
-        # Budgets count tile-padded tokens, so the padded batch never exceeds the largest compiled shape.
-        if round_up(num_new, PREFILL_TILE) > budget:
-            num_new = (budget // PREFILL_TILE) * PREFILL_TILE
+        # Budgets count unit-padded tokens, so the padded batch never exceeds the largest compiled shape.
+        if round_up(num_new, unit) > budget:
+            num_new = (budget // unit) * unit
         if num_new <= 0:
             return budget
         num_tokens = seq.num_computed_tokens + num_new
@@ -272,7 +300,7 @@ class Scheduler:
             return budget
         out.scheduled.append(ScheduledSeq(seq, num_new))
         out.prompt_tokens += num_new
-        return budget - round_up(num_new, PREFILL_TILE)
+        return budget - round_up(num_new, unit)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         for seq in list(self.running):  # oldest first

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.scheduler import SchedulerOutput, StepPacer
+from jaxpaged.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, SchedulerOutput, StepPacer
 from tests.tiny import random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()
@@ -182,9 +182,11 @@ def test_bounded_prefill_chunk_must_fit_the_step_budget():
 
 
 def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
-    """StepPacer's arithmetic: with decode steps of 20 ms and a slowdown of 2, a mixed step may add 20 ms; the next
-    bound is the tokens the last paced step's excess per token says fit, in 16s, between 16 and the ceiling, at most
-    twice the last bound. Steps nobody waited for (not paced) and steps before any decode teach it nothing."""
+    """StepPacer's arithmetic: with decode steps of 20 ms (the fastest of the last ones, so slow ones do not
+    count) and a slowdown of 2, a mixed step may add 20 ms; the next bound is the tokens that fit at the largest
+    excess per token of the last PACER_WINDOW paced steps, in 4s for mixed steps (16s for separate ones), between
+    one unit and the ceiling, at most twice the last bound. Steps nobody waited for (not paced) and steps before
+    any decode teach it nothing."""
     decode = SchedulerOutput(is_prefill=False, scheduled=["a decode"])
 
     def paced(tokens, paced=True):
@@ -192,47 +194,53 @@ def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
 
     pacer = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=True)
     pacer.observe(paced(128), 0.080)  # no decode step seen yet
-    assert pacer.bound == 128
-    pacer.observe(decode, 0.020)
-    pacer.observe(paced(128), 0.080)  # 60 ms over a decode step for 128 tokens: 20 ms fit 42 -> 32
-    assert pacer.bound == 32
-    pacer.observe(paced(32), 0.036)  # 16 ms for 32 tokens: 40 fit -> 32
-    assert pacer.bound == 32
-    pacer.observe(paced(32), 0.025)  # 5 ms for 32: 128 would fit, growth is at most 2x
-    assert pacer.bound == 64
+    assert pacer.bound == 128 and pacer.decode_s is None
+    for seconds in (0.030, 0.020, 0.025, 0.100):  # slower decode steps among them
+        pacer.observe(decode, seconds)
+    assert pacer.decode_s == 0.020
+    pacer.observe(paced(128), 0.080)  # 60 ms over a decode step for 128 tokens: 20 ms fit 42 -> 40
+    assert pacer.bound == 40
+    pacer.observe(paced(40), 0.025)  # 5 ms for 40 tokens, but the slow step is among the last ones: still 40
+    assert pacer.bound == 40
+    for _ in range(PACER_WINDOW - 2):
+        pacer.observe(paced(40), 0.025)
+    assert pacer.bound == 40  # the slow step is the oldest of the window
+    pacer.observe(paced(40), 0.025)  # gone: 160 would fit, growth is at most 2x
+    assert pacer.bound == 80
     pacer.observe(paced(64, paced=False), 1.0)  # a prompt alone (nothing decoding): not a paced step
-    assert pacer.bound == 64
-    pacer.observe(paced(64), 0.500)  # far over: one tile, the least a step can prefill
-    assert pacer.bound == 16
-    for _ in range(4):
-        pacer.observe(paced(16), 0.020)  # no excess: back to the ceiling, doubling
-    assert pacer.bound == 128
+    assert pacer.bound == 80
+    pacer.observe(paced(80), 0.500)  # far over: one unit, the least a step can prefill
+    assert pacer.bound == PACED_CHUNK_UNIT
 
     separate = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=False)
     separate.observe(decode, 0.020)
     separate.observe(paced(128), 0.040)  # a prefill step between two decode steps is all delay: 20 ms fit 64
     assert separate.bound == 64
+    separate.observe(paced(64), 0.500)  # far over: one tile
+    assert separate.bound == 16
 
 
-@pytest.mark.parametrize("per_token_s, bound", [(0.0005, 16), (0.0001, 64)])
+@pytest.mark.parametrize("per_token_s", [0.0005, 0.0001, 0.002])
 def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(prompts, reference, monkeypatch,
-                                                                           per_token_s, bound):
+                                                                           per_token_s):
     """The engine reports step times to the pacer (here: 10 ms per step plus per_token_s per prompt token, so the
     test does not depend on this machine's speed). A 100-token prompt arrives while a stream decodes: its first
-    chunk is the ceiling (64); when a step's prompt tokens cost more than a decode step (0.5 ms each: 64 cost
-    32 ms), the rest comes 16 tokens a step; when they fit (0.1 ms each, mixed steps), 64 a step. The tokens are
+    chunk is the ceiling (64); then a step may add 10 ms of prompt tokens: 20 a step at 0.5 ms each (mixed steps;
+    a separate prefill step is all delay and takes whole tiles: 16), 64 at 0.1 ms, and at 2 ms 4 a step on mixed
+    steps, below a tile, since they lay tokens out one by one (16, one tile, on separate steps). The tokens are
     those of the unpaced engine."""
     llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=64, max_decode_slowdown=2.0)
     sched = llm.engine.scheduler
-    if not sched.mixed_steps and bound == 64:
+    if not sched.mixed_steps and per_token_s == 0.0001:
         pytest.skip("a separate prefill step is all delay: this case is about mixed steps")
+    bound = {0.0005: 20, 0.0001: 64, 0.002: 4} if sched.mixed_steps else {0.0005: 16, 0.002: 16}
     real = sched.observe_step
     monkeypatch.setattr(sched, "observe_step", lambda out, _: real(out, 0.010 + per_token_s * out.prompt_tokens))
     steps = _spy_steps(sched)
     long_prompt, outputs = _long_prompt_while_decoding(llm.engine, prompts[0], decode_steps=2)  # a decode's time
     chunks = [prompt for decoding, prompt, _ in steps[1:] if prompt and decoding]
     assert chunks[0] == 64 and sum(chunks) == 100
-    assert all(c <= bound for c in chunks[1:]) and max(chunks[1:]) == min(bound, 100 - 64)
+    assert all(c <= bound[per_token_s] for c in chunks[1:]) and max(chunks[1:]) == min(bound[per_token_s], 100 - 64)
     assert outputs["first"] == reference[0]
     assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
