@@ -150,8 +150,11 @@ void PackPanel(const Problem& p, const uint16_t* w, int64_t c0, int64_t width, _
   }
 }
 
+// Register blocks are kept out of line (noinline): inlined into the work loop, g++ kept the accumulators of an 8-row
+// GLU tail on the stack, a store per product (benchmarks/matmul.py, gated MLP at 32 rows).
 template <int R>
-__attribute__((noinline)) void RowBlock(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0, int64_t width) {
+__attribute__((noinline)) void RowBlock(const Problem& p, const __m512i* packed, int64_t r0, int64_t c0,
+                                        int64_t width) {
   __m512 acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -233,7 +236,8 @@ inline __m512 ActBf16(int64_t act, __m512 g) {
 // GLU rows [r0, r0 + R) of 16 columns from c0 (width of them): gate and up packed as PackPanel's, read at half
 // `gate` / `up` (pointing at the half) with a stride of 2 vectors per pair.
 template <int R>
-__attribute__((noinline)) void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0, int64_t c0, int64_t width) {
+__attribute__((noinline)) void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0,
+                                           int64_t c0, int64_t width) {
   __m512 g[R], u[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();
