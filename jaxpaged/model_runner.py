@@ -345,8 +345,8 @@ class ModelRunner:
         with tile 1 (mixed steps) T / 2 below the largest T. S rows cost whatever the step's sequences are (the LM
         head's output and the sampler run over all of them), and a mixed step is mostly a few chunks beside decodes:
         a step with more sequences than that takes the next T (benchmarks/step_anatomy.py --mixed-chunk)."""
-        per_seq = self.prefill_tile if self.prefill_tile > 1 or num_tokens >= self.max_prefill_tokens else 2
-        return max(1, min(self.max_num_seqs, num_tokens // per_seq))
+        mixed_below_largest = self.prefill_tile == 1 and num_tokens < self.max_prefill_tokens
+        return max(1, min(self.max_num_seqs, num_tokens // (2 if mixed_below_largest else self.prefill_tile)))
 
     def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int:
         """The smallest prefill T that holds num_tokens tokens and num_seqs sequences."""
