@@ -47,9 +47,12 @@ FULL = dict(batches=(8, 32, 128), contexts=(512, 2048, 8192), block_size=16, q_h
 # The pool of those cases fits in the CPU's caches (8-12 MB); `layered`: the engine's case, a decode step over 30
 # layers (the throughput workload's mid-decode batch), whose 240 MB of K/V come from memory, timed per layer;
 # `mixed`: a serving step while a long prompt arrives (benchmarks/serving.py's interference run): 16 streams decoding
-# and a 64-token (then a 16-token) chunk at the end of a 1536-token prompt.
+# and a 64-, 16- or 4-token chunk (4: the serving pacer's smallest) at the end of a 1536-token prompt, over 30 layers
+# as in the engine (the long prompt's K/V come from memory), timed per layer; the reference runs once there, for
+# its output only (seconds per call over 30 layers).
 CPU = dict(batches=(64,), contexts=(160, 256), block_size=16, q_heads=9, kv_heads=3, head_dim=64,
-           mixed=[dict(prefills=1, prefill_context=1536, chunk=c, decodes=16, decode_context=360) for c in (64, 16)],
+           mixed=[dict(prefills=1, prefill_context=1536, chunk=c, decodes=16, decode_context=360, layers=30)
+                  for c in (64, 16, 4)],
            prefill=dict(prompts=13, length=157), layered=dict(batch=48, context=210, layers=30))
 SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_heads=2, head_dim=64,
              mixed=[dict(prefills=2, prefill_context=48, chunk=16, decodes=3, decode_context=40)])
@@ -165,7 +168,8 @@ def implementations(batch: dict, *, decode: bool, interpret: bool, cpu: bool = F
 
 
 def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: float, timing: dict,
-             cpu: bool = False) -> list[dict]:
+             cpu: bool = False, untimed: frozenset[str] = frozenset()) -> list[dict]:
+    """One row per implementation; those in `untimed` run once, for the output comparison only."""
     rows, outputs = [], {}
     nbytes = min_bytes(batch)
     layers = batch["k_cache"].shape[0] if cpu else 1  # on CPU each call runs every layer: times are per layer
@@ -173,6 +177,9 @@ def run_case(name: str, batch: dict, *, decode: bool, interpret: bool, copy_bw: 
         row = {"case": name, "impl": impl, "bytes": nbytes}
         try:
             outputs[impl] = jax.block_until_ready(fn(*args))
+            if impl in untimed:
+                rows.append(row)
+                continue
             seconds = time_call(fn, args, **timing) / layers
             row.update(us=seconds * 1e6, gb_s=nbytes / seconds / 1e9, of_copy=nbytes / seconds / copy_bw)
         except Exception as e:  # e.g. the reference running out of device memory at batch 128 x 8192
@@ -237,9 +244,13 @@ def main():
         del batch
     for m in cfg["mixed"]:
         seqs = [(m["prefill_context"], m["chunk"])] * m["prefills"] + [(m["decode_context"], 1)] * m["decodes"]
-        mixed = make_batch(seqs, tile=16, **shape)
-        rows += run_case(f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes", mixed,
-                         decode=False, interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu)
+        layers = m.get("layers", 1)
+        mixed = make_batch(seqs, tile=16, layers=layers, **shape)
+        name = f"mixed {m['prefills']}x{m['chunk']} prefill + {m['decodes']} decodes"
+        rows += run_case(name + (f", {layers} layers (per layer)" if layers > 1 else ""), mixed, decode=False,
+                         interpret=interpret, copy_bw=copy_bw, timing=timing, cpu=args.cpu,
+                         untimed=frozenset({"reference"}) if layers > 1 else frozenset())
+        del mixed
 
     print(f"\n{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; {cfg['q_heads']} q / {cfg['kv_heads']} "
           f"kv heads, head_dim {cfg['head_dim']}, block {cfg['block_size']}, {dtype.name}"

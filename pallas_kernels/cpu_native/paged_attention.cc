@@ -797,9 +797,17 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
                                     : nullptr;
       for (int64_t dp = 0; dp < DP; ++dp) qt[dp * 16 * nv + i] = qr ? qr[dp] : 0;
     }
-    for (int64_t b = first / BS; b * BS < last; ++b) {
+    auto block_start = [&](int64_t b) {
       const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-      const int64_t start = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
+      return ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
+    };
+    for (int64_t b = first / BS; b * BS < last; ++b) {
+      const int64_t start = block_start(b);
+      if ((b + 1) * BS < last) {  // as in AttendItemFast: the next block's rows of this kv head, while this one runs
+        const int64_t next = block_start(b + 1);
+        PrefetchRows(k_cache + next, BS, row_stride * 2, D * 2);
+        PrefetchRows(v_cache + next, BS, row_stride * 2, D * 2);
+      }
       const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
       for (int64_t j = jlo; j < jhi; j += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
