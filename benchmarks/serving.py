@@ -10,9 +10,12 @@ p50/p99/max; prints a table, writes benchmarks/results/serving.json and plots th
 benchmarks/results/serving.png.
 
 Interference run (--long-prompts K, default 4): --concurrency streams decode alone for a while, then K long prompts
-(--long-prompt-tokens each) arrive while they decode. Its rows give the streams' ITL alone (a decode step's time,
-about) and with the long prompts being prefilled: a stream stalls for as long as a step that carries a prefill
-chunk takes, so ITL p99 over the "alone" p50 says how much a prefill disturbs running streams.
+(--long-prompt-tokens each) arrive while they decode. Its rows give the streams' ITL alone (before the long prompts
+come) and with the long prompts being prefilled: a stream stalls for as long as a step that carries a prefill chunk
+takes. Then the control: the same streams once more with nothing arriving, and the ITL of the same gaps (stream and
+token) as the disturbed ones. A decode step's time grows with the streams' contexts, which grow while the long
+prompts are prefilled, so the control, not the gaps before the arrival, is the decode step those gaps would have
+taken: ITL p99 with the long prompts over the control's p50 is how much a prefill disturbs the running streams.
 
     python benchmarks/serving.py --url http://127.0.0.1:8000          # a running server
     python benchmarks/serving.py --start-server                       # starts server.py on the default model
@@ -128,14 +131,22 @@ async def interference(url: str, model: str, prompts: list[list[int]], long_prom
     return results, long_results, arrival, time.perf_counter() - t0
 
 
-def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[float]]:
-    """The streams' inter-token gaps that ended before the long prompts arrived, and those that ended after."""
-    alone, disturbed = [], []
-    for r in results:
+def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+    """The streams' inter-token gaps that ended before the long prompts arrived, those that ended after, and where
+    the latter are: (stream, gap index)."""
+    alone, disturbed, where = [], [], []
+    for i, r in enumerate(results):
         if r["ok"]:
-            for end, gap in zip(r["arrivals"][1:], r["itl"], strict=True):
+            for j, (end, gap) in enumerate(zip(r["arrivals"][1:], r["itl"], strict=True)):
                 (alone if end < arrival else disturbed).append(gap)
-    return alone, disturbed
+                if end >= arrival:
+                    where.append((i, j))
+    return alone, disturbed, where
+
+
+def same_gaps(control: list[dict], where: list[tuple[int, int]]) -> list[float]:
+    """The control run's gaps at the places (stream, gap index) of the disturbed ones."""
+    return [control[i]["itl"][j] for i, j in where if control[i]["ok"] and j < len(control[i]["itl"])]
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -223,6 +234,8 @@ def print_table(rows: list[dict]) -> None:
         if "long_ttft_p50_s" in r:
             print(f"    the long prompts' TTFT: p50 {ms(r['long_ttft_p50_s'])}, max {ms(r['long_ttft_max_s'])}, "
                   f"{r['long_failed']} failed")
+        if "itl_p99_over_control_p50" in r:
+            print(f"    ITL p99 / the control's ITL p50 at the same gaps: {r['itl_p99_over_control_p50']:.2f}x")
         for e in r["errors"]:
             print(f"    error: {e}")
 
@@ -324,7 +337,10 @@ def main():
             longs = long_prompts(prompts, args.long_prompts, args.long_prompt_tokens)
             results, long_results, arrival, elapsed = asyncio.run(interference(
                 url, model, prompts, longs, args.concurrency, args.stream_tokens, args.alone_s))
-            alone, disturbed = itl_split(results, arrival)
+            alone, disturbed, where = itl_split(results, arrival)
+            print("control: the same streams, nothing arriving ...", file=sys.stderr)
+            control, _, _, control_elapsed = asyncio.run(interference(
+                url, model, prompts, [], args.concurrency, args.stream_tokens, args.alone_s))
             rows.append(summarize(f"streams alone x{args.concurrency}", None, results, elapsed, alone))
             rows.append(summarize(f"+ {args.long_prompts} x {args.long_prompt_tokens}-token prompts", None, results,
                                   elapsed, disturbed))
@@ -332,6 +348,11 @@ def main():
             long_ttft = [r["ttft"] for r in long_results if r["ok"]]
             rows[-1].update(long_ttft_p50_s=_pct(long_ttft, 50), long_ttft_max_s=max(long_ttft, default=None),
                             long_failed=len(long_results) - len(long_ttft))
+            rows.append(summarize("control: same gaps alone", None, control, control_elapsed,
+                                  same_gaps(control, where)))
+            disturbed_row, control_row = rows[-2], rows[-1]
+            if disturbed_row["itl_p99_s"] and control_row["itl_p50_s"]:
+                disturbed_row["itl_p99_over_control_p50"] = disturbed_row["itl_p99_s"] / control_row["itl_p50_s"]
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
