@@ -261,11 +261,14 @@ struct FastScratch {
       : acc(heads * head_dim), m(heads), l(heads), p(heads * 16), vf(16 * head_dim) {}
 };
 
-// Asks for the cache lines of rows [0, rows) of a block, bytes [0, span) of each, `stride` bytes apart.
+// Asks for the cache lines of rows [0, rows) of a block, bytes [0, span) of each, `stride` bytes apart, into L2
+// (the T1 hint): a block's ~200 lines asked into L1 (T0) held the core's few L1 miss buffers, so the prefetches
+// themselves stalled and the loads behind them waited (`perf` put a quarter of the decode kernel's time on the
+// prefetch instructions); into L2 is faster wherever the pool comes from memory (README, "Attention kernels on CPU").
 inline void PrefetchRows(const uint16_t* first, int64_t rows, int64_t stride, int64_t span) {
   const char* base = reinterpret_cast<const char*>(first);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t at = 0; at < span; at += 64) _mm_prefetch(base + r * stride + at, _MM_HINT_T0);
+    for (int64_t at = 0; at < span; at += 64) _mm_prefetch(base + r * stride + at, _MM_HINT_T1);
 }
 
 // AttendItem for bfloat16, head_dim D = 16 * DC (DC even). The next block's K and V rows are prefetched while one
