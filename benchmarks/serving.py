@@ -131,22 +131,23 @@ async def interference(url: str, model: str, prompts: list[list[int]], long_prom
     return results, long_results, arrival, time.perf_counter() - t0
 
 
-def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[float], list[tuple[int, int]]]:
-    """The streams' inter-token gaps that ended before the long prompts arrived, those that ended after, and where
-    the latter are: (stream, gap index)."""
-    alone, disturbed, where = [], [], []
+def itl_split(results: list[dict], arrival: float) -> tuple[list[float], list[tuple[int, int]]]:
+    """The streams' inter-token gaps that ended before the long prompts arrived, and where those that ended after
+    are: (stream, gap index)."""
+    alone, disturbed = [], []
     for i, r in enumerate(results):
         if r["ok"]:
             for j, (end, gap) in enumerate(zip(r["arrivals"][1:], r["itl"], strict=True)):
-                (alone if end < arrival else disturbed).append(gap)
-                if end >= arrival:
-                    where.append((i, j))
-    return alone, disturbed, where
+                if end < arrival:
+                    alone.append(gap)
+                else:
+                    disturbed.append((i, j))
+    return alone, disturbed
 
 
-def same_gaps(control: list[dict], where: list[tuple[int, int]]) -> list[float]:
-    """The control run's gaps at the places (stream, gap index) of the disturbed ones."""
-    return [control[i]["itl"][j] for i, j in where if control[i]["ok"] and j < len(control[i]["itl"])]
+def gaps_at(results: list[dict], where: list[tuple[int, int]]) -> list[float]:
+    """The gaps of a run at the places (stream, gap index) given; the control's at the disturbed run's places."""
+    return [results[i]["itl"][j] for i, j in where if results[i]["ok"] and j < len(results[i]["itl"])]
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -337,19 +338,19 @@ def main():
             longs = long_prompts(prompts, args.long_prompts, args.long_prompt_tokens)
             results, long_results, arrival, elapsed = asyncio.run(interference(
                 url, model, prompts, longs, args.concurrency, args.stream_tokens, args.alone_s))
-            alone, disturbed, where = itl_split(results, arrival)
+            alone, disturbed = itl_split(results, arrival)
             print("control: the same streams, nothing arriving ...", file=sys.stderr)
             control, _, _, control_elapsed = asyncio.run(interference(
                 url, model, prompts, [], args.concurrency, args.stream_tokens, args.alone_s))
             rows.append(summarize(f"streams alone x{args.concurrency}", None, results, elapsed, alone))
             rows.append(summarize(f"+ {args.long_prompts} x {args.long_prompt_tokens}-token prompts", None, results,
-                                  elapsed, disturbed))
+                                  elapsed, gaps_at(results, disturbed)))
             # what the streams' ITL costs the long prompts: their time to first token, from their arrival
             long_ttft = [r["ttft"] for r in long_results if r["ok"]]
             rows[-1].update(long_ttft_p50_s=_pct(long_ttft, 50), long_ttft_max_s=max(long_ttft, default=None),
                             long_failed=len(long_results) - len(long_ttft))
             rows.append(summarize("control: same gaps alone", None, control, control_elapsed,
-                                  same_gaps(control, where)))
+                                  gaps_at(control, disturbed)))
             disturbed_row, control_row = rows[-2], rows[-1]
             if disturbed_row["itl_p99_s"] and control_row["itl_p50_s"]:
                 disturbed_row["itl_p99_over_control_p50"] = disturbed_row["itl_p99_s"] / control_row["itl_p50_s"]
