@@ -139,6 +139,13 @@ struct Problem {
   float scale;
   int64_t sliding_window;  // 0: none
   float soft_cap;          // 0: none
+
+  // Element offset in k_cache / v_cache of kv head kh at offset 0 of sequence s's b-th block in `layer` (the
+  // physical id clipped to the pool). Offset j of the block is row_stride = num_kv_heads * head_dim further per j.
+  int64_t BlockStart(int64_t s, int64_t b, int64_t kh) const {
+    const int64_t physical = std::clamp<int64_t>(block_tables[s * width + b], 0, num_blocks - 1);
+    return ((layer * num_blocks + physical) * block_size * num_kv_heads + kh) * head_dim;
+  }
 };
 
 // Per-thread scratch, sized for one work item of `heads` query heads.
@@ -177,11 +184,9 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   std::fill(m, m + H, -INFINITY);
   std::fill(l, l + H, 0.0f);
 
-  const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;  // between offsets of one block
   for (int64_t b = lo / BS; b * BS < hi; ++b) {
-    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    const int64_t block_start = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh0 * D;
+    const int64_t block_start = p.BlockStart(s, b, kh0);
     const T* k_block = k_cache + block_start;
     const T* v_block = v_cache + block_start;
     const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
@@ -289,7 +294,6 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   if (hi <= lo) return;
   const __m512 scale = _mm512_set1_ps(p.scale);
   const float soft_cap = p.soft_cap;
-  const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;
   const uint16_t* q_rows = q + (token * p.num_q_heads + kh0 * G) * D;  // [H, D]
   float *acc = scratch.acc.data(), *m = scratch.m.data(), *l = scratch.l.data();
@@ -298,10 +302,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   std::fill(m, m + H, -INFINITY);
   std::fill(l, l + H, 0.0f);
 
-  auto block_start = [&](int64_t b) {
-    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-    return ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh0 * D;
-  };
+  auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh0); };
   const int64_t last = (hi - 1) / BS;
   for (int64_t b = lo / BS; b <= last; ++b) {
     const int64_t start = block_start(b);
@@ -546,13 +547,11 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   std::fill(m, m + nt * H, -INFINITY);
   std::fill(l, l + nt * H, 0.0f);
 
-  const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;
   for (int64_t b = first / BS; b * BS < last; ++b) {
-    const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
     const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
     for (int64_t kh = kh0; kh < kh1; ++kh) {
-      const int64_t base = ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
+      const int64_t base = p.BlockStart(s, b, kh);
       // Offsets nobody sees are zeros here (the pool may hold anything there, NaN included).
       for (int64_t j = 0; j < BS; ++j) {
         const bool live = j >= jlo && j < jhi;
@@ -779,7 +778,6 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   int64_t lo[kTile], hi[kTile], first, last;
   if (!TileRanges(p, s, toks, nt, lo, hi, &first, &last)) return;
   const int64_t nrows = nt * G, nv = (nrows + 15) / 16;  // one kv head's rows: token-major (token r, head g)
-  const int32_t* table = p.block_tables + s * p.width;
   const int64_t row_stride = Hkv * D;
   alignas(64) int32_t lo32[16 * kMaxRowVectors], hi32[16 * kMaxRowVectors];
   for (int64_t i = 0; i < 16 * nv; ++i) {
@@ -800,10 +798,7 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
                                     : nullptr;
       for (int64_t dp = 0; dp < DP; ++dp) qt[dp * 16 * nv + i] = qr ? qr[dp] : 0;
     }
-    auto block_start = [&](int64_t b) {
-      const int64_t physical = std::clamp<int64_t>(table[b], 0, p.num_blocks - 1);
-      return ((p.layer * p.num_blocks + physical) * BS) * row_stride + kh * D;
-    };
+    auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh); };
     for (int64_t b = first / BS; b * BS < last; ++b) {
       const int64_t start = block_start(b);
       if ((b + 1) * BS < last) {  // as in AttendItemFast: the next block's rows of this kv head, while this one runs
