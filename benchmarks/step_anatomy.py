@@ -6,7 +6,9 @@ layer loop and kernels: the native one for small bf16 steps), attention (the K/V
 the engine's backend, every layer), the sampler; the rest of the step (embedding, norms, RoPE, residuals,
 layer-loop slicing) is the full step minus those. The host side is timed too: `prepare` (numpy batch building)
 and the dispatch of the step (the call returns before the device finishes). The matmul rate is compared with
-XLA's own dot rate on this machine at the same shapes. Last, each step's top operations by XLA's own timing
+XLA's own dot rate on this machine at the same shapes. The parts are timed in rounds (each round calls every part
+once) and step_over_matmul is the median of the rounds' ratios: a shared machine's slow stretches hit a round's
+parts alike. Last, each step's top operations by XLA's own timing
 (jax.profiler's trace of the compiled step).
 
     python benchmarks/step_anatomy.py                      # float32, default model
@@ -44,13 +46,22 @@ def cpu_name() -> str:
 
 def device_ms(fn, *args, runs: int = 7) -> float:
     """Median wall time of fn(*args) with its result blocked on, after one warm-up call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    return statistics.median(interleaved_ms({"fn": lambda: fn(*args)}, runs)["fn"])
+
+
+def interleaved_ms(parts: dict, rounds: int) -> dict[str, list[float]]:
+    """Wall times (ms) of each part's call, its result blocked on, after one warm-up call each: `rounds` rounds of
+    one call of every part in turn, so that each round's parts see the same machine (other tenants of a shared
+    machine slow whole stretches of a run; per-round ratios cancel that out)."""
+    for fn in parts.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in parts}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(1000 * (time.perf_counter() - t))
+    return times
 
 
 def capture_batches(llm, num_prompts: int, new_tokens: int):
@@ -211,7 +222,7 @@ def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
     return 2 * tokens * k * n / device_ms(f, x, w, runs=11) / 1e6
 
 
-def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
+def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -> dict:
     from jaxpaged import sampler
     from jaxpaged.attention import attention_backend
     from jaxpaged.model_runner import native_matmul_rows, step_compiler_options
@@ -224,7 +235,6 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
         out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
         return out
 
-    step_ms = device_ms(full, None)
     t = time.perf_counter()
     out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
     dispatch_ms = 1000 * (time.perf_counter() - t)
@@ -236,7 +246,6 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
     # Compiled with the step's own XLA options (model_runner.step_compiler_options).
     matmuls = jax.jit(matmul_part(config, dtype, native_matmul_rows(runner.mesh))).lower(weights, x, rows).compile(
         compiler_options=step_compiler_options(runner.params))
-    mm_ms = device_ms(matmuls, weights, x, rows)
 
     attn = attention_backend(llm.engine.config.attention_backend)
     q = jnp.ones((T, config.num_heads, config.head_dim), dtype)
@@ -247,9 +256,14 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
         out, runner.kv_pool = attn_fn(runner.kv_pool, q, k, k, batch.attn)
         return out
 
-    attn_ms = device_ms(attention, None)
     logits = jnp.ones((S, config.vocab_size), jnp.float32)
-    sample_ms = device_ms(jax.jit(sampler.sample), logits, batch.sampling)
+    sample = jax.jit(sampler.sample)
+    times = interleaved_ms({"step": lambda: full(None), "matmul": lambda: matmuls(weights, x, rows),
+                            "attention": lambda: attention(None), "sampler": lambda: sample(logits, batch.sampling)},
+                           rounds)
+    step_ms, mm_ms, attn_ms, sample_ms = (statistics.median(times[k]) for k in ("step", "matmul", "attention",
+                                                                                  "sampler"))
+    ratios = sorted(s / m for s, m in zip(times["step"], times["matmul"]))
     flops = matmul_flops(config, T, S)
     rest = step_ms - mm_ms - attn_ms - sample_ms
     ops = profile_ops(full, step)
@@ -257,7 +271,8 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype) -> dict:
             "matmul_ms": mm_ms, "attention_ms": attn_ms, "sampler_ms": sample_ms, "rest_ms": rest,
             "host_prepare_ms": host_prepare_ms, "dispatch_ms": dispatch_ms,
             "matmul_GFLOPs": flops / mm_ms / 1e6, "xla_dot_GFLOPs": xla_dot_rate(T, H, config.intermediate_size, dtype),
-            "step_over_matmul": step_ms / mm_ms}
+            "step_over_matmul": statistics.median(ratios), "step_over_matmul_quartiles": (
+                ratios[len(ratios) // 4], ratios[3 * len(ratios) // 4]), "rounds": rounds}
 
 
 def main():
@@ -270,6 +285,7 @@ def main():
     ap.add_argument("--mixed-chunk", type=int, default=None,
                     help="instead: a decode step of 16 streams and a mixed step carrying this many tokens of a "
                          "1536-token prompt beside them (benchmarks/serving.py's interference run)")
+    ap.add_argument("--rounds", type=int, default=15, help="timing rounds (each times every part once)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>[_mixed<N>].json")
     args = ap.parse_args()
     use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
@@ -278,12 +294,13 @@ def main():
     llm = LLM(dtype=args.dtype, show_progress=False, enable_prefix_caching=False)
     if args.mixed_chunk:
         decode, mixed = capture_mixed(llm, args.mixed_chunk)
-        rows = [anatomy(llm, decode, "decode", float("nan"), dtype),
-                anatomy(llm, mixed, f"mixed ({args.mixed_chunk}-token chunk)", float("nan"), dtype)]
+        rows = [anatomy(llm, decode, "decode", float("nan"), dtype, args.rounds),
+                anatomy(llm, mixed, f"mixed ({args.mixed_chunk}-token chunk)", float("nan"), dtype,
+                        args.rounds)]
     else:
         prefill, decode, host = capture_batches(llm, args.num_prompts, args.new_tokens)
-        rows = [anatomy(llm, prefill, "prefill", host["prefill"], dtype),
-                anatomy(llm, decode, "decode", host["decode"], dtype)]
+        rows = [anatomy(llm, prefill, "prefill", host["prefill"], dtype, args.rounds),
+                anatomy(llm, decode, "decode", host["decode"], dtype, args.rounds)]
     cpu = cpu_name()
     print(f"{cpu}, dtype {args.dtype}, pool {llm.engine.runner.kv_pool.dtype}")
     cols = ["kind", "shape", "step_ms", "matmul_ms", "attention_ms", "sampler_ms", "rest_ms", "host_prepare_ms",
@@ -292,6 +309,10 @@ def main():
     print(" | ".join("---" for _ in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    for r in rows:
+        low, high = r["step_over_matmul_quartiles"]
+        print(f"{r['kind']}: step / matmul {r['step_over_matmul']:.2f} (median of {r['rounds']} rounds' ratios; "
+              f"quartiles {low:.2f}-{high:.2f})")
     for r in rows:
         print(f"\n{r['kind']} step {r['shape']}: XLA's per-operation profile (jax.profiler), top {len(r['profile'])}")
         print("op | ms per step | calls | output shape | what")

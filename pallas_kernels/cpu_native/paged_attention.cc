@@ -259,11 +259,22 @@ inline __m512 Bf16x16(const uint16_t* x) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
 }
 
-// Per-thread scratch of AttendItemFast: H = (kv heads of the item) x G query heads, one chunk of 16 offsets.
+// Index vectors for VPERMT2W / VPERMW: element e of the result takes element e / 2 of the first source when e is
+// even, of the second (index + 32) when odd; kPairHi the same from the upper 16 elements; kPairPs pairs the two
+// halves of one vector (VCVTNE2PS2BF16's output: first key in the lower half).
+alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+alignas(64) constexpr uint16_t kPairPs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Per-thread scratch of AttendItemFast: H = (kv heads of the item) x G query heads; `span` cache positions.
 struct FastScratch {
-  std::vector<float> acc, m, l, p, vf;  // [H, D], [H], [H], [H, 16], [16, D]
+  std::vector<float> acc, top, sum, scores;  // [H, D], [H, 16], [H, 16], [H, span + 16]
+  std::vector<int32_t> vp, pp;               // a chunk's V row pairs [8, D] and one kv head's weight pairs [G, 2, 8]
   FastScratch(int64_t heads, int64_t head_dim)
-      : acc(heads * head_dim), m(heads), l(heads), p(heads * 16), vf(16 * head_dim) {}
+      : acc(heads * head_dim), top(heads * 16), sum(heads * 16), vp(8 * head_dim), pp(heads * 16) {}
 };
 
 // Asks for the cache lines of rows [0, rows) of a block, bytes [0, span) of each, `stride` bytes apart, into L2
@@ -276,8 +287,36 @@ inline void PrefetchRows(const uint16_t* first, int64_t rows, int64_t stride, in
     for (int64_t at = 0; at < span; at += 64) _mm_prefetch(base + r * stride + at, _MM_HINT_T1);
 }
 
-// AttendItem for bfloat16, head_dim D = 16 * DC (DC even). The next block's K and V rows are prefetched while one
-// block is worked on (the pool is far larger than the caches, and block tables jump around in it).
+// PrefetchRows issued a few lines at a time between pieces of the work on the block before: issued at once they
+// queued behind the core's miss buffers, and the core waited on the prefetch instructions instead of working
+// (README, "Attention kernels on CPU").
+class SpreadPrefetch {
+ public:
+  // Rows [0, rows) at `first`, bytes [0, span) of each, `stride` bytes apart, spread over `pieces` Step()s.
+  void Start(const uint16_t* first, int64_t rows, int64_t stride, int64_t span, int64_t pieces) {
+    base_ = reinterpret_cast<const char*>(first), rows_ = rows, stride_ = stride, span_ = span, row_ = at_ = 0;
+    per_step_ = (rows * ((span + 63) / 64) + pieces - 1) / std::max<int64_t>(pieces, 1);
+  }
+  void Stop() { row_ = rows_; }
+  void Step() {
+    for (int64_t i = 0; i < per_step_ && row_ < rows_; ++i) {
+      _mm_prefetch(base_ + row_ * stride_ + at_, _MM_HINT_T1);
+      if ((at_ += 64) >= span_) at_ = 0, ++row_;
+    }
+  }
+
+ private:
+  const char* base_ = nullptr;
+  int64_t rows_ = 0, stride_ = 0, span_ = 0, per_step_ = 0, row_ = 0, at_ = 0;
+};
+
+// AttendItem for bfloat16, head_dim D = 16 * DC (DC even), in two passes over the sequence's blocks: the first
+// reads K and keeps every score (one dot-product instruction per 32 dimensions and key, then a transposing lane
+// sum) and each head's maximum; the second reads V and adds exp(score - max) V to float32 sums, the keys in pairs
+// (VDPBF16PS: V's two rows interleaved per dimension, each weight as the sum of two bfloat16 so that it keeps
+// float32's precision). Against an online softmax this does no rescaling and no horizontal reduction per chunk of
+// keys. In each pass the next block's rows are prefetched while one block is worked on (the pool is far larger
+// than the caches, and block tables jump around in it).
 template <int DC>
 void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                     uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, FastScratch& scratch) {
@@ -296,77 +335,116 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   const float soft_cap = p.soft_cap;
   const int64_t row_stride = Hkv * D;
   const uint16_t* q_rows = q + (token * p.num_q_heads + kh0 * G) * D;  // [H, D]
-  float *acc = scratch.acc.data(), *m = scratch.m.data(), *l = scratch.l.data();
-  float *probs = scratch.p.data(), *vf = scratch.vf.data();
+  const int64_t first = lo / BS, last = (hi - 1) / BS;
+  const int64_t span = (last + 1 - first) * BS + 16;  // scores of cache positions first * BS + i, i < span
+  if (static_cast<int64_t>(scratch.scores.size()) < H * span) scratch.scores.resize(H * span);
+  float *acc = scratch.acc.data(), *top = scratch.top.data(), *sum = scratch.sum.data();
+  float* scores = scratch.scores.data();
+  int32_t *vp = scratch.vp.data(), *pp = scratch.pp.data();
   std::fill(acc, acc + H * D, 0.0f);
-  std::fill(m, m + H, -INFINITY);
-  std::fill(l, l + H, 0.0f);
-
+  std::fill(top, top + H * 16, -INFINITY);
+  std::fill(sum, sum + H * 16, 0.0f);
+  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
   auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh0); };
-  const int64_t last = (hi - 1) / BS;
-  for (int64_t b = lo / BS; b <= last; ++b) {
-    const int64_t start = block_start(b);
-    if (b < last) {  // the next block streams in while this one is worked on (a further distance measured no better)
-      const int64_t next = block_start(b + 1);
-      const int64_t rows = std::min<int64_t>(BS, hi - (b + 1) * BS);
-      PrefetchRows(k_cache + next, rows, row_stride * 2, (kh1 - kh0) * D * 2);
-      PrefetchRows(v_cache + next, rows, row_stride * 2, (kh1 - kh0) * D * 2);
-    }
-    const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
-    for (int64_t j = j0; j < j1; j += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, j1 - j));
-      const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
-      for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {  // the item's kv heads, each with its G query heads
-        const uint16_t* k_rows = k_cache + start + j * row_stride + kh * D;
-        const uint16_t* v_rows = v_cache + start + j * row_stride + kh * D;
-        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
-          __m512bh qv[QC];
-          for (int c = 0; c < QC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_rows + g * D + 32 * c);
-          __m512 dots[16];
-          for (int t = 0; t < 16; ++t) {
-            __m512 d = _mm512_setzero_ps();
-            if (t < n)
-              for (int c = 0; c < QC; ++c)
-                d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + 32 * c));
-            dots[t] = d;
-          }
-          _mm512_storeu_ps(probs + g * 16, _mm512_mul_ps(LaneSums16(dots), scale));
-        }
-        if (soft_cap > 0.0f)
-          for (int64_t i = kh * G * 16; i < (kh + 1) * G * 16; ++i) probs[i] = soft_cap * std::tanh(probs[i] / soft_cap);
-        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // online softmax, as AttendItem
-          const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_loadu_ps(probs + g * 16));
-          float block_max = sc[0];
-          for (int t = 1; t < n; ++t) block_max = std::max(block_max, sc[t]);
-          const float m_new = std::max(m[g], block_max);
-          const float alpha = m[g] == -INFINITY ? 0.0f : std::exp(m[g] - m_new);
-          const __m512 e = _mm512_maskz_mov_ps(valid, Exp16NonPositive(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-          _mm512_storeu_ps(probs + g * 16, e);
-          l[g] = l[g] * alpha + _mm512_reduce_add_ps(e);
-          m[g] = m_new;
-          if (alpha != 1.0f) {
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int c = 0; c < DC; ++c)
-              _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(acc + g * D + 16 * c)));
-          }
-        }
-        for (int t = 0; t < n; ++t)  // this kv head's V rows of the chunk in float32, once for its G heads
-          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(vf + t * D + 16 * c, Bf16x16(v_rows + t * row_stride + 16 * c));
-        for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // acc[g] += sum_t p[g, t] V[t]
-          __m512 a[DC];
-          for (int c = 0; c < DC; ++c) a[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
-          for (int t = 0; t < n; ++t) {
-            const __m512 pt = _mm512_set1_ps(probs[g * 16 + t]);
-            for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vf + t * D + 16 * c), a[c]);
-          }
-          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[c]);
-        }
+  // Both passes walk the same chunks: up to 16 offsets [j, j + n) of block b, in range [lo, hi).
+  auto for_each_chunk = [&](const uint16_t* pool, const uint16_t* then, auto work) {
+    SpreadPrefetch prefetch;
+    for (int64_t b = first; b <= last; ++b) {
+      const int64_t start = block_start(b);
+      const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
+      const int64_t steps = (j1 - j0 + 15) / 16 * (kh1 - kh0) * G;
+      if (b < last) {  // the next block streams in while this one is worked on (further ahead measured no better)
+        const int64_t rows = std::min<int64_t>(BS, hi - (b + 1) * BS);
+        prefetch.Start(pool + block_start(b + 1), rows, row_stride * 2, (kh1 - kh0) * D * 2, steps);
+      } else if (then != nullptr) {  // the next pass's first block
+        const int64_t rows = std::min<int64_t>(BS, hi - first * BS) - (lo - first * BS);
+        prefetch.Start(then + block_start(first) + (lo - first * BS) * row_stride, rows, row_stride * 2,
+                       (kh1 - kh0) * D * 2, steps);
+      } else {
+        prefetch.Stop();
+      }
+      for (int64_t j = j0; j < j1; j += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, j1 - j));
+        work(pool + start + j * row_stride, n, static_cast<__mmask16>((1u << n) - 1), (b - first) * BS + j, prefetch);
       }
     }
-  }
+  };
+
+  // Pass 1: scores[g, i] = scale * q_g . k_i (or its soft cap), -inf past the chunk's n; top[g] their lane maxima.
+  for_each_chunk(k_cache, v_cache, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
+      const uint16_t* k_rows = rows + kh * D;
+      for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
+        __m512bh qv[QC];
+        for (int c = 0; c < QC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_rows + g * D + 32 * c);
+        __m512 dots[16];
+        for (int t = 0; t < 16; ++t) {
+          __m512 d = _mm512_setzero_ps();
+          if (t < n)
+            for (int c = 0; c < QC; ++c)
+              d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + 32 * c));
+          dots[t] = d;
+        }
+        __m512 x = _mm512_mul_ps(LaneSums16(dots), scale);
+        if (soft_cap > 0.0f) {
+          alignas(64) float w[16];
+          _mm512_store_ps(w, x);
+          for (int t = 0; t < 16; ++t) w[t] = soft_cap * std::tanh(w[t] / soft_cap);
+          x = _mm512_load_ps(w);
+        }
+        x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, x);
+        _mm512_storeu_ps(scores + g * span + i, x);
+        _mm512_storeu_ps(top + g * 16, _mm512_max_ps(x, _mm512_loadu_ps(top + g * 16)));
+        pf.Step();
+      }
+    }
+  });
+  for (int64_t g = 0; g < H; ++g) _mm512_storeu_ps(top + g * 16, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(top + g * 16))));
+
+  // Pass 2: e = exp(score - max) (0 past n), sum[g] += e, acc[g] += sum_t e_t V_t.
+  for_each_chunk(v_cache, nullptr, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
+    const int npairs = (n + 1) / 2;
+    for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
+      const uint16_t* v_rows = rows + kh * D;
+      for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // the weights of keys (2i, 2i + 1) as bf16 pairs, hi and lo
+        const __m512 e = _mm512_maskz_mov_ps(
+            valid, Exp16NonPositive(_mm512_sub_ps(_mm512_loadu_ps(scores + g * span + i), _mm512_loadu_ps(top + g * 16))));
+        _mm512_storeu_ps(sum + g * 16, _mm512_add_ps(e, _mm512_loadu_ps(sum + g * 16)));
+        const __m256bh e_hi = _mm512_cvtneps_pbh(e);
+        const __m512 rest = _mm512_sub_ps(e, _mm512_cvtpbh_ps(e_hi));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + (g - kh * G) * 16), (__m256i)e_hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + (g - kh * G) * 16 + 8), (__m256i)_mm512_cvtneps_pbh(rest));
+      }
+      for (int t = 0; t < npairs; ++t) {  // V's rows (2t, 2t + 1) interleaved; an odd n's last key pairs with itself
+        const uint16_t* r0 = v_rows + 2 * t * row_stride;
+        const uint16_t* r1 = 2 * t + 1 < n ? r0 + row_stride : r0;
+        for (int c = 0; c < QC; ++c) {
+          const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+          _mm512_storeu_si512(vp + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
+          _mm512_storeu_si512(vp + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
+      }
+      for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
+        __m512 a[DC], r[DC];
+        for (int c = 0; c < DC; ++c) a[c] = _mm512_loadu_ps(acc + g * D + 16 * c), r[c] = _mm512_setzero_ps();
+        const int32_t* w = pp + (g - kh * G) * 16;
+        for (int t = 0; t < npairs; ++t) {
+          const __m512bh w_hi = (__m512bh)_mm512_set1_epi32(w[t]), w_lo = (__m512bh)_mm512_set1_epi32(w[8 + t]);
+          for (int c = 0; c < DC; ++c) {
+            const __m512bh vt = (__m512bh)_mm512_loadu_si512(vp + t * D + 16 * c);
+            a[c] = _mm512_dpbf16_ps(a[c], w_hi, vt);
+            r[c] = _mm512_dpbf16_ps(r[c], w_lo, vt);
+          }
+        }
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_add_ps(a[c], r[c]));
+        pf.Step();
+      }
+    }
+  });
   uint16_t* out_rows = out + (token * p.num_q_heads + kh0 * G) * D;
   for (int64_t g = 0; g < H; ++g) {
-    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sum + g * 16));
+    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
     for (int c = 0; c < DC; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + g * D + 16 * c),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), inv)));
@@ -647,16 +725,6 @@ inline void ChunkPVPairs(const int32_t* pp, int npairs, const int32_t* __restric
       for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + (d0 + i) * W + 16 * v, a[i][v]);
   }
 }
-
-// Index vectors for VPERMT2W / VPERMW: element e of the result takes element e / 2 of the first source when e is
-// even, of the second (index + 32) when odd; kPairHi the same from the upper 16 elements; kPairPs pairs the two
-// halves of one vector (VCVTNE2PS2BF16's output: first key in the lower half).
-alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-alignas(64) constexpr uint16_t kPairPs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 // Scores of keys [t0, t0 + KT) of a chunk (rows `stride` elements apart, as bf16 pairs) against NV vectors of 16
 // query rows (qt [DP][NV * 16] dwords): s[t][v] lane i = q_(16 v + i) . k_t. Per pair of head dimensions, one
