@@ -263,7 +263,7 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -
                            rounds)
     step_ms, mm_ms, attn_ms, sample_ms = (statistics.median(times[k]) for k in ("step", "matmul", "attention",
                                                                                   "sampler"))
-    ratios = sorted(s / m for s, m in zip(times["step"], times["matmul"]))
+    ratios = sorted(s / m for s, m in zip(times["step"], times["matmul"], strict=True))
     flops = matmul_flops(config, T, S)
     rest = step_ms - mm_ms - attn_ms - sample_ms
     ops = profile_ops(full, step)
