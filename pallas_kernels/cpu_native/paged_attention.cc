@@ -315,8 +315,8 @@ class SpreadPrefetch {
 // sum) and each head's maximum; the second reads V and adds exp(score - max) V to float32 sums, the keys in pairs
 // (VDPBF16PS: V's two rows interleaved per dimension, each weight as the sum of two bfloat16 so that it keeps
 // float32's precision). Against an online softmax this does no rescaling and no horizontal reduction per chunk of
-// keys. In each pass the next block's rows are prefetched while one block is worked on (the pool is far larger
-// than the caches, and block tables jump around in it).
+// keys. In each pass the rows of the block two ahead are prefetched while one block is worked on (the pool is far
+// larger than the caches, and block tables jump around in it).
 template <int DC>
 void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
                     uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, FastScratch& scratch) {
@@ -353,10 +353,14 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
       const int64_t start = block_start(b);
       const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
       const int64_t steps = (j1 - j0 + 15) / 16 * (kh1 - kh0) * G;
-      if (b < last) {  // the next block streams in while this one is worked on (further ahead measured no better)
-        const int64_t rows = std::min<int64_t>(BS, hi - (b + 1) * BS);
-        prefetch.Start(pool + block_start(b + 1), rows, row_stride * 2, (kh1 - kh0) * D * 2, steps);
-      } else if (then != nullptr) {  // the next pass's first block
+      // Two blocks ahead (one ahead left the V loads waiting: README, "Attention kernels on CPU"); the block after the
+      // first is asked for at once.
+      auto rows_of = [&](int64_t c) { return std::min<int64_t>(BS, hi - c * BS); };
+      if (b == first && b + 1 <= last)
+        PrefetchRows(pool + block_start(b + 1), rows_of(b + 1), row_stride * 2, (kh1 - kh0) * D * 2);
+      if (b + 2 <= last) {
+        prefetch.Start(pool + block_start(b + 2), rows_of(b + 2), row_stride * 2, (kh1 - kh0) * D * 2, steps);
+      } else if (b == last && then != nullptr) {  // the next pass's first block
         const int64_t rows = std::min<int64_t>(BS, hi - first * BS) - (lo - first * BS);
         prefetch.Start(then + block_start(first) + (lo - first * BS) * row_stride, rows, row_stride * 2,
                        (kh1 - kh0) * D * 2, steps);
