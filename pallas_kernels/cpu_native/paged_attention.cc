@@ -253,12 +253,6 @@ inline __m512 LaneSums16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
 }
 
-// 16 bf16 -> 16 float32
-inline __m512 Bf16x16(const uint16_t* x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
-}
-
 // Index vectors for VPERMT2W / VPERMW: element e of the result takes element e / 2 of the first source when e is
 // even, of the second (index + 32) when odd; kPairHi the same from the upper 16 elements; kPairPs pairs the two
 // halves of one vector (VCVTNE2PS2BF16's output: first key in the lower half).
