@@ -28,6 +28,7 @@ from flax import nnx
 from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
+from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -78,13 +79,6 @@ def lm_head(model: nnx.Module) -> jax.Array:
     return head_t[...] if head_t is not None else model.embed[...].T
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As Hugging Face does: normalise in float32, cast back, then scale.
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return weight * xf.astype(x.dtype)
-
-
 class LlamaDecoderLayer(nnx.Module):
     """The pre-norm decoder layers, every parameter stacked on a leading layer axis (built under `nnx.vmap`): layer
     i is attention through `attn`, then a SwiGLU MLP (both with residuals)."""
@@ -119,7 +113,7 @@ class LlamaDecoderLayer(nnx.Module):
         def mm(x: jax.Array, p: nnx.Param) -> jax.Array:  # x @ layer's matrix of p [L, K, N]
             return layer_matmul(x, p[...], layer)
 
-        x = _rms_norm(h, vec(self.attn_norm), eps)
+        x = layer_rms_norm(h, self.attn_norm[...], layer, eps)
         q, k, v = mm(x, self.wq), mm(x, self.wk), mm(x, self.wv)
         if c.attention_bias:
             q, k, v = q + vec(self.bq), k + vec(self.bk), v + vec(self.bv)
@@ -127,12 +121,13 @@ class LlamaDecoderLayer(nnx.Module):
         k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
-            q, k = _rms_norm(q, vec(self.q_norm), eps), _rms_norm(k, vec(self.k_norm), eps)
+            q, k = rms_norm(q, vec(self.q_norm), eps), rms_norm(k, vec(self.k_norm), eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
-        h = h + mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo)
-        x = _rms_norm(h, vec(self.mlp_norm), eps)
-        return h + mm(layer_glu(x, self.w_gate[...], self.w_up[...], layer, "silu"), self.w_down), kv_pool
+        s, x = layer_add_rms_norm(h, mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo),
+                                  self.mlp_norm[...], layer, eps)  # s = h + attention
+        mlp = mm(layer_glu(x, self.w_gate[...], self.w_up[...], layer, "silu"), self.w_down)
+        return residual_add(s, mlp), kv_pool
 
 
 # ModelConfig fields at the values every Llama-family model has; others (Gemma 3's) this module does not implement
@@ -185,7 +180,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""
-        h = _rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
+        h = rms_norm(hidden, self.final_norm[...], self.config.rms_norm_eps)
         return head_matmul(h, lm_head(self))  # [H, V], or prepacked at load
 
 

@@ -60,7 +60,9 @@ def _live_rows(x: jax.Array) -> jax.Array | None:
     return live[1] if live is not None and x.shape[0] == live[0] else None
 
 
-def _native(x: jax.Array, w: jax.Array) -> bool:
+def uses_native(x: jax.Array, w: jax.Array) -> bool:
+    """Whether this trace runs x's product with w (or its norm, jaxpaged/models/norm.py) natively: inside
+    `native_matmul`, x bfloat16 [M, K] with M <= its max_rows and K even, w bfloat16."""
     rows = _NATIVE_ROWS.get()
     return bool(rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
                 and w.dtype == jnp.bfloat16)
@@ -77,7 +79,7 @@ def _layer(w: jax.Array, layer: jax.Array | int) -> jax.Array:
 
 def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
     """x [M, K] @ w[layer] for w [L, K, N] stacked over layers (or prepacked); `matmul`'s numbers, in x's dtype."""
-    if _native(x, w):
+    if uses_native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
@@ -92,7 +94,7 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
     is "silu" or "gelu_tanh" (the weights stacked or prepacked). Natively the roundings are the same (each product,
     act(gate), their product) and
     only act's float32 approximation differs from XLA's (an occasional bf16 rounding step)."""
-    if _native(x, w_gate) and w_up.dtype == w_gate.dtype:
+    if uses_native(x, w_gate) and w_up.dtype == w_gate.dtype:
         from pallas_kernels.cpu_native import matmul_glu_native
 
         return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
@@ -103,7 +105,7 @@ def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:
     """h [S, H] @ head [H, V] accumulated and returned in float32: the LM head. A head prepacked as a one-layer
     stack ([1, V/32, H/2, 64], `prepack_head`) runs natively inside `native_matmul` (bfloat16 h), on its live rows;
     elsewhere XLA's dot (of the unpacked head)."""
-    if head.ndim == 4 and _native(h, head):
+    if head.ndim == 4 and uses_native(h, head):
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(h, head, 0, jnp.float32, rows=_live_rows(h))

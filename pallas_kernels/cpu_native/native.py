@@ -40,7 +40,7 @@ from pallas_kernels.validation import KERNEL_DTYPES
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                for name in ("paged_attention.cc", "matmul.cc"))
+                for name in ("paged_attention.cc", "matmul.cc", "norm.cc"))
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
@@ -53,6 +53,10 @@ MATMUL_TARGET = "jaxpaged_matmul"
 GLU_SYMBOL = "JaxpagedMatmulGlu"
 GLU_TARGET = "jaxpaged_matmul_glu"
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # matmul.cc's Activation
+NORM_SYMBOL = "JaxpagedRmsNorm"
+NORM_TARGET = "jaxpaged_rms_norm"
+ADD_SYMBOL = "JaxpagedAddRound"
+ADD_TARGET = "jaxpaged_add_round"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -125,6 +129,8 @@ def _load() -> None:
     jax.ffi.register_ffi_target(BLOCKS_TARGET, jax.ffi.pycapsule(getattr(lib, BLOCKS_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(getattr(lib, GLU_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(getattr(lib, NORM_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(getattr(lib, ADD_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -284,6 +290,11 @@ def unpack_weight(w):
     return w.reshape(*lead, 2 * pairs, panels * PANEL)
 
 
+def _require_kernels() -> None:
+    if not available():
+        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+
+
 def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
     """The native matmuls' arguments: x [M, K] and w [K, N], [L, K, N] or prepacked [L, N/32, K/2, 64]
     (`prepack_weight`), both bfloat16, K even; the kernels built."""
@@ -295,8 +306,7 @@ def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
         raise ValueError(f"x and {name} must be bfloat16, got {x.dtype} and {w.dtype}")
     if x.shape[1] % 2:
         raise ValueError(f"K = {x.shape[1]} must be even")
-    if not available():
-        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
+    _require_kernels()
 
 
 def _columns(w: jax.Array) -> int:
@@ -337,6 +347,39 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
                 act=np.int64(GLU_ACTIVATIONS[activation]))
 
 
+def rms_norm_native(x: jax.Array, weight: jax.Array, layer: jax.Array | int, eps: float,
+                    delta: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array]:
+    """RMSNorm of a bfloat16 residual stream by norm.cc: x [T, H] (plus delta [T, H] first, if given), weight the
+    stacked [L, H] read at `layer` (or one [H]). Returns (s, out): s = x + delta in float32, unrounded (None
+    without a delta), and out = weight * bf16(s * rsqrt(mean(s^2) + eps)) [T, H] bfloat16, the numbers of XLA's
+    fused step for the models' pure-JAX norm up to the float32 summation order of the mean."""
+    weight = weight[None] if weight.ndim == 1 else weight
+    if x.ndim != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x must be [T, H] and weight [L, H] or [H], got {x.shape} and {weight.shape}")
+    if not x.dtype == weight.dtype == jnp.bfloat16 or (delta is not None and delta.dtype != jnp.bfloat16):
+        raise ValueError(f"x, weight and delta must be bfloat16, got {x.dtype}, {weight.dtype}, "
+                         f"{None if delta is None else delta.dtype}")
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"delta {delta.shape} must be x's shape {x.shape}")
+    _require_kernels()
+    sum_shape = x.shape if delta is not None else (0,)
+    call = jax.ffi.ffi_call(NORM_TARGET, (jax.ShapeDtypeStruct(sum_shape, jnp.float32),
+                                          jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)))
+    s, out = call(x, jnp.zeros((0,), x.dtype) if delta is None else delta, weight, _int32("layer", layer, 0),
+                  eps=np.float32(eps))
+    return (s if delta is not None else None), out
+
+
+def add_round_native(s: jax.Array, delta: jax.Array) -> jax.Array:
+    """bf16(bf16(s) + delta) for s float32 and delta bfloat16 of one shape, by norm.cc: a layer's last residual add,
+    s the float32 sum `rms_norm_native` returned (rounded first, as XLA's step rounds the bfloat16 residual)."""
+    if s.dtype != jnp.float32 or delta.dtype != jnp.bfloat16 or s.shape != delta.shape:
+        raise ValueError(f"s must be float32 and delta bfloat16 of one shape, got {s.dtype}{s.shape} and "
+                         f"{delta.dtype}{delta.shape}")
+    _require_kernels()
+    return jax.ffi.ffi_call(ADD_TARGET, jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))(s, delta)
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -354,4 +397,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
-           "unpack_weight", "cache_dir"]
+           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native"]

@@ -1,0 +1,59 @@
+"""The models' RMSNorm, and a decoder layer's norms and residual adds over stacked weights (native where the step's
+matmuls are).
+
+    x = rms_norm(x, weight, eps)                          # Hugging Face's: normalise in float32, cast back, scale
+    x = layer_rms_norm(h, w, layer, eps)                  # rms_norm(h, w[layer]) of a stacked w [L, H]
+    s, x = layer_add_rms_norm(h, delta, w, layer, eps)    # s = h + delta; x = rms_norm(s, w[layer])
+    h = residual_add(s, delta)                            # s + delta, in delta's dtype
+
+The last three are pure JAX (s in h's dtype), unless the step is traced inside `native_matmul` with a bfloat16
+model (jaxpaged/models/matmul.py): then they are norm.cc's calls (`cpu_native.rms_norm_native`, `add_round_native`),
+and s is float32. Their numbers are those of the step XLA compiles from the pure-JAX layer, which keeps the sum
+h + delta in float32 for the norm after it and rounds it to bfloat16 before the next residual add; only the float32
+summation order of the norm's mean differs. XLA CPU runs each norm as four to six small fusions (benchmarks/
+step_anatomy.py's per-operation profile); natively a decode layer's norm is one call over a few rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.models.matmul import uses_native
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x [..., H] normalised over its last axis, as Hugging Face does: in float32, cast back, then scaled by
+    weight [H]."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def layer_rms_norm(h: jax.Array, weight: jax.Array, layer: jax.Array | int, eps: float) -> jax.Array:
+    """rms_norm(h [T, H], weight[layer], eps) for weight [L, H] stacked over layers."""
+    if uses_native(h, weight):
+        from pallas_kernels.cpu_native import rms_norm_native
+
+        return rms_norm_native(h, weight, layer, eps)[1]
+    return rms_norm(h, weight[layer], eps)
+
+
+def layer_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, layer: jax.Array | int,
+                       eps: float) -> tuple[jax.Array, jax.Array]:
+    """(s, rms_norm(s, weight[layer], eps)) with s = h + delta [T, H] (float32 natively, else h's dtype)."""
+    if uses_native(h, weight) and delta.dtype == h.dtype:
+        from pallas_kernels.cpu_native import rms_norm_native
+
+        return rms_norm_native(h, weight, layer, eps, delta=delta)
+    s = h + delta
+    return s, rms_norm(s, weight[layer], eps)
+
+
+def residual_add(s: jax.Array, delta: jax.Array) -> jax.Array:
+    """s + delta in delta's dtype, for the s of `layer_add_rms_norm` (a float32 s is rounded to bfloat16 first)."""
+    if s.dtype == jnp.float32 and delta.dtype == jnp.bfloat16:
+        from pallas_kernels.cpu_native import add_round_native
+
+        return add_round_native(s, delta)
+    return s + delta

@@ -1,0 +1,115 @@
+"""The native CPU RMSNorm and residual add of a bf16 decoder layer (pallas_kernels/cpu_native/norm.cc) against the
+numbers XLA's compiled step gives for the pure-JAX layer (jaxpaged/models/norm.py), their errors, and the models'
+use of them: only inside `native_matmul`, with the same greedy tokens as the pure-JAX step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.models.matmul import native_matmul
+from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
+from pallas_kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
+
+
+def bf16(rng, *shape, scale=1.0, offset=0.0):
+    return jnp.asarray(offset + rng.standard_normal(shape) * scale, jnp.bfloat16)
+
+
+def xla_layer(h, delta, w, down, layer, eps):
+    """The pure-JAX layer's norms and adds, compiled by XLA: (first norm, second norm, the layer's output)."""
+    x1 = rms_norm(h, w[layer], eps)
+    s = h + delta
+    return x1, rms_norm(s, w[layer + 1], eps), s + down
+
+
+def native_layer(h, delta, w, down, layer, eps):
+    _, x1 = cpu_native.rms_norm_native(h, w, layer, eps)
+    s, x2 = cpu_native.rms_norm_native(h, w, layer + 1, eps, delta=delta)
+    return x1, x2, cpu_native.add_round_native(s, down)
+
+
+def assert_close_bf16(got, want, max_fraction_off: float):
+    """Equal, except where the float32 summation order of the mean moved a value by one bfloat16 rounding step."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    off = got != want
+    assert off.mean() <= max_fraction_off, off.mean()
+    np.testing.assert_allclose(got[off], want[off], rtol=2 ** -7)
+
+
+# rows below and above the parallel threshold; a width that is not a multiple of the 16 lanes
+@pytest.mark.parametrize("t, h", [(1, 64), (7, 100), (64, 576), (512, 576)])
+def test_the_native_norms_and_add_are_xla_s_numbers(t, h):
+    rng = np.random.default_rng(t * h)
+    hidden, delta, down = bf16(rng, t, h, scale=3.0), bf16(rng, t, h), bf16(rng, t, h)
+    w = bf16(rng, 4, h, scale=0.1, offset=1.0)
+    for layer in (0, 2):
+        want = jax.jit(xla_layer, static_argnums=(4, 5))(hidden, delta, w, down, layer, 1e-5)
+        got = jax.jit(native_layer, static_argnums=(5,))(hidden, delta, w, down, jnp.int32(layer), 1e-5)
+        for g, x in zip(got[:2], want[:2], strict=True):
+            assert_close_bf16(g, x, max_fraction_off=1e-3)
+        np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+
+
+def test_the_sum_is_float32_and_unrounded():
+    rng = np.random.default_rng(0)
+    hidden, delta, w = bf16(rng, 5, 32), bf16(rng, 5, 32, scale=1e-3), bf16(rng, 2, 32)
+    s, _ = cpu_native.rms_norm_native(hidden, w, 0, 1e-6, delta=delta)
+    want = np.asarray(hidden, np.float32) + np.asarray(delta, np.float32)
+    assert s.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(s), want)  # exact: a sum of two bfloat16 fits float32
+    assert not np.array_equal(want, np.asarray(hidden + delta, np.float32))  # bfloat16 would have rounded it
+
+
+def test_layer_index_is_clipped_and_nan_stays_in_its_row():
+    rng = np.random.default_rng(1)
+    hidden, w = bf16(rng, 3, 48), bf16(rng, 2, 48, offset=1.0)
+    hidden = hidden.at[1, 5].set(jnp.nan)
+    _, out = cpu_native.rms_norm_native(hidden, w, 7, 1e-6)  # layer 7 of 2: the last
+    want = rms_norm(hidden, w[1], 1e-6)
+    out, want = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert np.isnan(out[1]).all() and not np.isnan(out[[0, 2]]).any()
+    assert_close_bf16(out[[0, 2]], want[[0, 2]], max_fraction_off=0.02)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: cpu_native.rms_norm_native(jnp.ones((2, 8), jnp.float32), jnp.ones((1, 8), jnp.bfloat16), 0, 1e-6),
+     "bfloat16"),
+    (lambda: cpu_native.rms_norm_native(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((1, 6), jnp.bfloat16), 0, 1e-6),
+     "weight"),
+    (lambda: cpu_native.rms_norm_native(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((1, 8), jnp.bfloat16), 0, 1e-6,
+                                        delta=jnp.ones((3, 8), jnp.bfloat16)), "delta"),
+    (lambda: cpu_native.add_round_native(jnp.ones((2, 8), jnp.bfloat16), jnp.ones((2, 8), jnp.bfloat16)), "float32"),
+])
+def test_bad_arguments_name_the_field(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_the_model_functions_go_native_only_inside_native_matmul():
+    rng = np.random.default_rng(2)
+    hidden, delta, w = bf16(rng, 4, 64), bf16(rng, 4, 64), bf16(rng, 3, 64, offset=1.0)
+
+    def run(h, d):
+        s, x = layer_add_rms_norm(h, d, w, 1, 1e-6)
+        return layer_rms_norm(h, w, 0, 1e-6), s, x, residual_add(s, d)
+
+    def targets(native_rows: int) -> str:
+        def traced(h, d):
+            with native_matmul(native_rows):
+                return run(h, d)
+        return jax.jit(traced).lower(hidden, delta).as_text()
+
+    assert "jaxpaged_rms_norm" in targets(64) and "jaxpaged_add_round" in targets(64)
+    assert "jaxpaged_rms_norm" not in targets(0) and "jaxpaged_add_round" not in targets(0)
+    assert "jaxpaged_rms_norm" not in targets(2)  # more rows than the native step takes
+    with native_matmul(64):
+        native = jax.jit(run)(hidden, delta)
+    plain = jax.jit(lambda h, d: run(h, d))(hidden, delta)  # another function: jit's cache ignores the context
+    assert native[1].dtype == jnp.float32 and plain[1].dtype == jnp.bfloat16
+    for got, want in zip((native[0], native[2], native[3]), (plain[0], plain[2], plain[3]), strict=True):
+        assert_close_bf16(got, want, max_fraction_off=0.02)
