@@ -148,6 +148,29 @@ struct Problem {
   }
 };
 
+// The cache positions [lo, hi) that query token `token` of sequence s sees (hi <= lo: none; see the header).
+inline void VisibleRange(const Problem& p, int64_t s, int64_t token, int64_t* lo, int64_t* hi) {
+  const int64_t context = p.context_lens[s], pos = p.positions[token];
+  *hi = context <= 0 || pos < 0 ? 0 : std::min({context, pos + 1, p.width * p.block_size});
+  *lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+}
+
+// Rows of a pool to prefetch: `rows` rows from `first` on, row_stride elements apart.
+struct Rows {
+  const uint16_t* first = nullptr;
+  int64_t rows = 0;
+};
+
+// The rows an item reads first in `pool`: the offsets of its first block in [lo, hi) of kv heads [kh0, ...).
+inline Rows FirstRows(const Problem& p, const uint16_t* pool, int64_t s, int64_t token, int64_t kh0) {
+  int64_t lo, hi;
+  VisibleRange(p, s, token, &lo, &hi);
+  if (hi <= lo) return {};
+  const int64_t BS = p.block_size, first = lo / BS;
+  return {pool + p.BlockStart(s, first, kh0) + (lo - first * BS) * p.num_kv_heads * p.head_dim,
+          std::min<int64_t>(BS, hi - first * BS) - (lo - first * BS)};
+}
+
 // Per-thread scratch, sized for one work item of `heads` query heads.
 struct Scratch {
   std::vector<float> q, acc, scores, m, l;
@@ -313,17 +336,14 @@ class SpreadPrefetch {
 // larger than the caches, and block tables jump around in it).
 template <int DC>
 void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                    uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, FastScratch& scratch) {
+                    uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, Rows next,
+                    FastScratch& scratch) {
   constexpr int64_t D = 16 * DC;
   constexpr int QC = DC / 2;  // 32-element chunks of a head's bf16 row
   const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
   const int64_t H = (kh1 - kh0) * G;
-  const int64_t context = p.context_lens[s];
-  if (context <= 0) return;
-  const int64_t pos = p.positions[token];
-  if (pos < 0) return;
-  const int64_t hi = std::min({context, pos + 1, p.width * BS});
-  const int64_t lo = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  int64_t lo, hi;
+  VisibleRange(p, s, token, &lo, &hi);
   if (hi <= lo) return;
   const __m512 scale = _mm512_set1_ps(p.scale);
   const float soft_cap = p.soft_cap;
@@ -340,8 +360,9 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   std::fill(sum, sum + H * 16, 0.0f);
   const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
   auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh0); };
-  // Both passes walk the same chunks: up to 16 offsets [j, j + n) of block b, in range [lo, hi).
-  auto for_each_chunk = [&](const uint16_t* pool, const uint16_t* then, auto work) {
+  // Both passes walk the same chunks: up to 16 offsets [j, j + n) of block b, in range [lo, hi). While the last
+  // block is worked on, `then` is prefetched: what the next pass (or the thread's next item) reads first.
+  auto for_each_chunk = [&](const uint16_t* pool, Rows then, auto work) {
     SpreadPrefetch prefetch;
     for (int64_t b = first; b <= last; ++b) {
       const int64_t start = block_start(b);
@@ -354,10 +375,8 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
         PrefetchRows(pool + block_start(b + 1), rows_of(b + 1), row_stride * 2, (kh1 - kh0) * D * 2);
       if (b + 2 <= last) {
         prefetch.Start(pool + block_start(b + 2), rows_of(b + 2), row_stride * 2, (kh1 - kh0) * D * 2, steps);
-      } else if (b == last && then != nullptr) {  // the next pass's first block
-        const int64_t rows = std::min<int64_t>(BS, hi - first * BS) - (lo - first * BS);
-        prefetch.Start(then + block_start(first) + (lo - first * BS) * row_stride, rows, row_stride * 2,
-                       (kh1 - kh0) * D * 2, steps);
+      } else if (b == last && then.rows > 0) {
+        prefetch.Start(then.first, then.rows, row_stride * 2, (kh1 - kh0) * D * 2, steps);
       } else {
         prefetch.Stop();
       }
@@ -369,7 +388,8 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   };
 
   // Pass 1: scores[g, i] = scale * q_g . k_i (or its soft cap), -inf past the chunk's n; top[g] their lane maxima.
-  for_each_chunk(k_cache, v_cache, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
+  for_each_chunk(k_cache, FirstRows(p, v_cache, s, token, kh0), [&](const uint16_t* rows, int n, __mmask16 valid,
+                                                                      int64_t i, SpreadPrefetch& pf) {
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
       const uint16_t* k_rows = rows + kh * D;
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
@@ -400,7 +420,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   for (int64_t g = 0; g < H; ++g) _mm512_storeu_ps(top + g * 16, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(top + g * 16))));
 
   // Pass 2: e = exp(score - max) (0 past n), sum[g] += e, acc[g] += sum_t e_t V_t.
-  for_each_chunk(v_cache, nullptr, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
+  for_each_chunk(v_cache, next, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
     const int npairs = (n + 1) / 2;
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
       const uint16_t* v_rows = rows + kh * D;
@@ -451,19 +471,19 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
 
 // The fast item where it applies (bfloat16, head_dim 64, 128 or 256); false: use AttendItem.
 inline bool AttendItemFastIfAny(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                                uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1,
+                                uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, Rows next,
                                 std::unique_ptr<FastScratch>& scratch) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
   if (!scratch) scratch = std::make_unique<FastScratch>(p.num_q_heads, p.head_dim);  // room for every kv head
-  if (p.head_dim == 64) AttendItemFast<4>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
-  if (p.head_dim == 128) AttendItemFast<8>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
-  if (p.head_dim == 256) AttendItemFast<16>(p, q, k, v, out, s, token, kh0, kh1, *scratch);
+  if (p.head_dim == 64) AttendItemFast<4>(p, q, k, v, out, s, token, kh0, kh1, next, *scratch);
+  if (p.head_dim == 128) AttendItemFast<8>(p, q, k, v, out, s, token, kh0, kh1, next, *scratch);
+  if (p.head_dim == 256) AttendItemFast<16>(p, q, k, v, out, s, token, kh0, kh1, next, *scratch);
   return true;
 }
 #else
 struct FastScratch {};
 inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
-                                int64_t, int64_t, int64_t, std::unique_ptr<FastScratch>&) {
+                                int64_t, int64_t, int64_t, Rows, std::unique_ptr<FastScratch>&) {
   return false;
 }
 #endif
@@ -944,13 +964,22 @@ struct ParallelAttention {
     std::unique_ptr<TileScratch> tile;
     std::unique_ptr<FastScratch> fast;
     std::unique_ptr<TileFastScratch> fast_tile;
-    for (; i < work.total; i = work.Claim()) {
+    while (i < work.total) {
+      // The thread's next item is claimed now, so that a decode item can prefetch what it reads first while this
+      // one finishes (else every item started on a cold block).
+      const int64_t next_item = work.Claim();
       const int64_t kh0 = items[i].kh0, kh1 = items[i].kh1;
       const Unit& u = units[items[i].unit];
       if (u.count == 1) {
         bool done_fast = false;
-        if constexpr (std::is_same_v<T, uint16_t>)
-          done_fast = AttendItemFastIfAny(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, fast);
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          Rows next;
+          if (next_item < work.total && units[items[next_item].unit].count == 1) {
+            const Unit& n = units[items[next_item].unit];
+            next = FirstRows(p, k, n.seq, tokens[n.start], items[next_item].kh0);
+          }
+          done_fast = AttendItemFastIfAny(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, next, fast);
+        }
         if (!done_fast) AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
       } else {
         bool done_fast = false;
@@ -963,6 +992,7 @@ struct ParallelAttention {
         }
       }
       work.Finish();
+      i = next_item;
     }
   }
 };
