@@ -276,15 +276,17 @@ inline __m512 LaneSums16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x88), _mm512_shuffle_f32x4(v[0], v[1], 0xDD));
 }
 
-// Index vectors for VPERMT2W / VPERMW: element e of the result takes element e / 2 of the first source when e is
-// even, of the second (index + 32) when odd; kPairHi the same from the upper 16 elements; kPairPs pairs the two
-// halves of one vector (VCVTNE2PS2BF16's output: first key in the lower half).
-alignas(64) constexpr uint16_t kPairLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                              8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-alignas(64) constexpr uint16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                              24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+// kPairPs (VPERMW's index) pairs the two halves of one vector: VCVTNE2PS2BF16's output, first key in the lower half.
 alignas(64) constexpr uint16_t kPairPs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                               8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// Two V rows a, b of 32 bfloat16 are interleaved into bf16 pairs (one per dimension) with VPUNPCKLWD / VPUNPCKHWD,
+// which pair elements within each 128-bit lane: pair j of the low result is dimension 8 (j / 4) + j % 4, of the high
+// one 8 (j / 4) + 4 + j % 4. So the 32 pairs of a chunk are in this order (low's 16, then high's): kDimOrder[k] is
+// where dimension k is. AttendItemFast's float32 sums come out in that order and are put back with VPERMT2PS;
+// AttendTileFast reads each dimension's pair where it is.
+alignas(64) constexpr int32_t kDimOrder[32] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23,
+                                               8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
 
 // Per-thread scratch of AttendItemFast: H = (kv heads of the item) x G query heads; `span` cache positions.
 struct FastScratch {
@@ -358,7 +360,6 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   std::fill(acc, acc + H * D, 0.0f);
   std::fill(top, top + H * 16, -INFINITY);
   std::fill(sum, sum + H * 16, 0.0f);
-  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
   auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh0); };
   // Both passes walk the same chunks: up to 16 offsets [j, j + n) of block b, in range [lo, hi). While the last
   // block is worked on, `then` is prefetched: what the next pass (or the thread's next item) reads first.
@@ -436,10 +437,10 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
       for (int t = 0; t < npairs; ++t) {  // V's rows (2t, 2t + 1) interleaved; an odd n's last key pairs with itself
         const uint16_t* r0 = v_rows + 2 * t * row_stride;
         const uint16_t* r1 = 2 * t + 1 < n ? r0 + row_stride : r0;
-        for (int c = 0; c < QC; ++c) {
+        for (int c = 0; c < QC; ++c) {  // dimensions in kDimOrder (one-cycle unpacks; undone at the end)
           const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
-          _mm512_storeu_si512(vp + t * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
-          _mm512_storeu_si512(vp + t * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+          _mm512_storeu_si512(vp + t * D + 32 * c, _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(vp + t * D + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
         }
       }
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
@@ -460,12 +461,16 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
     }
   });
   uint16_t* out_rows = out + (token * p.num_q_heads + kh0 * G) * D;
+  const __m512i order[2] = {_mm512_load_si512(kDimOrder), _mm512_load_si512(kDimOrder + 16)};
   for (int64_t g = 0; g < H; ++g) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sum + g * 16));
     const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
-    for (int c = 0; c < DC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + g * D + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 16 * c), inv)));
+    for (int c = 0; c < DC; c += 2) {  // acc's 32 dimensions of chunk c / 2 back in order
+      const __m512 a = _mm512_loadu_ps(acc + g * D + 16 * c), b = _mm512_loadu_ps(acc + g * D + 16 * c + 16);
+      for (int m = 0; m < 2; ++m)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows + g * D + 16 * (c + m)),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_permutex2var_ps(a, order[m], b), inv)));
+    }
   }
 }
 
@@ -729,13 +734,15 @@ inline void ChunkPVPairs(const int32_t* pp, int npairs, const int32_t* __restric
   for (int v = 0; v < NV; ++v) al[v] = _mm512_loadu_ps(alpha + 16 * v);
   for (int64_t d0 = 0; d0 < D; d0 += DB) {
     __m512 a[DB][NV];
+    int64_t at[DB];  // where dimension d0 + i's pair is in a row of vp (kDimOrder within each 32)
+    for (int i = 0; i < DB; ++i) at[i] = ((d0 + i) & ~int64_t{31}) + kDimOrder[(d0 + i) & 31];
     for (int i = 0; i < DB; ++i)
       for (int v = 0; v < NV; ++v) a[i][v] = _mm512_mul_ps(al[v], _mm512_loadu_ps(acc + (d0 + i) * W + 16 * v));
     for (int j = 0; j < npairs; ++j) {
       __m512bh w[NV];
       for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(pp + j * W + 16 * v);
       for (int i = 0; i < DB; ++i) {
-        const __m512bh b = (__m512bh)_mm512_set1_epi32(vp[j * D + d0 + i]);
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(vp[j * D + at[i]]);
         for (int v = 0; v < NV; ++v) a[i][v] = _mm512_dpbf16_ps(a[i][v], w[v], b);
       }
     }
@@ -817,15 +824,14 @@ inline void ChunkRowsT(const Problem& p, const uint16_t* k_rows, const uint16_t*
   // Keys in pairs: V's rows 2j and 2j + 1 interleaved per dimension, and the rows' weights of the two keys as
   // bfloat16 pairs per lane; an odd n pairs its last key with a zero weight on that key's own V row (finite).
   const int npairs = (n + 1) / 2;
-  int32_t* vp = sc.vp.data();  // [npairs, D]
-  const __m512i lo_idx = _mm512_load_si512(kPairLo), hi_idx = _mm512_load_si512(kPairHi);
+  int32_t* vp = sc.vp.data();  // [npairs, D], each 32 dimensions' pairs in kDimOrder
   for (int j = 0; j < npairs; ++j) {
     const uint16_t* r0 = v_rows + 2 * j * stride;
     const uint16_t* r1 = 2 * j + 1 < n ? r0 + stride : r0;
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
-      _mm512_storeu_si512(vp + j * D + 32 * c, _mm512_permutex2var_epi16(a, lo_idx, b));
-      _mm512_storeu_si512(vp + j * D + 32 * c + 16, _mm512_permutex2var_epi16(a, hi_idx, b));
+      _mm512_storeu_si512(vp + j * D + 32 * c, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(vp + j * D + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
     }
   }
   int32_t* pp = sc.pp.data();  // [npairs, NV * 16]
