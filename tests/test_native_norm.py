@@ -1,4 +1,5 @@
-"""The native CPU RMSNorm and residual add of a bf16 decoder layer (pallas_kernels/cpu_native/norm.cc) against the
+"""The native CPU RMSNorm, residual add (pallas_kernels/cpu_native/norm.cc) and rotary embedding (rope.cc) of a bf16
+decoder layer against the
 numbers XLA's compiled step gives for the pure-JAX layer (jaxpaged/models/norm.py), their errors, and the models'
 use of them: only inside `native_matmul`, with the same greedy tokens as the pure-JAX step."""
 
@@ -11,6 +12,7 @@ import pytest
 
 from jaxpaged.models.matmul import native_matmul
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
+from jaxpaged.models.rope import rope, rope_qk
 from pallas_kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
@@ -113,3 +115,29 @@ def test_the_model_functions_go_native_only_inside_native_matmul():
     assert native[1].dtype == jnp.float32 and plain[1].dtype == jnp.bfloat16
     for got, want in zip((native[0], native[2], native[3]), (plain[0], plain[2], plain[3]), strict=True):
         assert_close_bf16(got, want, max_fraction_off=0.02)
+
+
+@pytest.mark.parametrize("t, hq, hk, d", [(1, 4, 2, 8), (64, 9, 3, 64), (130, 4, 1, 256), (5, 2, 2, 36)])
+def test_native_rope_is_xla_s_numbers(t, hq, hk, d):
+    rng = np.random.default_rng(t * d)
+    q, k = bf16(rng, t, hq, d, scale=2.0), bf16(rng, t, hk, d, scale=2.0)
+    angles = rng.integers(0, 4000, (t, 1, 1)) * (10000.0 ** -(np.arange(d // 2) / (d // 2)))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    want = jax.jit(lambda q, k, c, s: (rope(q, c, s), rope(k, c, s)))(q, k, cos, sin)
+    got = jax.jit(cpu_native.rope_native)(q, k, cos, sin)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with native_matmul(t):
+        routed = jax.jit(rope_qk)(q, k, cos, sin)
+    for g, w in zip(routed, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_rope_bad_arguments_name_the_field():
+    q, k = jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="even D"):
+        cpu_native.rope_native(q[..., :7], k[..., :7], jnp.ones((2, 1, 3)), jnp.ones((2, 1, 3)))
+    with pytest.raises(ValueError, match="cos"):
+        cpu_native.rope_native(q, k, jnp.ones((2, 1, 3)), jnp.ones((2, 1, 4)))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_native.rope_native(q.astype(jnp.float32), k, jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)))

@@ -34,6 +34,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
 from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
+from jaxpaged.models.rope import rope_qk
 
 NEG_INF = -1e30
 NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole context
@@ -67,13 +68,6 @@ def layer_windows(config: ModelConfig) -> np.ndarray:
 def attention_scale(config: ModelConfig) -> float:
     scalar = config.query_pre_attn_scalar or config.head_dim
     return 1.0 / math.sqrt(scalar)
-
-
-def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, Hx, D]; cos, sin [T, 1, D/2] float32. HF convention: rotate the two halves."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def _act_name(config: ModelConfig) -> str:
@@ -122,7 +116,7 @@ def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window:
     v = matmul(x, p["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
     if c.qk_norm:  # over each head's D values, before RoPE
         q, k = rms_norm(q, p["q_norm"], c), rms_norm(k, p["k_norm"], c)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q, k = rope_qk(q, k, cos, sin)
     out = matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
     h = h + (rms_norm(out, p["post_attn_norm"], c) if c.post_norms else out)
     x = rms_norm(h, p["mlp_norm"], c)

@@ -29,6 +29,7 @@ from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
+from jaxpaged.models.rope import rope_qk
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -122,7 +123,7 @@ class LlamaDecoderLayer(nnx.Module):
         v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = rms_norm(q, vec(self.q_norm), eps), rms_norm(k, vec(self.k_norm), eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rope_qk(q, k, cos, sin)
         out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
         s, x = layer_add_rms_norm(h, mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo),
                                   self.mlp_norm[...], layer, eps)  # s = h + attention
@@ -187,11 +188,3 @@ class LlamaForCausalLM(nnx.Module):
 def abstract_model(config: ModelConfig) -> LlamaForCausalLM:
     """The module with ShapeDtypeStructs for parameters: its structure, nothing allocated or initialised."""
     return nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-
-
-def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [T, H, D]; cos, sin [T, 1, D/2] float32. HF convention: rotate the two halves."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)

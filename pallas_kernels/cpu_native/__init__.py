@@ -1,7 +1,7 @@
 """Native CPU kernels (XLA FFI custom calls built with g++ on first use): ragged paged attention and its pool writes
 (paged_attention.cc), and a bf16 matmul reading a stacked layer weight in place, plain or as a gated MLP's
 act(x @ w_gate) * (x @ w_up) (matmul.cc), from a weight as stored or prepacked in its panel layout; a bf16
-model's RMSNorm and residual adds (norm.cc)."""
+model's RMSNorm and residual adds (norm.cc) and rotary embedding (rope.cc)."""
 
 from pallas_kernels.cpu_native.native import (
     PANEL,
@@ -14,6 +14,7 @@ from pallas_kernels.cpu_native.native import (
     paged_attention_native,
     prepack_weight,
     rms_norm_native,
+    rope_native,
     set_blocks_native,
     unavailable_reason,
     unpack_weight,
@@ -21,5 +22,5 @@ from pallas_kernels.cpu_native.native import (
 )
 
 __all__ = ["PANEL", "add_round_native", "available", "matmul_glu_native", "matmul_is_fast", "matmul_native",
-           "native_else_reference", "paged_attention_native", "prepack_weight", "rms_norm_native", "set_blocks_native",
-           "unavailable_reason", "unpack_weight", "write_kv_native"]
+           "native_else_reference", "paged_attention_native", "prepack_weight", "rms_norm_native", "rope_native",
+           "set_blocks_native", "unavailable_reason", "unpack_weight", "write_kv_native"]

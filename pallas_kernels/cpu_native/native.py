@@ -40,7 +40,7 @@ from pallas_kernels.validation import KERNEL_DTYPES
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                for name in ("paged_attention.cc", "matmul.cc", "norm.cc"))
+                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc"))
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
@@ -57,6 +57,8 @@ NORM_SYMBOL = "JaxpagedRmsNorm"
 NORM_TARGET = "jaxpaged_rms_norm"
 ADD_SYMBOL = "JaxpagedAddRound"
 ADD_TARGET = "jaxpaged_add_round"
+ROPE_SYMBOL = "JaxpagedRope"
+ROPE_TARGET = "jaxpaged_rope"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -131,6 +133,7 @@ def _load() -> None:
     jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(getattr(lib, GLU_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(getattr(lib, NORM_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(getattr(lib, ADD_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(getattr(lib, ROPE_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -380,6 +383,24 @@ def add_round_native(s: jax.Array, delta: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(ADD_TARGET, jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))(s, delta)
 
 
+def rope_native(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rotary embedding of q [T, Hq, D] and k [T, Hk, D] (bfloat16, D even) by rope.cc, Hugging Face's rotate-half
+    convention: each head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32 (each a fused
+    multiply-add, as XLA CPU computes the pure-JAX rope), rounded once to bfloat16; cos, sin float32 with T * D/2
+    elements ([T, 1, D/2] as the models build them)."""
+    if q.ndim != 3 or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
+        raise ValueError(f"q and k must be [T, H, D] with one T and one even D, got {q.shape} and {k.shape}")
+    if q.dtype != jnp.bfloat16 or k.dtype != jnp.bfloat16:
+        raise ValueError(f"q and k must be bfloat16, got {q.dtype} and {k.dtype}")
+    half = q.shape[0] * q.shape[2] // 2
+    if cos.size != half or sin.size != half:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must have T * D/2 = {half} elements")
+    _require_kernels()
+    call = jax.ffi.ffi_call(ROPE_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                          jax.ShapeDtypeStruct(k.shape, k.dtype)))
+    return call(q, k, cos.astype(jnp.float32), sin.astype(jnp.float32))
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -397,4 +418,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
-           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native"]
+           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native"]
