@@ -1154,12 +1154,19 @@ ffi::Error KvWriteImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buff
   const ffi::AnyBuffer* src[2] = {&k_cache, &v_cache};
   const ffi::AnyBuffer* add[2] = {&k_new, &v_new};
   ffi::Result<ffi::AnyBuffer>* dst[2] = {&k_out, &v_out};
+  char* base[2];
+  for (int i = 0; i < 2; ++i) base[i] = InPlace(*src[i], *dst[i]) + static_cast<size_t>(l * slots) * row;
+  // The destination rows are scattered over a pool far larger than the caches: each copy's stores would wait for
+  // their lines one row after another. Asked for first (for writing), the lines arrive together.
+  for (int64_t t = 0; t < nd[0]; ++t)
+    if (slot[t] >= 0 && slot[t] < slots)
+      for (int i = 0; i < 2; ++i)
+        for (size_t at = 0; at < row; at += 64) __builtin_prefetch(base[i] + static_cast<size_t>(slot[t]) * row + at, 1);
   for (int i = 0; i < 2; ++i) {
-    char* out = InPlace(*src[i], *dst[i]);
     const char* rows = static_cast<const char*>(add[i]->untyped_data());
-    char* base = out + static_cast<size_t>(l * slots) * row;
     for (int64_t t = 0; t < nd[0]; ++t)
-      if (slot[t] >= 0 && slot[t] < slots) std::memcpy(base + static_cast<size_t>(slot[t]) * row, rows + t * row, row);
+      if (slot[t] >= 0 && slot[t] < slots)
+        std::memcpy(base[i] + static_cast<size_t>(slot[t]) * row, rows + t * row, row);
   }
   return ffi::Error::Success();
 }
