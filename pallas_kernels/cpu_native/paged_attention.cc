@@ -329,6 +329,51 @@ class SpreadPrefetch {
   int64_t rows_ = 0, stride_ = 0, span_ = 0, per_step_ = 0, row_ = 0, at_ = 0;
 };
 
+// acc [GT, D] (the GT query heads of one kv head, float32, each 32 dimensions in kDimOrder) += sum over key pairs t
+// of weight pair t . V pair row t (vp [npairs, D] dwords, two keys' values per dimension), each weight as two
+// bfloat16 pairs, hi and lo (pp[g * 16 + t], pp[g * 16 + 8 + t]). Each V pair row is loaded once for the GT heads,
+// whose sums stay in registers over the chunk. pf.Step() GT times, spread over it.
+template <int DC, int GT>
+inline void PairsPV(const int32_t* vp, int npairs, const int32_t* pp, float* acc, SpreadPrefetch& pf) {
+  constexpr int64_t D = 16 * DC;
+  __m512 a[GT][DC];
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  int steps = 0;
+  for (int t = 0; t < npairs; ++t) {
+    __m512bh vt[DC];
+    for (int c = 0; c < DC; ++c) vt[c] = (__m512bh)_mm512_loadu_si512(vp + t * D + 16 * c);
+    for (int g = 0; g < GT; ++g) {
+      const __m512bh w_hi = (__m512bh)_mm512_set1_epi32(pp[g * 16 + t]);
+      const __m512bh w_lo = (__m512bh)_mm512_set1_epi32(pp[g * 16 + 8 + t]);
+      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(a[g][c], w_hi, vt[c]), w_lo, vt[c]);
+    }
+    for (const int due = (t + 1) * GT / npairs; steps < due; ++steps) pf.Step();  // spread over the pairs
+  }
+  for (; steps < GT; ++steps) pf.Step();
+  for (int g = 0; g < GT; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g][c]);
+}
+
+// PairsPV for the G of this model where its sums and V's pairs fit the 32 vector registers; false: not here.
+template <int DC>
+inline bool PairsPVIfFits(int64_t G, const int32_t* vp, int npairs, const int32_t* pp, float* acc, SpreadPrefetch& pf) {
+  if constexpr (DC == 4) {
+    switch (G) {
+      case 1: return PairsPV<4, 1>(vp, npairs, pp, acc, pf), true;
+      case 2: return PairsPV<4, 2>(vp, npairs, pp, acc, pf), true;
+      case 3: return PairsPV<4, 3>(vp, npairs, pp, acc, pf), true;
+      case 4: return PairsPV<4, 4>(vp, npairs, pp, acc, pf), true;
+    }
+  } else if constexpr (DC == 8) {
+    switch (G) {
+      case 1: return PairsPV<8, 1>(vp, npairs, pp, acc, pf), true;
+      case 2: return PairsPV<8, 2>(vp, npairs, pp, acc, pf), true;
+    }
+  }
+  return false;
+}
+
 // AttendItem for bfloat16, head_dim D = 16 * DC (DC even), in two passes over the sequence's blocks: the first
 // reads K and keeps every score (one dot-product instruction per 32 dimensions and key, then a transposing lane
 // sum) and each head's maximum; the second reads V and adds exp(score - max) V to float32 sums, the keys in pairs
@@ -443,6 +488,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
           _mm512_storeu_si512(vp + t * D + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
         }
       }
+      if (PairsPVIfFits<DC>(G, vp, npairs, pp, acc + kh * G * D, pf)) continue;
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
         __m512 a[DC], r[DC];
         for (int c = 0; c < DC; ++c) a[c] = _mm512_loadu_ps(acc + g * D + 16 * c), r[c] = _mm512_setzero_ps();
