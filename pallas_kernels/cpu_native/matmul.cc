@@ -51,7 +51,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::Bf16ToFloat;
 using jaxpaged_native::Exp16;
+using jaxpaged_native::FloatToBf16;
 using jaxpaged_native::RunOnPool;
 using jaxpaged_native::Tanh16;
 using jaxpaged_native::WorkQueue;
@@ -63,21 +65,6 @@ constexpr int kRows = 12;       // rows of x per register block: 24 accumulators
                                 // block of 16 columns: 12 gate + 12 up accumulators)
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
-
-inline float Bf16ToFloat(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 struct Problem {
   const uint16_t* x;  // [M, K]

@@ -30,33 +30,20 @@
 #include <memory>
 #include <string>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxpaged_native::RunOnPool;
+using jaxpaged_native::Bf16ToFloat;
+using jaxpaged_native::FloatToBf16;
+using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int64_t kRowsPerItem = 16;          // rows per work item of a parallel call
-constexpr int64_t kParallelElements = 1 << 16;  // calls with fewer elements (T * H) run on the caller alone
-
-inline float Bf16ToFloat(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN (branch-free: vectorisable)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t nan = (bits >> 16) | 0x40u;
-  return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
+constexpr int64_t kRowsPerItem = 16;            // rows per work item of a parallel call
+constexpr int64_t kParallelElements = 1 << 16;  // calls with fewer elements run on the caller alone
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 inline __m512 Load16(const uint16_t* p) {  // 16 bfloat16 -> float32
@@ -123,13 +110,14 @@ void NormRows(const Problem& p, int64_t r0, int64_t r1, float* scratch) {
 
 struct ParallelNorm {
   Problem p;
+  int64_t per_item;  // rows
   WorkQueue work;
   void Drain() {
     int64_t i = work.Claim();
     if (i >= work.total) return;
     std::unique_ptr<float[]> scratch(new float[p.h]);
     for (; i < work.total; i = work.Claim()) {
-      NormRows(p, i * kRowsPerItem, std::min(p.rows, (i + 1) * kRowsPerItem), scratch.get());
+      NormRows(p, i * per_item, std::min(p.rows, (i + 1) * per_item), scratch.get());
       work.Finish();
     }
   }
@@ -160,13 +148,7 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer de
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.rows = T, p.h = H;
   if (T == 0 || H == 0) return ffi::Error::Success();
-  if (T * H < kParallelElements) {
-    std::unique_ptr<float[]> scratch(new float[H]);
-    NormRows(p, 0, T, scratch.get());
-    return ffi::Error::Success();
-  }
-  state->work.total = (T + kRowsPerItem - 1) / kRowsPerItem;
-  RunOnPool(pool, state);
+  RunUnits(pool, state, T, kRowsPerItem, kParallelElements / H);
   return ffi::Error::Success();
 }
 
@@ -185,11 +167,11 @@ struct ParallelAdd {
   const float* s;
   const uint16_t* delta;
   uint16_t* out;
-  int64_t n;
+  int64_t n, per_item;  // elements
   WorkQueue work;
   void Drain() {
     for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      AddRoundRange(s, delta, out, i * kParallelElements, std::min(n, (i + 1) * kParallelElements));
+      AddRoundRange(s, delta, out, i * per_item, std::min(n, (i + 1) * per_item));
       work.Finish();
     }
   }
@@ -207,12 +189,7 @@ ffi::Error AddRoundImpl(ffi::ThreadPool pool, ffi::AnyBuffer s, ffi::AnyBuffer d
   state->delta = static_cast<const uint16_t*>(delta.untyped_data());
   state->out = static_cast<uint16_t*>(out->untyped_data());
   state->n = n;
-  if (n < 2 * kParallelElements) {
-    AddRoundRange(state->s, state->delta, state->out, 0, n);
-    return ffi::Error::Success();
-  }
-  state->work.total = (n + kParallelElements - 1) / kParallelElements;
-  RunOnPool(pool, state);
+  RunUnits(pool, state, n, kParallelElements, 2 * kParallelElements);
   return ffi::Error::Success();
 }
 

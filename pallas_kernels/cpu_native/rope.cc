@@ -21,28 +21,17 @@
 #include <cstring>
 #include <memory>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
-using jaxpaged_native::RunOnPool;
+using jaxpaged_native::Bf16ToFloat;
+using jaxpaged_native::FloatToBf16;
+using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
 namespace {
-
-inline float Bf16ToFloat(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 void RopeRows(const uint16_t* x, uint16_t* out, int64_t tokens, int64_t heads, int64_t half, const float* cos,
               const float* sin) {
@@ -78,7 +67,7 @@ void RopeRows(const uint16_t* x, uint16_t* out, int64_t tokens, int64_t heads, i
   }
 }
 
-constexpr int64_t kTokensPerItem = 64;  // tokens per work item; a call with fewer runs on the caller alone
+constexpr int64_t kTokensPerItem = 64;  // tokens per work item; a call with no more runs on the caller alone
 
 struct Problem {
   const uint16_t *q, *k;
@@ -95,11 +84,11 @@ struct Problem {
 
 struct ParallelRope {
   Problem p;
-  int64_t tokens;
+  int64_t tokens, per_item;
   WorkQueue work;
   void Drain() {
     for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      p.Tokens(i * kTokensPerItem, std::min(tokens, (i + 1) * kTokensPerItem));
+      p.Tokens(i * per_item, std::min(tokens, (i + 1) * per_item));
       work.Finish();
     }
   }
@@ -120,12 +109,7 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
               static_cast<uint16_t*>(q_out->untyped_data()), static_cast<uint16_t*>(k_out->untyped_data()),
               cos.typed_data(), sin.typed_data(), qd[1], kd[1], half};
   state->tokens = T;
-  if (T <= kTokensPerItem) {
-    state->p.Tokens(0, T);
-    return ffi::Error::Success();
-  }
-  state->work.total = (T + kTokensPerItem - 1) / kTokensPerItem;
-  RunOnPool(pool, state);
+  RunUnits(pool, state, T, kTokensPerItem, kTokensPerItem + 1);
   return ffi::Error::Success();
 }
 

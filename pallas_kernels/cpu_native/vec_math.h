@@ -1,12 +1,29 @@
-// Vectorised float32 math on 16 AVX-512 lanes, shared by the native kernels (paged_attention.cc, matmul.cc).
+// Vectorised float32 math on 16 AVX-512 lanes and scalar bfloat16 conversions, shared by the native kernels.
 #ifndef JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 #define JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 namespace jaxpaged_native {
+
+// bfloat16 (its bits as uint16_t) <-> float32, scalar.
+inline float Bf16ToFloat(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 #if defined(__AVX512F__)
 // 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error ~2e-7), for

@@ -59,6 +59,17 @@ void RunOnPool(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& state) 
   work.cv.wait(lock, [&] { return work.done.load() == work.total; });
 }
 
+// Items of `per_item` units out of `units` (rows, tokens, elements): all of them as one item, on the caller alone,
+// when there are fewer than `parallel_from` units (a pool's helpers cost more than such small work), else
+// ceil(units / per_item) items shared as RunOnPool shares them. state->Drain() reads state->per_item.
+template <typename State>
+void RunUnits(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& state, int64_t units, int64_t per_item,
+              int64_t parallel_from) {
+  state->per_item = units < parallel_from ? std::max<int64_t>(units, 1) : per_item;
+  state->work.total = (units + state->per_item - 1) / state->per_item;
+  if (state->work.total > 0) RunOnPool(pool, state);
+}
+
 }  // namespace jaxpaged_native
 
 #endif  // JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
