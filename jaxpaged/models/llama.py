@@ -10,10 +10,11 @@ it inside its jitted step. Weights are stored for x @ W; q/k follow Hugging Face
 
 The decoder layers are one `LlamaDecoderLayer` built under `nnx.vmap`, so each of its parameters is stacked on a
 leading layer axis (`layers/wq` [L, H, Hq*D], ...; the state's layout is `jaxpaged.loader.layout`'s). They run in a
-`fori_loop` that calls the stacked module with the layer index i and carries the pool: the layer reads its vectors
-as slices and its matrices through `layer_matmul` (which can read a stacked weight in place, see
-jaxpaged/models/matmul.py); compile time does not grow with depth, and the pool stays updated in place (returning
-it from a `scan` or stacking per-layer outputs would copy the whole pool every step, see shared/PALLAS_NOTES.md).
+`fori_loop` that calls the stacked module with the layer index i and carries the pool: the layer reads its matrices
+through `layer_matmul` and its norm weights through `layer_rms_norm` (both can read a stacked weight in place: see
+jaxpaged/models/matmul.py and norm.py), its other vectors as slices; compile time does not grow with depth, and
+the pool stays updated in place (returning it from a `scan` or stacking per-layer outputs would copy the whole pool
+every step, see shared/PALLAS_NOTES.md).
 """
 
 from __future__ import annotations
