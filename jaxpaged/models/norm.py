@@ -51,9 +51,10 @@ def layer_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, layer:
 
 
 def residual_add(s: jax.Array, delta: jax.Array) -> jax.Array:
-    """s + delta in delta's dtype, for the s of `layer_add_rms_norm` (a float32 s is rounded to bfloat16 first)."""
-    if s.dtype == jnp.float32 and delta.dtype == jnp.bfloat16:
+    """s + delta in delta's dtype, for the s of `layer_add_rms_norm` (natively a float32 s, rounded to bfloat16
+    first, as XLA's step rounds the residual)."""
+    if s.dtype == jnp.float32 and uses_native(delta, delta):
         from pallas_kernels.cpu_native import add_round_native
 
         return add_round_native(s, delta)
-    return s + delta
+    return (s + delta).astype(delta.dtype)
