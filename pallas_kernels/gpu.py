@@ -70,8 +70,10 @@ TARGET_PROGRAMS programs and each split keeps at least one chunk, up to 16; it s
 average context comes from `decode_blocks` (the engine's flat-block count of a decode batch) or else from the
 table width. Big batches and prefills get K = 1 and no merge.
 
-Known limits (not measured yet: no GPU was lent to the sessions that wrote this; see benchmarks/kernel.py):
-  * TARGET_PROGRAMS, the chunk size and num_warps/num_stages are reasoned, not tuned;
+Known limits (README, "Attention kernels on GPU", has the H100 figures):
+  * TARGET_PROGRAMS, the chunk size and num_warps/num_stages are reasoned, and checked in one run each, not tuned;
+  * a small decode batch (batch 8, up to 2048 tokens) is bound by the host's launch, 10-25% behind JAX's bundled
+    kernel there;
   * a prefill re-reads its sequence's K/V once per query tile (from L2 when it fits).
 """
 
@@ -102,6 +104,10 @@ CHUNK_BYTES = 64 * 1024
 SPLIT_BELOW_PROGRAMS = 128
 TARGET_PROGRAMS = 512
 MAX_KV_SPLITS = 16
+# How a query tile finds its sequence (jnp.searchsorted's method). Its default, "scan", is an XLA while loop, and on
+# a GPU the host waits on the device at every iteration of one: on an H100 that cost a small decode call ~200 us of
+# host time (benchmarks/kernel_gpu_anatomy.py). Unrolled, it is log2(S) gathers and no loop.
+SEQUENCE_SEARCH = "scan_unrolled"
 
 
 def _next_pow2(n: int) -> int:
@@ -148,7 +154,7 @@ def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq
     num_tiles = positions.shape[0] // tq
     starts = jnp.arange(num_tiles, dtype=jnp.int32) * tq
     # A tile belongs to the sequence whose segment holds its first token (segments start at tile boundaries).
-    seq = jnp.searchsorted(query_start_loc, starts, side="right").astype(jnp.int32) - 1
+    seq = jnp.searchsorted(query_start_loc, starts, side="right", method=SEQUENCE_SEARCH).astype(jnp.int32) - 1
     seq = jnp.clip(seq, 0, block_tables.shape[0] - 1)
     pos = positions.reshape(num_tiles, tq)
     # Causal: nothing past the tile's last position, nor past the context. All -1 (padding) -> an empty range.

@@ -72,7 +72,8 @@ def ragged_paged_attention_reference(
 
     # Each tile belongs to the sequence whose segment contains its first token.
     tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * tile_size
-    seq = jnp.searchsorted(query_start_loc, tile_start, side="right") - 1
+    # Unrolled: the default method is a while loop, which a GPU host waits on at each iteration (gpu.py).
+    seq = jnp.searchsorted(query_start_loc, tile_start, side="right", method="scan_unrolled") - 1
     seq = jnp.clip(seq, 0, block_tables.shape[0] - 1)  # [NT]
 
     # [NT, W * BS, Hkv, D]: the tile's sequence's cache, gathered straight from the stacked pool.

@@ -163,7 +163,8 @@ def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq
     num_seqs, width = block_tables.shape
     starts = jnp.arange(num_tiles, dtype=jnp.int32) * tq
     # A tile belongs to the sequence whose segment holds its first token (segments start at tile boundaries).
-    seq = jnp.searchsorted(query_start_loc, starts, side="right").astype(jnp.int32) - 1
+    # Unrolled: log2(S) gathers, no while loop in the step (gpu.py's SEQUENCE_SEARCH says why).
+    seq = jnp.searchsorted(query_start_loc, starts, side="right", method="scan_unrolled").astype(jnp.int32) - 1
     seq = jnp.clip(seq, 0, num_seqs - 1)
     ctx = context_lens[seq]
     pos = positions.reshape(num_tiles, tq)

@@ -221,3 +221,10 @@ def test_build_case_lays_out_the_batch_as_the_host_does():
     assert len(set(used.tolist())) == 9 and 0 not in used  # distinct, never the null block
     assert not (np.diff(used) == 1).all()  # shuffled, not one contiguous run
     np.testing.assert_array_equal(np.asarray(case.context_lens), [20, 41, 0, 0])
+
+
+def test_reference_lowers_without_a_while_loop():
+    """A GPU's host waits on the device at every iteration of an XLA while loop (gpu.py's SEQUENCE_SEARCH says so):
+    the tile -> sequence search is unrolled."""
+    case = prefill_case(PREFILL_SEQS, num_q_heads=6, num_kv_heads=2, block_size=BLOCK, seed=3)
+    assert "stablehlo.while" not in reference.lower(*case.args, **case.kwargs()).as_text()
