@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import statistics
 import subprocess
 import time
@@ -257,7 +258,7 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -
         return out
 
     logits = jnp.ones((S, config.vocab_size), jnp.float32)
-    sample = jax.jit(sampler.sample)
+    sample = jax.jit(functools.partial(sampler.sample, native=native_matmul_rows(runner.mesh) > 0))  # as the step
     times = interleaved_ms({"step": lambda: full(None), "matmul": lambda: matmuls(weights, x, rows),
                             "attention": lambda: attention(None), "sampler": lambda: sample(logits, batch.sampling)},
                            rounds)

@@ -102,7 +102,7 @@ def _step(state: nnx.State, kv_pool: KVPool, token_ids, md: AttentionMetadata, s
         # instead), then the sampler gets the whole rows: the same sampling code, and the same tokens, at every tp.
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, mesh.axis_names[0])))
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-    return sampler.sample(logits, sm), kv_pool
+    return sampler.sample(logits, sm, native=native_matmul_rows > 0), kv_pool
 
 
 def _copy_blocks(kv_pool: KVPool, src, dst, *, set_blocks=None) -> KVPool:

@@ -83,12 +83,18 @@ def _first_max(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n), axis=-1), n - 1)
 
 
-def _argmax(x: jax.Array, width: int = 128) -> jax.Array:
+def _argmax(x: jax.Array, native: bool = False, width: int = 128) -> jax.Array:
     """jnp.argmax(x, axis=-1) (the first maximum) in chunks of `width` tokens: the first chunk holding the row's
-    maximum, then the first maximum inside that chunk. This reads the row once; comparing the whole row with its
-    broadcast maximum (XLA CPU materialises that broadcast inside the step) or XLA's fused value-and-index reduce
-    costs several times more (benchmarks/step_anatomy.py's sampler column). x [S, V] float32 -> [S] int32; a row
-    holding a NaN gives some index in [0, V)."""
+    maximum, then the first maximum inside that chunk. Comparing the whole row with its broadcast maximum (XLA CPU
+    materialises that broadcast inside the step) or XLA's fused value-and-index reduce costs several times more
+    (benchmarks/step_anatomy.py's sampler column); XLA still reads the rows twice (it folds the chunks' maximum
+    into the second reduction), so with `native` (a step whose matmuls run natively on CPU) the native kernel does
+    it in one pass (`pallas_kernels.cpu_native.argmax_native`). x [S, V] float32 -> [S] int32; a row holding a NaN
+    gives some index in [0, V)."""
+    if native:
+        from pallas_kernels.cpu_native import argmax_native
+
+        return argmax_native(x)
     num_rows, vocab = x.shape
     pad = -vocab % width
     blocks = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(num_rows, -1, width)  # [S, C, W]
@@ -164,7 +170,7 @@ def process_logits(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
     return logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
 
 
-def _pick(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+def _pick(logits: jax.Array, s: SamplingMetadata, native: bool) -> jax.Array:
     """One token per row of processed logits [S, V] float32 -> [S] int32: the argmax for greedy rows, a Gumbel-max
     draw from the temperature-scaled, filtered distribution for the others.
 
@@ -179,20 +185,22 @@ def _pick(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
         scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
         keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-        return _argmax(scaled + gumbel)
+        return _argmax(scaled + gumbel, native)
 
     sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
-    return jnp.where(greedy, _argmax(logits), sampled).astype(jnp.int32)
+    return jnp.where(greedy, _argmax(logits, native), sampled).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, s: SamplingMetadata) -> SamplerOutput:
-    """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing).
+def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
+    """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
+    the argmaxes by the native CPU kernel (same tokens; for steps whose matmuls run natively).
 
     Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
     are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
     raw = logits
     asked = s.penalized | s.constrained | jnp.any(s.bias_ids >= 0) | jnp.any(s.banned >= 0)
-    tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s), s), lambda x: _pick(x, s), logits)
+    tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s), s, native), lambda x: _pick(x, s, native),
+                          logits)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)

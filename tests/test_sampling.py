@@ -152,12 +152,24 @@ def test_stop_string_is_cut_and_held_back_while_streaming():
     assert all("abc ".startswith(s) for s in shown)
 
 
-def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows():
-    """The sampler's chunked argmax picks what jnp.argmax picks: the first of tied maxima, and index 0 of a row
-    masked to -inf everywhere."""
+def native_kernels() -> bool:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available()
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    "not native_kernels()", reason="the native CPU kernels could not be built"))], ids=["xla", "native"])
+def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows(native):
+    """The sampler's argmax (chunked in XLA, or the native kernel's one pass) picks what jnp.argmax picks: the first
+    of tied maxima, and index 0 of a row masked to -inf everywhere."""
+    import functools
+
     import jax.numpy as jnp
 
     from jaxpaged.sampler import _argmax
+
+    _argmax = functools.partial(_argmax, native=native)
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 1000)).astype(np.float32)
@@ -179,3 +191,39 @@ def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows():
     ok = np.arange(8) != 5
     np.testing.assert_array_equal(got[ok], np.argmax(y, axis=-1)[ok])
     assert 0 <= got[5] < 1024
+    # Every width around the native kernel's 64-element groups and a step's whole vocabulary.
+    for vocab in (1, 15, 63, 64, 65, 200, 49152):
+        z = rng.standard_normal((5, vocab)).astype(np.float32)
+        z[1] = z[1].max()  # the whole row tied
+        z[2, -1] = z[2].max() + 1.0
+        np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(z))), np.argmax(z, axis=-1))
+
+
+@pytest.mark.skipif("not native_kernels()", reason="the native CPU kernels could not be built")
+def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
+    """sample(native=True) gives sample()'s tokens for greedy and seeded rows alike; the kernel names what it
+    cannot take."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged import sampler
+    from jaxpaged.sampler import SamplingMetadata
+    from pallas_kernels.cpu_native import argmax_native
+
+    rows, vocab = 6, 3000
+    logits = jnp.asarray(np.random.default_rng(2).standard_normal((rows, vocab)).astype(np.float32) * 3)
+    s = SamplingMetadata.padding(rows, vocab_size=vocab)
+    s.temperature[:] = [0.0, 1.0, 0.0, 0.7, 1.3, 0.0]
+    s.seed_lo[:] = np.arange(rows) + 11
+    xla, native = (np.asarray(jax.jit(functools.partial(sampler.sample, native=n))(logits, s).tokens)
+                   for n in (False, True))
+    np.testing.assert_array_equal(native, xla)
+    greedy = s.temperature == 0.0
+    np.testing.assert_array_equal(native[greedy], np.argmax(np.asarray(logits), axis=-1)[greedy])
+    assert (native[~greedy] != np.argmax(np.asarray(logits), axis=-1)[~greedy]).any()  # the seeded rows did draw
+    with pytest.raises(ValueError, match="x must be .S, V. float32"):
+        argmax_native(logits.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="x must be .S, V. float32"):
+        argmax_native(logits[0])

@@ -40,7 +40,7 @@ from pallas_kernels.validation import KERNEL_DTYPES
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc"))
+                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc", "argmax.cc"))
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
@@ -59,6 +59,8 @@ ADD_SYMBOL = "JaxpagedAddRound"
 ADD_TARGET = "jaxpaged_add_round"
 ROPE_SYMBOL = "JaxpagedRope"
 ROPE_TARGET = "jaxpaged_rope"
+ARGMAX_SYMBOL = "JaxpagedArgmax"
+ARGMAX_TARGET = "jaxpaged_argmax"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -134,6 +136,7 @@ def _load() -> None:
     jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(getattr(lib, NORM_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(getattr(lib, ADD_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(getattr(lib, ROPE_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(getattr(lib, ARGMAX_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
@@ -401,6 +404,16 @@ def rope_native(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> t
     return call(q, k, cos.astype(jnp.float32), sin.astype(jnp.float32))
 
 
+def argmax_native(x: jax.Array) -> jax.Array:
+    """The index of each row's first maximum of x [S, V] float32 -> [S] int32, by argmax.cc in one pass over the
+    row: jnp.argmax(x, axis=-1) wherever a row holds no NaN (NaN is never the maximum here; a row of NaN / -inf
+    gives 0)."""
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"x must be [S, V] float32, got {x.dtype}{list(x.shape)}")
+    _require_kernels()
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -418,4 +431,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
-           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native"]
+           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native"]
