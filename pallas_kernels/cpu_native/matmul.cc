@@ -24,9 +24,9 @@
 //
 // JaxpagedMatmulGlu is the first half of a gated MLP in one pass: out = act(x @ w_gate) * (x @ w_up), with
 // w_gate, w_up [K, N] or [L, K, N] and act SiLU (0) or GELU-tanh (1). Each worker packs the same 32 output columns
-// of both weights and runs them as two halves of 16, with a gate and an up accumulator per row. The roundings are
-// the unfused bf16 model's: each product, then act(gate), then the product of the two are rounded to bfloat16 (act
-// in float32). XLA would write both [M, N] products and read them back for the activation's fusion.
+// of both weights and runs them in blocks of kGluRows rows, with two gate and two up accumulators per row. The
+// roundings are the unfused bf16 model's: each product, then act(gate), then the product of the two are rounded to
+// bfloat16 (act in float32). XLA would write both [M, N] products and read them back for the activation's fusion.
 //
 // Panels are claimed by the calling thread and by helper tasks on XLA's intra-op thread pool (work_queue.h).
 // Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks `JaxpagedMatmulIsFast` and does
@@ -61,8 +61,8 @@ using jaxpaged_native::WorkQueue;
 namespace {
 
 constexpr int64_t kPanel = 32;  // output columns per work item (two 16-lane float32 accumulators per row)
-constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers (a GLU's
-                                // block of 16 columns: 12 gate + 12 up accumulators)
+constexpr int kRows = 12;       // rows of x per register block: 24 accumulators + 2 weight registers
+constexpr int kGluRows = 6;     // a GLU's: 6 rows x (2 gate + 2 up) accumulators + 4 weight registers
 
 enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
@@ -220,47 +220,51 @@ inline __m512 ActBf16(int64_t act, __m512 g) {
   return RoundToBf16(_mm512_mul_ps(g, cdf));
 }
 
-// GLU rows [r0, r0 + R) of 16 columns from c0 (width of them): gate and up packed as PackPanel's, read at half
-// `gate` / `up` (pointing at the half) with a stride of 2 vectors per pair.
+// GLU rows [r0, r0 + R) of the panel's 32 columns from c0 (width of them): gate and up packed as PackPanel's. Per
+// pair of k, both 64-byte halves of both weights (two contiguous 128-byte runs) and one broadcast per row feed 4 x R
+// dot products. (Two passes over 16-column halves with 2 x 12 accumulators each, the first version, ran at ~83%
+// of the plain matmul's rate: benchmarks/matmul.py's "gated MLP" row.)
 template <int R>
 __attribute__((noinline)) void GluRowBlock(const Problem& p, const __m512i* gate, const __m512i* up, int64_t r0,
                                            int64_t c0, int64_t width) {
-  __m512 g[R], u[R];
+  __m512 g[R][2], u[R][2];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) g[r] = u[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) g[r][0] = g[r][1] = u[r][0] = u[r][1] = _mm512_setzero_ps();
   const int32_t* xr = reinterpret_cast<const int32_t*>(p.x + r0 * p.k);  // bf16 pairs
   const int64_t pairs = p.k / 2;
   for (int64_t kp = 0; kp < pairs; ++kp) {
-    const __m512bh wg = (__m512bh)_mm512_loadu_si512(gate + 2 * kp);
-    const __m512bh wu = (__m512bh)_mm512_loadu_si512(up + 2 * kp);
+    const __m512bh g0 = (__m512bh)_mm512_loadu_si512(gate + 2 * kp);
+    const __m512bh g1 = (__m512bh)_mm512_loadu_si512(gate + 2 * kp + 1);
+    const __m512bh u0 = (__m512bh)_mm512_loadu_si512(up + 2 * kp);
+    const __m512bh u1 = (__m512bh)_mm512_loadu_si512(up + 2 * kp + 1);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r * pairs + kp]);
-      g[r] = _mm512_dpbf16_ps(g[r], a, wg);
-      u[r] = _mm512_dpbf16_ps(u[r], a, wu);
+      g[r][0] = _mm512_dpbf16_ps(g[r][0], a, g0);
+      g[r][1] = _mm512_dpbf16_ps(g[r][1], a, g1);
+      u[r][0] = _mm512_dpbf16_ps(u[r][0], a, u0);
+      u[r][1] = _mm512_dpbf16_ps(u[r][1], a, u1);
     }
   }
-  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
-  for (int r = 0; r < R; ++r) {
-    const __m512 gr = RoundToBf16(g[r]);
-    const __m512 y = _mm512_mul_ps(ActBf16(p.act, gr), RoundToBf16(u[r]));
-    const int64_t at = (r0 + r) * p.n + c0;
-    if (p.out_f32)
-      _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
-    else
-      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+  for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(width - 16 * h, 16)) - 1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 y = _mm512_mul_ps(ActBf16(p.act, RoundToBf16(g[r][h])), RoundToBf16(u[r][h]));
+      const int64_t at = (r0 + r) * p.n + c0 + 16 * h;
+      if (p.out_f32)
+        _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
+      else
+        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+    }
   }
 }
 
 void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* buffer) {
   const __m512i* gate = PanelOf(p, p.w, c0, width, buffer);
   const __m512i* up = PanelOf(p, p.w_up, c0, width, buffer + p.k);
-  for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
-    const int64_t c = c0 + 16 * h, w = std::min<int64_t>(width - 16 * h, 16);
-    int64_t r = 0;
-    for (; r + kRows <= p.m; r += kRows) GluRowBlock<kRows>(p, gate + h, up + h, r, c, w);
-    if (r < p.m) WithRows<kRows - 1>(p.m - r, [&](auto rows) { GluRowBlock<rows>(p, gate + h, up + h, r, c, w); });
-  }
+  int64_t r = 0;
+  for (; r + kGluRows <= p.m; r += kGluRows) GluRowBlock<kGluRows>(p, gate, up, r, c0, width);
+  if (r < p.m) WithRows<kGluRows - 1>(p.m - r, [&](auto rows) { GluRowBlock<rows>(p, gate, up, r, c0, width); });
 }
 #else
 constexpr bool kFast = false;
