@@ -117,7 +117,7 @@ def _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, 
     ends = jnp.cumsum(per_seq)  # [S]
     j = jnp.arange(num_blocks, dtype=jnp.int32)
     used = j < ends[-1]
-    seq = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, num_seqs - 1)  # [NBF]
+    seq = jnp.clip(jnp.searchsorted(ends, j, side="right", method="scan_unrolled"), 0, num_seqs - 1)  # [NBF]
     logical = jnp.clip(j - (ends[seq] - per_seq[seq]), 0, width - 1)
     physical = jnp.where(used, block_tables[seq, logical], 0)
 

@@ -225,6 +225,10 @@ def test_build_case_lays_out_the_batch_as_the_host_does():
 
 def test_reference_lowers_without_a_while_loop():
     """A GPU's host waits on the device at every iteration of an XLA while loop (gpu.py's SEQUENCE_SEARCH says so):
-    the tile -> sequence search is unrolled."""
+    the tile -> sequence and flat block -> sequence searches are unrolled."""
     case = prefill_case(PREFILL_SEQS, num_q_heads=6, num_kv_heads=2, block_size=BLOCK, seed=3)
     assert "stablehlo.while" not in reference.lower(*case.args, **case.kwargs()).as_text()
+    case = decode_case(DECODE_LENS, num_q_heads=6, num_kv_heads=2, block_size=BLOCK, width=WIDTH, seed=3)
+    assert "stablehlo.while" not in reference.lower(*case.args, **case.kwargs()).as_text()  # tile path
+    flat = reference.lower(*case.args, **case.kwargs(decode_blocks=case.decode_blocks)).as_text()
+    assert "stablehlo.while" not in flat  # the flat-block decode path
