@@ -34,6 +34,26 @@ class StepSampler:
         self.engine.step = self._step
 
 
+def trace_events(run, calls: int) -> list[dict]:
+    """The Chrome-trace events of a jax.profiler trace around `calls` calls of run() (each waited for); [] when the
+    profiler wrote no trace."""
+    import glob
+    import gzip
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            for _ in range(calls):
+                jax.block_until_ready(run())
+        paths = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
+        if not paths:
+            return []
+        with gzip.open(paths[0]) as f:
+            return json.load(f)["traceEvents"]
+
+
 def timed(fn):
     t0 = time.perf_counter()
     result = fn()

@@ -22,15 +22,11 @@ import argparse
 import collections
 import contextlib
 import functools
-import glob
-import gzip
-import json
 import math
-import tempfile
 
 import jax
 import jax.numpy as jnp
-from common import print_table, write_json
+from common import print_table, trace_events, write_json
 from kernel import make_batch, min_bytes, time_call
 
 import pallas_kernels.gpu as gpu
@@ -76,16 +72,9 @@ def device_kernels(fn, args, calls: int) -> tuple[float, dict[str, float], dict[
     mode on CPU every line counts (times meaningless).
     """
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as directory:
-        with jax.profiler.trace(directory):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        paths = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
-        if not paths:
-            return 0.0, {}, {}
-        with gzip.open(paths[0]) as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(lambda: fn(*args), calls)
+    if not events:
+        return 0.0, {}, {}
     names = {(e["pid"], e.get("tid") if e["name"] == "thread_name" else None): e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
     on_gpu = any("GPU" in name for (pid, tid), name in names.items() if tid is None)

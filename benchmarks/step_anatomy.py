@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import write_json
+from common import trace_events, write_json
 from flax import nnx
 from workload import workload_prompts
 
@@ -105,19 +105,9 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     `top` operations by time per step, each with its output shape and what it computes (the HLO's op_name).
     Independent operations may run at once on the intra-op threads, so the times can add up to more than the step.
     """
-    import glob
-    import gzip
-    import json
     import re
-    import tempfile
 
-    with tempfile.TemporaryDirectory() as directory:
-        with jax.profiler.trace(directory):
-            for _ in range(runs):
-                jax.block_until_ready(step_fn(None))
-        path = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)[0]
-        with gzip.open(path) as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(lambda: step_fn(None), runs)
     total: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
     for e in events:
