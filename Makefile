@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(PY) -m jaxpaged.cli generate --prompt "$(PROMPT)" $(ARGS)
+	$(PY) -m jaxpaged.entrypoints.cli generate --prompt "$(PROMPT)" $(ARGS)
 
 serve: setup
 	$(PY) server.py $(ARGS)

@@ -36,9 +36,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from jaxpaged import entrypoints
-from jaxpaged.allocator import use_tcmalloc
-from jaxpaged.cli import add_engine_args, engine_options, finish_process_0, join_processes, run_worker_process
+from jaxpaged.core.pool_view import MAX_CELLS
 from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
+from jaxpaged.entrypoints.cli import (
+    add_engine_args,
+    engine_options,
+    finish_process_0,
+    join_processes,
+    run_worker_process,
+)
 from jaxpaged.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -49,7 +55,7 @@ from jaxpaged.entrypoints.openai_protocol import (
     parse_body,
 )
 from jaxpaged.entrypoints.openai_serving import ChunkStream, OpenAIServing
-from jaxpaged.pool_view import MAX_CELLS
+from jaxpaged.runtime.tcmalloc import use_tcmalloc
 
 logger = logging.getLogger("jaxpaged.server")
 PAGE = Path(entrypoints.__file__).resolve().parent / "static" / "index.html"  # package data (pyproject.toml)

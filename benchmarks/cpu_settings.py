@@ -20,7 +20,7 @@ import sys
 from common import write_json
 from step_anatomy import cpu_name
 
-from jaxpaged.allocator import CANDIDATES, tcmalloc_path
+from jaxpaged.runtime.tcmalloc import CANDIDATES, tcmalloc_path
 
 TCMALLOC = tcmalloc_path() or CANDIDATES[0]
 SETTINGS = {

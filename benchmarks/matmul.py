@@ -25,8 +25,8 @@ import numpy as np
 from common import write_json
 from step_anatomy import cpu_name, device_ms
 
-from jaxpaged.model_runner import NATIVE_MATMUL_ROWS
 from jaxpaged.models.matmul import matmul
+from jaxpaged.worker.model_runner import NATIVE_MATMUL_ROWS
 from pallas_kernels.cpu_native import matmul_glu_native, matmul_is_fast, matmul_native, prepack_weight
 
 SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),

@@ -25,8 +25,8 @@ import numpy as np
 from common import write_json
 from step_anatomy import cpu_name
 
-from jaxpaged.attention import KVPool
-from jaxpaged.model_runner import _copy_blocks, _write_blocks, jit_pool_update
+from jaxpaged.worker.attention import KVPool
+from jaxpaged.worker.model_runner import _copy_blocks, _write_blocks, jit_pool_update
 from pallas_kernels.cpu_native import available, set_blocks_native, write_kv_native
 from pallas_kernels.reference import write_kv_reference
 

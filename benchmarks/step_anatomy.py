@@ -33,8 +33,8 @@ from common import trace_events, write_json
 from flax import nnx
 from workload import workload_prompts
 
-from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
 from jaxpaged.models.matmul import head_matmul, layer_matmul, native_matmul
+from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 
 
 def cpu_name() -> str:
@@ -214,9 +214,9 @@ def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
 
 
 def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -> dict:
-    from jaxpaged import sampler
-    from jaxpaged.attention import attention_backend
-    from jaxpaged.model_runner import native_matmul_rows, step_compiler_options
+    from jaxpaged.worker import sampler
+    from jaxpaged.worker.attention import attention_backend
+    from jaxpaged.worker.model_runner import native_matmul_rows, step_compiler_options
 
     runner, config = llm.engine.runner, llm.engine.model_config
     T, S = len(batch.token_ids), len(batch.attn.context_lens)

@@ -97,7 +97,7 @@ def measure(tp: int) -> dict:
     import numpy as np
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.parallel import per_device_bytes
+    from jaxpaged.parallel.tensor_parallel import per_device_bytes
 
     llm = LLM(tensor_parallel_size=tp, **ENGINE)
     runner = llm.engine.runner

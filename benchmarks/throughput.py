@@ -34,7 +34,7 @@ from workload import (
     workload_prompts,
 )
 
-from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
+from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import vllm_cpu  # noqa: E402

@@ -1,8 +1,8 @@
 """jaxpaged: PagedAttention LLM inference on JAX."""
 
-from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine import Engine
-from jaxpaged.engine_setup import EngineConfig
+from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

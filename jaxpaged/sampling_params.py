@@ -92,7 +92,7 @@ class StructuredOutputsParams:
             self.choice = list(value)
         if kind == "json_object" and value is not True:
             raise TypeError(f"structured_outputs.json_object must be True or unset, not {value!r}")
-        from jaxpaged.structured_output import validate
+        from jaxpaged.engine.structured_output import validate
 
         validate(self.kind, self.spec)
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request import Sequence
+from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.sequence import Sequence
 
 BLOCK = 8
 

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from jaxpaged.allocator import tcmalloc_path
+from jaxpaged.runtime.tcmalloc import tcmalloc_path
 
 PROGRAM = """
 import json, os, sys
-from jaxpaged.allocator import tcmalloc_loaded, use_tcmalloc
+from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 use_tcmalloc()
 print(json.dumps({"pid": os.getpid(), "argv": sys.argv, "loaded": tcmalloc_loaded(), "optimize": sys.flags.optimize}))
 """

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from jaxpaged.engine import Engine, EngineDeadError
-from jaxpaged.engine_setup import EngineConfig
+from jaxpaged.engine.llm_engine import Engine, EngineDeadError
+from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
     EngineOverloadedError,

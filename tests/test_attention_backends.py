@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged import SamplingParams, engine_setup
-from jaxpaged.attention import AttentionMetadata, KVPool, attention_backend
+from jaxpaged import SamplingParams
+from jaxpaged.engine import setup as engine_setup
+from jaxpaged.worker.attention import AttentionMetadata, KVPool, attention_backend
 from tests.attention_cases import build_case, tolerance
 from tests.tiny import tiny_llm
 

@@ -188,8 +188,8 @@ def test_every_engine_option_is_a_flag():
     import argparse
     import dataclasses
 
-    from jaxpaged.cli import add_engine_args, engine_options
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
+    from jaxpaged.entrypoints.cli import add_engine_args, engine_options
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
@@ -207,8 +207,8 @@ def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overri
     """server.py's own default (EngineConfig's is the whole token budget): 128 prompt tokens per step while streams
     decode, never above max_num_batched_tokens (which would be refused); an explicit value is kept."""
     import server
-    from jaxpaged.cli import engine_options
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
+    from jaxpaged.entrypoints.cli import engine_options
 
     assert EngineConfig().max_prefill_tokens_while_decoding is None
     assert server.parse_args([]).max_prefill_tokens_while_decoding == server.SERVER_PREFILL_TOKENS_WHILE_DECODING
@@ -225,7 +225,7 @@ def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overri
 
 @pytest.mark.parametrize("value, error", [(1.0, ValueError), (0.5, ValueError), (-2, ValueError), ("2", TypeError)])
 def test_max_decode_slowdown_must_be_a_number_above_one(value, error):
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
 
     with pytest.raises(error, match="max_decode_slowdown"):
         EngineConfig(max_decode_slowdown=value).scheduler_config(64)

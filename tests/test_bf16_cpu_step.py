@@ -10,7 +10,7 @@ import numpy as np
 from tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 from jaxpaged import SamplingParams
-from jaxpaged.model_runner import step_compiler_options
+from jaxpaged.worker.model_runner import step_compiler_options
 
 # A vocabulary no activation shares a shape with; tied embeddings (SmolLM2's case).
 CONFIG = tiny_config(vocab_size=136, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -59,7 +59,7 @@ def test_the_check_sees_a_hoisted_conversion():
     """The contrast: compiled without the step's options, XLA hoists the stacked weights' float32 conversion out of
     the layer loop, and the check above finds it. (Qwen3's per-head q/k norm weights are sliced by XLA: where the
     native CPU kernels run, they read every other stacked weight themselves.)"""
-    from jaxpaged.model_runner import lower_step
+    from jaxpaged.worker.model_runner import lower_step
 
     config = tiny_config(vocab_size=136, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8,
                          tie_word_embeddings=True, qk_norm=True)
@@ -69,7 +69,7 @@ def test_the_check_sees_a_hoisted_conversion():
     generate(llm, n=1, max_tokens=2)
     runner = llm.engine.runner
     batch_key = next(iter(runner._executables))
-    from jaxpaged.model_runner import dummy_batch
+    from jaxpaged.worker.model_runner import dummy_batch
 
     batch = dummy_batch(*batch_key, **runner._sampling_dims)
     hlo = lower_step(runner._step_fn, runner.params, runner.kv_pool, batch).compile().as_text()
@@ -91,8 +91,8 @@ def test_a_tied_head_is_kept_transposed_in_16_bits_on_cpu_only():
 def test_the_fast_bfloat16_step_gives_the_tokens_and_logprobs_of_the_plain_one(monkeypatch):
     """The transposed head and the compile option change where XLA converts, not what the step computes: the same
     greedy tokens and log-probs (to bfloat16 rounding of the logits) as the step without them."""
-    from jaxpaged import model_runner
     from jaxpaged.models import llama
+    from jaxpaged.worker import model_runner
 
     params = random_params(CONFIG)
     prompts = random_prompts(3, 5, 20, vocab=CONFIG.vocab_size, seed=1)
@@ -113,7 +113,7 @@ def test_the_fast_bfloat16_step_gives_the_tokens_and_logprobs_of_the_plain_one(m
 
 
 def test_auto_dtype_is_bfloat16_where_bfloat16_dots_are_native(monkeypatch):
-    from jaxpaged import engine_setup
+    from jaxpaged.engine import setup as engine_setup
 
     assert engine_setup.resolve_dtype("float16", "cpu") == "float16"  # an explicit dtype is kept
     assert engine_setup.resolve_dtype("auto", "gpu") == engine_setup.resolve_dtype("auto", "tpu") == "bfloat16"
@@ -126,7 +126,7 @@ def test_auto_dtype_is_bfloat16_where_bfloat16_dots_are_native(monkeypatch):
 
 
 def test_this_cpus_flags_decide_auto():
-    from jaxpaged import engine_setup
+    from jaxpaged.engine import setup as engine_setup
 
     with open("/proc/cpuinfo") as f:
         native = any(flag in f.read().split() for flag in ("avx512_bf16", "amx_bf16", "bf16"))

@@ -12,8 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxpaged import block_manager
-from jaxpaged.block_manager import BlockManager, NoFreeBlocksError, chain_hash
+from jaxpaged.core import block_manager
+from jaxpaged.core.block_manager import BlockManager, NoFreeBlocksError, chain_hash
 
 BS = 4
 

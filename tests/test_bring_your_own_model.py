@@ -164,8 +164,8 @@ def test_a_module_without_the_contract_is_refused_before_compiling():
 def test_tensor_parallelism_refuses_an_own_module_by_name(model):
     """Only the built-in modules have a Megatron split (they hold the loader's layout); an own module at tp > 1 is a
     ValueError naming the option and the module (checked before anything is placed, so one device is enough)."""
-    from jaxpaged.engine_setup import split_model_tensor_parallel
-    from jaxpaged.parallel import make_mesh
+    from jaxpaged.engine.setup import split_model_tensor_parallel
+    from jaxpaged.parallel.tensor_parallel import make_mesh
 
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits the built-in modules.*TinyGPT"):
         split_model_tensor_parallel(model, np.float32, make_mesh(1))

@@ -127,7 +127,7 @@ def test_without_the_native_write_a_bfloat16_model_on_cpu_gets_a_float32_pool():
 
 
 def test_cache_dtype_resolution_and_bad_values():
-    from jaxpaged.engine_setup import resolve_cache_dtype
+    from jaxpaged.engine.setup import resolve_cache_dtype
 
     assert resolve_cache_dtype("auto", "bfloat16", "cpu", writes_16bit=False) == jnp.float32
     assert resolve_cache_dtype("auto", "float16", "cpu", writes_16bit=False) == jnp.float32

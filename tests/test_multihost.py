@@ -22,8 +22,8 @@ import urllib.request
 import numpy as np
 import pytest
 
-from jaxpaged import distributed
-from jaxpaged.distributed import DistributedConfig, Header, Op
+from jaxpaged.parallel import multihost
+from jaxpaged.parallel.multihost import DistributedConfig, Header, Op
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGPROB_TOL = 1e-4
@@ -58,7 +58,7 @@ class Proc:
         self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": ROOT, **env}
-        for key in distributed.ENV.values():
+        for key in multihost.ENV.values():
             env.setdefault(key, "")
         self.log = open(self.log_path, "w")
         self.popen = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env, stdout=self.log,
@@ -248,9 +248,10 @@ def test_a_process_whose_peers_never_come_exits_with_an_error(tmp_path):
 
 
 def test_the_cli_generates_across_two_processes(tmp_path):
-    """`python -m jaxpaged.cli generate` on both processes: process 0 prints the text, both exit 0."""
+    """`python -m jaxpaged.entrypoints.cli generate` on both processes: process 0 prints the text, both exit 0."""
     needs_default_model()
-    cli = ("-m", "jaxpaged.cli", "generate", "--prompt", "The capital of France is", "--raw", "--max-tokens", "6")
+    cli = ("-m", "jaxpaged.entrypoints.cli", "generate", "--prompt", "The capital of France is", "--raw",
+           "--max-tokens", "6")
     p0, p1, _ = start_pair(tmp_path, command=cli)
     try:
         assert p0.wait(STARTUP_S) == 0, p0.text()[-3000:]
@@ -299,7 +300,7 @@ def test_bad_process_options_name_the_field(kwargs, message):
 
 
 def test_engine_options_check_the_processes_before_loading():
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
 
     with pytest.raises(ValueError, match=r"distributed_process_id=3 must be in \[0, distributed_num_processes=2\)"):
         EngineConfig(distributed_num_processes=2, distributed_process_id=3, distributed_coordinator_address="h:1")
@@ -329,10 +330,10 @@ def test_server_refuses_a_bad_process_id_before_loading(tmp_path):
 
 
 def test_an_engine_asked_for_processes_needs_them_joined():
-    """LLM(distributed_num_processes=2) in a process that never called jaxpaged.distributed.initialize."""
+    """LLM(distributed_num_processes=2) in a process that never called jaxpaged.parallel.multihost.initialize."""
     from jaxpaged import LLM
 
-    with pytest.raises(ValueError, match="call jaxpaged.distributed.initialize"):
+    with pytest.raises(ValueError, match="call jaxpaged.parallel.multihost.initialize"):
         LLM(distributed_num_processes=2, distributed_coordinator_address="127.0.0.1:1")
 
 
@@ -340,8 +341,8 @@ def test_a_failed_op_across_processes_kills_the_engine_even_with_its_pool_intact
     """Single process, a runner that says it is multi-host: a step that raises (a collective failing) leaves the
     processes out of step, so the engine is dead, not just the step's requests failed."""
     from jaxpaged import SamplingParams
-    from jaxpaged.engine import Engine, EngineDeadError
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.llm_engine import Engine, EngineDeadError
+    from jaxpaged.engine.setup import EngineConfig
     from tests.tiny import random_params, tiny_config
 
     config = tiny_config()
@@ -369,15 +370,15 @@ def test_a_step_batch_crosses_the_wire_unchanged():
     import jax
     import ml_dtypes
 
-    from jaxpaged.model_runner import dummy_batch
+    from jaxpaged.worker.model_runner import dummy_batch
 
     batch = dummy_batch(32, 4, 8, 16, None, vocab_size=100, max_len=64)
     batch.token_ids[:5] = [5, 6, 7, 8, 9]
     batch.sampling.want_logprobs = np.array(True)  # a 0-d leaf stays 0-d
-    header, payload = distributed.pack(Op.STEP, batch)
+    header, payload = multihost.pack(Op.STEP, batch)
     decoded = Header.decode(header.encode())
     assert decoded == header and payload.dtype == np.int32 and payload.size & (payload.size - 1) == 0
-    got = distributed.unpack(decoded, payload, distributed._template(decoded))
+    got = multihost.unpack(decoded, payload, multihost._template(decoded))
     assert (got.attn.tile_size, got.attn.decode_blocks) == (16, None)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(batch), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
@@ -386,18 +387,18 @@ def test_a_step_batch_crosses_the_wire_unchanged():
     decode = dummy_batch(64, 64, 128, 1, 512, vocab_size=49152, max_len=2048)
     decode.token_ids[:3] = [7, 8, 9]
     decode.sampling.bitmask[1, 5] = 0  # one constrained row: the bitmask goes whole
-    header, payload = distributed.pack(Op.STEP, decode)
+    header, payload = multihost.pack(Op.STEP, decode)
     assert sum(c for _, _, c in header.leaves) >= 10
     assert payload.nbytes <= 2**19 < decode.sampling.bitmask.nbytes + decode.sampling.seen_tokens.nbytes
-    got = distributed.unpack(Header.decode(header.encode()), payload, distributed._template(header))
+    got = multihost.unpack(Header.decode(header.encode()), payload, multihost._template(header))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(decode), strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
     decode.sampling.bitmask[1, 5] = -1
-    assert distributed.pack(Op.STEP, decode)[1].nbytes <= 2**13  # all padding but the token ids: 8 KiB
+    assert multihost.pack(Op.STEP, decode)[1].nbytes <= 2**13  # all padding but the token ids: 8 KiB
 
     k = np.random.default_rng(0).standard_normal((2, 3, 4, 1, 8)).astype(ml_dtypes.bfloat16)
-    header, payload = distributed.pack(Op.WRITE_BLOCKS, (np.arange(3, dtype=np.int32), k, k))
-    idx, k2, _ = distributed.unpack(Header.decode(header.encode()), payload, (0, 0, 0))
+    header, payload = multihost.pack(Op.WRITE_BLOCKS, (np.arange(3, dtype=np.int32), k, k))
+    idx, k2, _ = multihost.unpack(Header.decode(header.encode()), payload, (0, 0, 0))
     assert idx.tolist() == [0, 1, 2] and k2.dtype == k.dtype and np.array_equal(k2, k)
 
 
@@ -409,4 +410,4 @@ def test_too_many_arrays_for_the_header_is_an_error():
 
 def test_only_process_0_schedules():
     with pytest.raises(RuntimeError, match="process 0 schedules"):
-        distributed.WorkerLoop(runner=None)
+        multihost.WorkerLoop(runner=None)

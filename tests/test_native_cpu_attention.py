@@ -257,7 +257,7 @@ def test_bad_input_raises_value_error(change, message):
 
 
 def test_engine_native_backend_gives_the_reference_tokens():
-    from jaxpaged.attention import attention_backend
+    from jaxpaged.worker.attention import attention_backend
     from tests.tiny import greedy_tokens, random_params, random_prompts, tiny_config
 
     config = tiny_config(hidden=48, heads=6, kv_heads=2, head_dim=16, layers=2)
@@ -269,7 +269,7 @@ def test_engine_native_backend_gives_the_reference_tokens():
 
 
 def test_unavailable_kernel_falls_back_on_auto_and_names_the_reason_on_native(monkeypatch):
-    from jaxpaged.attention import attention_backend
+    from jaxpaged.worker.attention import attention_backend
 
     monkeypatch.setitem(native._state, "ok", False)
     monkeypatch.setitem(native._state, "reason", "RuntimeError: no C++ compiler (test)")

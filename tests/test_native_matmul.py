@@ -13,8 +13,8 @@ import pytest
 from tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 from jaxpaged import SamplingParams
-from jaxpaged import model_runner as model_runner_module
 from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul, native_matmul
+from jaxpaged.worker import model_runner as model_runner_module
 from pallas_kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels could not be built")

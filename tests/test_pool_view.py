@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.pool_view import CACHED, FREE, MAX_CELLS, NO_OWNER, SHARED, SWAPPED, USED, pool_view
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.pool_view import CACHED, FREE, MAX_CELLS, NO_OWNER, SHARED, SWAPPED, USED, pool_view
 
 BS = 4
 

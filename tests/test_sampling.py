@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.engine.detokenizer import Detokenizer
 from tests.tiny import random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()
@@ -67,7 +67,7 @@ def test_sampled_tokens_follow_the_model_distribution():
     """Empirical frequencies of the first token match softmax(logits / T) (chi-square-like bound)."""
     import jax.numpy as jnp
 
-    from jaxpaged import sampler
+    from jaxpaged.worker import sampler
 
     vocab, rows = 24, 4000
     logits = np.tile(np.linspace(-3.0, 1.5, vocab, dtype=np.float32), (rows, 1))
@@ -167,7 +167,7 @@ def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows(native):
 
     import jax.numpy as jnp
 
-    from jaxpaged.sampler import _argmax
+    from jaxpaged.worker.sampler import _argmax
 
     _argmax = functools.partial(_argmax, native=native)
 
@@ -208,8 +208,8 @@ def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged import sampler
-    from jaxpaged.sampler import SamplingMetadata
+    from jaxpaged.worker import sampler
+    from jaxpaged.worker.sampler import SamplingMetadata
     from pallas_kernels.cpu_native import argmax_native
 
     rows, vocab = 6, 3000

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, SchedulerOutput, StepPacer
+from jaxpaged.core.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, SchedulerOutput, StepPacer
 from tests.tiny import random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()

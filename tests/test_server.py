@@ -20,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 
-from jaxpaged.allocator import tcmalloc_path
+from jaxpaged.runtime.tcmalloc import tcmalloc_path
 from tests.tiny_hf import make_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]

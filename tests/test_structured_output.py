@@ -131,7 +131,7 @@ def test_repetition_penalty_matches_transformers():
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from jaxpaged import sampler
+    from jaxpaged.worker import sampler
 
     rng = np.random.default_rng(0)
     rows, vocab, max_len = 3, 50, 16
@@ -153,7 +153,7 @@ def test_repetition_penalty_matches_transformers():
 def test_presence_and_frequency_penalties_count_generated_tokens_only():
     import jax.numpy as jnp
 
-    from jaxpaged import sampler
+    from jaxpaged.worker import sampler
 
     vocab = 10
     logits = np.zeros((1, vocab), np.float32)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from jaxpaged.parallel import HeadLayout
+from jaxpaged.parallel.tensor_parallel import HeadLayout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGPROB_TOL = 1e-4

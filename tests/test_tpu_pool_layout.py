@@ -26,9 +26,12 @@ import pytest
 from flax import nnx
 from jax.experimental.layout import Format
 
-from jaxpaged import SamplingParams, engine_setup, model_runner
-from jaxpaged.attention import KVPool, PagedAttention
-from jaxpaged.model_runner import (
+from jaxpaged import SamplingParams
+from jaxpaged.engine import setup as engine_setup
+from jaxpaged.models import families
+from jaxpaged.worker import model_runner
+from jaxpaged.worker.attention import KVPool, PagedAttention
+from jaxpaged.worker.model_runner import (
     ROW_MAJOR_POOL,
     _copy_blocks,
     _write_blocks,
@@ -39,7 +42,6 @@ from jaxpaged.model_runner import (
     pool_block_bytes,
     pool_format,
 )
-from jaxpaged.models import families
 from pallas_kernels.attention import paged_attention
 from tests.hlo_checks import computations_with, pool_copies
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm

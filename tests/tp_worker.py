@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.beam_search import BeamSearchParams
+from jaxpaged.engine.beam_search import BeamSearchParams
 from tests.tiny import random_params, tiny_config
 
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,

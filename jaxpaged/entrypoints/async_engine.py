@@ -27,10 +27,10 @@ import time
 from collections.abc import AsyncIterator
 
 from jaxpaged.chat import apply_chat_template
-from jaxpaged.engine import Engine
+from jaxpaged.core.pool_view import MAX_CELLS
+from jaxpaged.engine.llm_engine import Engine
 from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.pool_view import MAX_CELLS
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ import time
 
 from flax import nnx
 
-from jaxpaged.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
-from jaxpaged.engine import Engine
-from jaxpaged.engine_setup import EngineConfig
+from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from jaxpaged.engine.llm_engine import Engine
+from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -36,10 +36,10 @@ def load_engine(model: str | None = None, **engine_options) -> Engine:
     from jaxpaged.loader import load_model
 
     config = _engine_config(engine_options)  # before loading: a bad option fails in a moment, not after the load
-    from jaxpaged import distributed
+    from jaxpaged.parallel import multihost
 
-    distributed.check_joined(config.distributed_config())
-    distributed.check_mesh_spans_processes(config.tensor_parallel_size)
+    multihost.check_joined(config.distributed_config())
+    multihost.check_mesh_spans_processes(config.tensor_parallel_size)
     t0 = time.perf_counter()
     loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size)
     load_s = time.perf_counter() - t0

@@ -115,10 +115,10 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
 
         sharded = None
         if tensor_parallel_size > 1:
-            from jaxpaged import parallel
+            from jaxpaged.parallel import tensor_parallel
 
-            parallel.check_tensor_parallel_size(tensor_parallel_size)
-            sharded = read_checkpoint_sharded(path, np_dtype, parallel.make_mesh(tensor_parallel_size))
+            tensor_parallel.check_tensor_parallel_size(tensor_parallel_size)
+            sharded = read_checkpoint_sharded(path, np_dtype, tensor_parallel.make_mesh(tensor_parallel_size))
         config, params = sharded or read_checkpoint(path)
         tokenizer = directory_tokenizer(path)
     elif is_hf_directory(path):

@@ -94,18 +94,18 @@ def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, d
     import orbax.checkpoint as ocp
     from jax.sharding import NamedSharding
 
-    from jaxpaged import parallel
+    from jaxpaged.parallel import tensor_parallel
 
     _quiet_orbax()
     config = read_config(directory)
-    if not parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split:
+    if not tensor_parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split:
         return None
     _, abstract = nnx.split(families.abstract_model(config))
     pure = nnx.to_pure_dict(abstract)
-    specs = parallel.llama_partition_specs(pure, mesh.size)
+    specs = tensor_parallel.llama_partition_specs(pure, mesh.size)
     nnx.replace_by_pure_dict(abstract, jax.tree.map(
         lambda x, spec: jax.ShapeDtypeStruct(x.shape, dtype, sharding=NamedSharding(mesh, spec)), pure, specs,
-        is_leaf=lambda x: isinstance(x, parallel.P)))
+        is_leaf=lambda x: isinstance(x, tensor_parallel.P)))
     with ocp.StandardCheckpointer() as ckpt:
         state = ckpt.restore(os.path.join(os.path.abspath(directory), PARAMS_DIR), abstract)
     return config, nnx.to_pure_dict(state)

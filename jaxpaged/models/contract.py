@@ -6,8 +6,8 @@
         def logits(self, hidden):                           # -> logits
 
   token_ids  [T] int32          the step's new tokens, a ragged batch of prefill chunks and decodes (padded)
-  kv_pool    KVPool             the paged K/V cache of all layers (jaxpaged.attention), passed through, never read
-  md         AttentionMetadata  positions [T] (-1 = padding), block tables, ... (jaxpaged.attention)
+  kv_pool    KVPool             the paged K/V cache of all layers (worker.attention), passed through, never read
+  md         AttentionMetadata  positions [T] (-1 = padding), block tables, ... (jaxpaged.worker.attention)
   attn       the attention backend: per layer i, `out, kv_pool = attn(q, k, v, kv_pool, i, md, sliding_window=...)`
              with q [T, Hq, D], k, v [T, Hkv, D] (RoPE applied); it writes k, v into the pool and attends over each
              token's sequence (causal, through the block tables)
@@ -29,7 +29,7 @@ from typing import Protocol
 
 import jax
 
-from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
+from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
 from jaxpaged.models.rope import rope_qk
+from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

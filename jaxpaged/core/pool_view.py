@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.core.block_manager import BlockManager
 
 FREE, USED, SHARED, CACHED = 0, 1, 2, 3  # device blocks
 HOST_FREE, SWAPPED = 0, 4  # host (swap) blocks

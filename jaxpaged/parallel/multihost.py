@@ -5,16 +5,17 @@ devices, one SPMD program.
                 host arrays to the other processes (`StepBroadcaster`)
     process k   `run_worker(runner)`: receive an op, run the same ModelRunner op on its devices, repeat until `stop`
 
-    from jaxpaged import LLM, distributed
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged import LLM
+    from jaxpaged.parallel import multihost
+    from jaxpaged.engine.setup import EngineConfig
     options = dict(tensor_parallel_size=8, distributed_coordinator_address="10.0.0.1:1234",
                    distributed_num_processes=2, distributed_process_id=k)
-    distributed.initialize(EngineConfig(**options).distributed_config())   # before any other JAX use
+    multihost.initialize(EngineConfig(**options).distributed_config())   # before any other JAX use
     llm = LLM(model, **options)                                             # every process: same weights, same mesh
     if k != 0:
-        distributed.run_worker(llm.engine.runner)                           # until process 0 says stop
+        multihost.run_worker(llm.engine.runner)                           # until process 0 says stop
     else:
-        llm.generate(...); distributed.stop_workers(llm.engine.runner)
+        llm.generate(...); multihost.stop_workers(llm.engine.runner)
 
 Every process must enter the same jitted call with the same shapes in the same order: the all-reduces inside a
 tensor-parallel step complete only when every device of the mesh takes part. So the only thing that crosses
@@ -115,7 +116,7 @@ class DistributedConfig:
 def initialize(config: DistributedConfig, cpu_collectives: str | None = "gloo") -> None:
     """Joins the other processes (`jax.distributed.initialize`); call it before any other JAX use. A no-op for one
     process. `cpu_collectives` sets `jax_cpu_collectives_implementation`, a process-wide setting, so only an entry
-    point (server.py, jaxpaged.cli) asks for it; without it, CPU devices of different processes cannot reduce."""
+    point (server.py, the CLI) asks for it; without it, CPU devices of different processes cannot reduce."""
     if not config.enabled:
         return
     import jax
@@ -142,7 +143,7 @@ def check_joined(config: DistributedConfig) -> None:
         return
     if not jax.distributed.is_initialized():
         raise ValueError(f"distributed_num_processes={config.num_processes}: call "
-                         "jaxpaged.distributed.initialize(config) before any JAX use (server.py and jaxpaged.cli "
+                         "jaxpaged.parallel.multihost.initialize(config) before any JAX use (server.py and the CLI "
                          "do it from their flags)")
     if (jax.process_count(), jax.process_index()) != (config.num_processes, config.process_id):
         raise ValueError(f"distributed_num_processes={config.num_processes}, distributed_process_id="
@@ -276,7 +277,7 @@ def unpack(header: Header, payload: np.ndarray, template) -> object:
 
 def _template(header: Header):
     """An object of the op's pytree structure (the leaves are replaced)."""
-    from jaxpaged.model_runner import dummy_batch
+    from jaxpaged.worker.model_runner import dummy_batch
 
     if header.op is Op.STEP:
         return dummy_batch(1, 1, 1, header.tile, header.decode_blocks)
@@ -291,7 +292,7 @@ class StepBroadcaster:
 
         if jax.process_index() != 0:
             raise RuntimeError(f"process {jax.process_index()} of {jax.process_count()} does not schedule: it runs "
-                               "process 0's ops through jaxpaged.distributed.run_worker")
+                               "process 0's ops through jaxpaged.parallel.multihost.run_worker")
         self.ops = 0
 
     def announce(self, op: Op, tree=()) -> None:

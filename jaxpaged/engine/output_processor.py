@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from jaxpaged.detokenizer import Detokenizer
+from jaxpaged.core.request import Sequence
+from jaxpaged.engine.detokenizer import Detokenizer
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.sequence import Sequence
 
 
 class OutputProcessor:

@@ -28,9 +28,9 @@ import dataclasses
 import logging
 from collections import deque
 
-from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, SchedulerConfig
-from jaxpaged.sequence import Sequence, SequenceStatus
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

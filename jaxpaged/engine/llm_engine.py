@@ -15,20 +15,20 @@ import time
 import numpy as np
 from flax import nnx
 
-from jaxpaged.beam_search import BeamSearchParams, BeamState
-from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import CacheConfig, ModelConfig
-from jaxpaged.detokenizer import Detokenizer
-from jaxpaged.engine_setup import EngineConfig, build_runner
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.pool_view import MAX_CELLS, pool_view
+from jaxpaged.core.request import Sequence
+from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
+from jaxpaged.engine.detokenizer import Detokenizer
+from jaxpaged.engine.output_processor import OutputProcessor
+from jaxpaged.engine.setup import EngineConfig, build_runner
+from jaxpaged.engine.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
-from jaxpaged.output_processor import OutputProcessor
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.pool_view import MAX_CELLS, pool_view
-from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
-from jaxpaged.scheduler import Scheduler, SchedulerOutput
-from jaxpaged.sequence import Sequence
-from jaxpaged.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
+from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 

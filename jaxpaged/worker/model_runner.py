@@ -31,12 +31,12 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged import sampler
-from jaxpaged.attention import AttentionBackend, AttentionMetadata, KVPool
+from jaxpaged.core.scheduler import PREFILL_TILE, SchedulerOutput, round_up
 from jaxpaged.models.contract import ModelSpec
 from jaxpaged.models.matmul import native_matmul
-from jaxpaged.sampler import SamplerOutput, SamplingMetadata
-from jaxpaged.scheduler import PREFILL_TILE, SchedulerOutput, round_up
+from jaxpaged.worker import sampler
+from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
+from jaxpaged.worker.sampler import SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -132,11 +132,11 @@ def pool_format(device: jax.Device, mesh: Mesh | None = None) -> Format | NamedS
     the block axis minor-most: every step would copy both pools to row-major and back (pallas_kernels/tpu.py, "The
     pool's HBM layout"). CPU and GPU default layouts are row-major already.
 
-    With a tensor-parallel `mesh`, the pool is split by kv head over it (`jaxpaged.parallel.POOL_SPEC`): its
+    With a tensor-parallel `mesh`, the pool is split by kv head over it (`tensor_parallel.POOL_SPEC`): its
     NamedSharding, in the row-major format on TPU.
     """
     if mesh is not None:
-        from jaxpaged.parallel import pool_sharding
+        from jaxpaged.parallel.tensor_parallel import pool_sharding
 
         sharding = pool_sharding(mesh)
         return Format(ROW_MAJOR_POOL, sharding) if device.platform == "tpu" else sharding
@@ -309,19 +309,19 @@ class ModelRunner:
                                          num_args=4, mesh=mesh)
         self._executables: dict[tuple, object] = {}  # shape_key -> AOT-compiled step
         self.warmed_up = False
-        # Multi-host (jaxpaged.distributed): the mesh spans other processes' devices, so the host arrays become
+        # Multi-host (jaxpaged.parallel.multihost): the mesh spans other processes' devices, so the host arrays become
         # global (replicated) arrays, and process 0 announces every device op to the others before running it.
         self.multihost = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         self.broadcaster = None
         if self.multihost:
-            from jaxpaged import distributed
+            from jaxpaged.parallel import multihost
 
             self._replicated = NamedSharding(mesh, P())
             # the swap-out read: the pool's heads live on several processes, so they are gathered in a collective
             self._read_fn = jax.jit(lambda pool, idx: (pool.k[:, idx], pool.v[:, idx]),
                                     out_shardings=(self._replicated, self._replicated))
             if jax.process_index() == 0:
-                self.broadcaster = distributed.StepBroadcaster()
+                self.broadcaster = multihost.StepBroadcaster()
 
     # ---- shapes -------------------------------------------------------------------------------------------------
 
@@ -455,8 +455,8 @@ class ModelRunner:
         return {f.name: np.asarray(getattr(result, f.name)) for f in dataclasses.fields(result)}
 
     def _announce(self, op: str, tree) -> None:
-        """Multi-host, process 0: the other processes run the same op (jaxpaged.distributed)."""
-        from jaxpaged.distributed import Op, StepBroadcaster
+        """Multi-host, process 0: the other processes run the same op (jaxpaged.parallel.multihost)."""
+        from jaxpaged.parallel.multihost import Op, StepBroadcaster
 
         if self.broadcaster is None:
             StepBroadcaster()  # raises: this process does not schedule

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
 from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
-from jaxpaged.distributed import DistributedConfig
-from jaxpaged.model_runner import ModelRunner, pool_block_bytes, pool_format
+from jaxpaged.parallel.multihost import DistributedConfig
+from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
+from jaxpaged.worker.model_runner import ModelRunner, pool_block_bytes, pool_format
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class EngineConfig:
         return resolve_dtype(self.dtype)
 
     def distributed_config(self) -> DistributedConfig:
-        """The multi-host options, each unset one from its environment variable (jaxpaged.distributed)."""
+        """The multi-host options, each unset one from its environment variable (jaxpaged.parallel.multihost)."""
         return DistributedConfig.resolve(self.distributed_coordinator_address, self.distributed_num_processes,
                                          self.distributed_process_id, self.distributed_heartbeat_timeout,
                                          self.distributed_initialization_timeout)
@@ -230,9 +230,9 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     and where every step's matmuls run by the native CPU kernel (`model_runner.native_matmul_rows`), their stacked
     bfloat16 layer matrices and the LM head are prepacked in its layout (`models.matmul.prepack_layer_weights`,
     `prepack_head`)."""
-    from jaxpaged.model_runner import native_matmul_rows
     from jaxpaged.models import gemma3, llama
     from jaxpaged.models.matmul import prepack_head, prepack_layer_weights
+    from jaxpaged.worker.model_runner import native_matmul_rows
 
     built_in = isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM))
     if (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
@@ -257,29 +257,30 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
 
 def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
     """The Llama-family or Gemma 3 `model` split over `mesh`: (graphdef, state, config) with heads laid out by
-    `jaxpaged.parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter placed straight
-    into its shards (cast on the host first, so no device ever holds a whole split tensor). Both modules hold the
-    loader's layout (`jaxpaged.loader.layout`), which is what the Megatron split names; Gemma 3's extra tensors
-    (per-head q/k norms, post-attention and post-MLP norms) are per head_dim or per hidden unit and stay replicated."""
-    from jaxpaged import parallel
+    `jaxpaged.parallel.tensor_parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter
+    placed straight into its shards (cast on the host first, so no device ever holds a whole split tensor). Both
+    modules hold the loader's layout (`jaxpaged.loader.layout`), which is what the Megatron split names; Gemma 3's
+    extra tensors (per-head q/k norms, post-attention and post-MLP norms) are per head_dim or per hidden unit and stay
+    replicated."""
     from jaxpaged.models import families, gemma3, llama
+    from jaxpaged.parallel import tensor_parallel
 
     if not isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)):
         raise ValueError(f"tensor_parallel_size > 1 splits the built-in modules (LlamaForCausalLM, "
                          f"Gemma3ForCausalLM); {type(model).__name__} is served with tensor_parallel_size=1")
     config, tp = model.config, mesh.size
-    layout = parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
+    layout = tensor_parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
     (logger.info if layout.is_plain_split else logger.warning)(
         "tensor parallel %d: %s", tp, layout.describe(config.num_heads, config.num_kv_heads))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    specs = parallel.llama_partition_specs(params, tp)
+    specs = tensor_parallel.llama_partition_specs(params, tp)
     if layout.is_plain_split and all(_placed_as(x, mesh, spec, dtype) for x, spec in zip(
-            jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, parallel.P)),
+            jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, tensor_parallel.P)),
             strict=True)):
         placed = params  # restored straight into these shardings (an Orbax checkpoint)
     else:
-        params = parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
-        placed = parallel.place(params, parallel.llama_partition_specs(params, tp), mesh, dtype)
+        params = tensor_parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
+        placed = tensor_parallel.place(params, tensor_parallel.llama_partition_specs(params, tp), mesh, dtype)
     config = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
     graphdef, state = nnx.split(families.from_params(config, placed))
     return graphdef, state, config
@@ -297,11 +298,11 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     model_config = model.config
     tp, mesh = config.tensor_parallel_size, None
     if tp > 1:
-        from jaxpaged import parallel
+        from jaxpaged.parallel import tensor_parallel
 
-        parallel.check_tensor_parallel_size(tp)
-        mesh = parallel.make_mesh(tp)
-    from jaxpaged.distributed import check_mesh_spans_processes
+        tensor_parallel.check_tensor_parallel_size(tp)
+        mesh = tensor_parallel.make_mesh(tp)
+    from jaxpaged.parallel.multihost import check_mesh_spans_processes
 
     check_mesh_spans_processes(tp)
     cache = config.cache_config()
@@ -341,7 +342,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
     if mesh is not None:
-        from jaxpaged.parallel import ShardedAttention
+        from jaxpaged.parallel.tensor_parallel import ShardedAttention
 
         attn = ShardedAttention(attn, mesh)
     runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
@@ -355,7 +356,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
 
 
 def _log_device_bytes(runner: ModelRunner) -> None:
-    from jaxpaged.parallel import per_device_bytes
+    from jaxpaged.parallel.tensor_parallel import per_device_bytes
 
     weights, pool = per_device_bytes(runner.params), per_device_bytes(runner.kv_pool)
     for device in runner.mesh.devices.flat:

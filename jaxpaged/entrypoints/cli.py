@@ -8,12 +8,12 @@ import logging
 import sys
 import time
 
-from jaxpaged.allocator import use_tcmalloc
+from jaxpaged.runtime.tcmalloc import use_tcmalloc
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """`--model` and one flag per EngineConfig field (`--kebab-case`, its help, default and choices)."""
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
 
     p.add_argument("--model", default=None, help="GGUF file, HF directory or Orbax checkpoint (default: SmolLM2)")
     group = p.add_argument_group("engine options (LLM(...) keywords)")
@@ -32,7 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The EngineConfig keywords from parsed flags."""
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
 
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
@@ -40,41 +40,41 @@ def engine_options(args: argparse.Namespace) -> dict:
 def join_processes(args: argparse.Namespace):
     """Multi-host: joins the other processes (jax.distributed, gloo collectives on CPU) before any other JAX use, as
     the flags (or $JAXPAGED_*) say; returns the DistributedConfig (single process: nothing happens)."""
-    from jaxpaged import distributed
-    from jaxpaged.engine_setup import EngineConfig
+    from jaxpaged.engine.setup import EngineConfig
+    from jaxpaged.parallel import multihost
 
     config = EngineConfig(**engine_options(args)).distributed_config()
-    distributed.initialize(config, cpu_collectives="gloo")
+    multihost.initialize(config, cpu_collectives="gloo")
     return config
 
 
 def run_worker_process(args: argparse.Namespace) -> int:
     """A process other than 0: the same engine (weights, mesh, compiled steps), then process 0's ops until it says
     stop. 0 on a clean stop; 1 if process 0 went away (its collective failed)."""
-    from jaxpaged import distributed
     from jaxpaged.entrypoints.llm import load_engine
+    from jaxpaged.parallel import multihost
 
     engine = load_engine(args.model, **engine_options(args))
     try:
-        ops = distributed.run_worker(engine.runner)
+        ops = multihost.run_worker(engine.runner)
     except Exception:
-        logging.getLogger("jaxpaged.cli").exception("process 0 is gone; this worker stops")
+        logging.getLogger("jaxpaged.entrypoints.cli").exception("process 0 is gone; this worker stops")
         return 1
-    logging.getLogger("jaxpaged.cli").info("worker done: %s", ", ".join(f"{n} {op.name}" for op, n in ops.items()))
-    distributed.shutdown()
+    logging.getLogger(__name__).info("worker done: %s", ", ".join(f"{n} {op.name}" for op, n in ops.items()))
+    multihost.shutdown()
     return 0
 
 
 def finish_process_0(runner) -> int:
     """Multi-host, process 0, its engine stopped: the workers return, then every process leaves the group. 0, or 1
     if a worker was already gone."""
-    from jaxpaged import distributed
+    from jaxpaged.parallel import multihost
 
     if runner.broadcaster is None:
         return 0
-    if not distributed.stop_workers(runner):
+    if not multihost.stop_workers(runner):
         return 1
-    distributed.shutdown()
+    multihost.shutdown()
     return 0
 
 

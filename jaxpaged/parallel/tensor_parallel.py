@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.attention import KVPool
+from jaxpaged.worker.attention import KVPool
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Host bookkeeping, no JAX: requests and their sequences, the KV block pool and the scheduler."""

@@ -1,0 +1,1 @@
+"""Scale: tensor parallelism over local devices (`tensor_parallel`) and several processes (`multihost`)."""

@@ -1,0 +1,1 @@
+"""Process-wide settings that only entry points apply (the memory allocator)."""
