@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 
 
@@ -74,3 +75,13 @@ def write_json(path: str, payload: dict) -> None:
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
+
+
+def cpu_name() -> str:
+    """lscpu's model name, family and model, and the flags that pick the native kernels' paths."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in out.splitlines() if ":" in ln}
+    flags = fields.get("Flags", "").split()
+    extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    family = f" family {fields['CPU family']} model {fields.get('Model', '?')}" if "CPU family" in fields else ""
+    return f"{fields.get('Model name', '?')}{family} ({', '.join(extras) or 'no avx512'})"

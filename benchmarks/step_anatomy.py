@@ -23,26 +23,17 @@ import argparse
 import collections
 import functools
 import statistics
-import subprocess
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import trace_events, write_json
+from common import cpu_name, trace_events, write_json
 from flax import nnx
 from workload import workload_prompts
 
 from jaxpaged.models.matmul import head_matmul, layer_matmul, native_matmul
 from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-    extras = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(extras) or 'no avx512'})"
 
 
 def device_ms(fn, *args, runs: int = 7) -> float:

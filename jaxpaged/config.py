@@ -9,8 +9,6 @@ import dataclasses
 import re
 from typing import Any
 
-from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
-
 # Model and pool dtype option names. The Pallas and native kernels take a subset (pallas_kernels.validation.
 # KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -123,6 +121,8 @@ class CacheConfig:
     cache_dtype: str = "auto"  # "auto": the model dtype, but float32 on CPU for 16-bit models (engine_setup)
 
     def __post_init__(self):
+        from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES  # the kernels' list (they import JAX)
+
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size} is not supported: the attention kernels take "
                              f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")

@@ -26,3 +26,30 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # arrival, first_token, finished times
     error: str | None = None  # set when the request failed inside the engine (the other requests went on)
+
+
+@dataclasses.dataclass(slots=True)
+class SeqDelta:
+    """What one sequence of a request gained since its previous `EngineOutput`: token ids (no text; the output
+    processor detokenizes), their log-probs when asked for, and why it finished."""
+
+    index: int  # the sample's index (n > 1) or the hypothesis' rank (beam search)
+    token_ids: list[int]
+    logprobs: list[float] | None = None  # each new token's log-prob
+    top_logprobs: list[dict[int, float]] | None = None  # each new token's {token id: log-prob}, chosen included
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' sum
+
+
+@dataclasses.dataclass(slots=True)
+class EngineOutput:
+    """What one engine step did for one request: the engine's side of `RequestOutput`, before detokenization and
+    stop strings (`jaxpaged.engine.output_processor`)."""
+
+    request_id: str
+    deltas: list[SeqDelta]
+    finished: bool
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    error: str | None = None  # the request failed inside the engine (the other requests went on)

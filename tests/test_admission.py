@@ -31,7 +31,8 @@ def request(rid: int, n: int, prompt_len: int, max_tokens: int, arrival: float) 
 
 def run(sched: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 2000) -> list:
     """Steps the scheduler as the engine would (every scheduled token computed, one token sampled per finished
-    row); checks the invariants after every step; returns the steps' outputs."""
+    row, each step's tokens read before the next is scheduled); checks the invariants after every step; returns the
+    steps' outputs."""
     limit = sched.config.max_num_seqs
     steps, last_prefill = [], False
     for t in range(max_steps):
@@ -58,11 +59,10 @@ def run(sched: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 
             assert not out.is_prefill, "two prefill steps in a row while running streams waited for a token"
         last_prefill = out.is_prefill and bool(out.scheduled)
         steps.append(out)
-        for sched_seq in out.scheduled:
-            seq, samples = sched_seq.seq, sched_seq.samples
-            seq.num_computed_tokens += sched_seq.num_new_tokens
-            if samples:
-                seq.output_token_ids.append(3)
+        for sched_seq in out.scheduled:  # the scheduler advanced num_computed_tokens; the tokens arrive
+            seq = sched_seq.seq
+            if sched_seq.samples:
+                seq.resolve(3)
                 if len(seq.output_token_ids) >= seq.params.max_tokens:
                     sched.finish(seq, "length")
         sched.block_manager.check_invariants()

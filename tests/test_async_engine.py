@@ -18,22 +18,10 @@ from jaxpaged.entrypoints.async_engine import (
     RequestAbortedError,
 )
 from jaxpaged.sampling_params import SamplingParams
-from tests.tiny import random_params, tiny_config
+from tests.tiny import CharTokenizer, drain, random_params, tiny_config
 
 CONFIG = tiny_config()
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-class CharTokenizer:
-    """Token t decodes to one letter; enough for the detokenizer."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + t % 26) for t in ids)
-
-    def __call__(self, text):
-        return {"input_ids": [2 + ord(c) % 90 for c in text]}
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +40,7 @@ def aengine(engine):
 
 def offline(engine, prompt, params):
     engine.add_request("offline", prompt, params)
-    while True:
-        for out in engine.step():
-            if out.finished:
-                return out.outputs[0].token_ids
+    return drain(engine)["offline"]
 
 
 def wait_for(predicate, timeout=10.0):
@@ -205,16 +190,16 @@ def test_shutdown_past_the_grace_period_aborts_the_rest(engine):
 
 
 def test_a_failing_device_step_fails_its_requests_but_not_the_loop(engine, aengine, monkeypatch):
-    real_execute = engine.runner.execute
+    real_dispatch = engine.runner.dispatch
     calls = {"n": 0}
 
-    def flaky_execute(batch):
+    def flaky_dispatch(inputs, rows):
         calls["n"] += 1
         if calls["n"] == 1:  # raises before touching the pool, which stays alive
             raise RuntimeError("device fell over")
-        return real_execute(batch)
+        return real_dispatch(inputs, rows)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky_execute)
+    monkeypatch.setattr(engine.runner, "dispatch", flaky_dispatch)
 
     async def run():
         with pytest.raises(EngineStepError, match="device fell over"):
@@ -234,7 +219,7 @@ def test_one_bad_row_fails_only_its_request(engine, aengine, monkeypatch):
     real_prepare = engine.runner.prepare
 
     def prepare(out, *args):
-        if any(s.seq.request_id == "hostile" for s in out.scheduled):
+        if any(s.request_id == "hostile" for s in out.seqs):
             raise OverflowError("Python int too large to convert to C int")
         return real_prepare(out, *args)
 
@@ -261,11 +246,11 @@ def test_a_step_that_lost_its_donated_pool_stops_the_engine():
                   EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                                block_size=8, num_blocks=40, precompile=False, show_progress=False))
 
-    def execute_and_lose_the_pool(batch):
+    def dispatch_and_lose_the_pool(inputs, rows):
         dead.runner.kv_pool.k.delete()
         raise RuntimeError("XLA runtime error: out of memory")
 
-    dead.runner.execute = execute_and_lose_the_pool
+    dead.runner.dispatch = dispatch_and_lose_the_pool
     ae = AsyncEngine(dead)
 
     async def run():

@@ -124,7 +124,7 @@ def test_a_request_that_fails_in_a_step_fails_alone_and_the_llm_goes_on(llm, mon
     real_prepare = llm.engine.runner.prepare
 
     def prepare(out, *args):
-        if any(s.seq.prompt_token_ids[0] == 9 for s in out.scheduled):
+        if any(s.prompt_token_ids[0] == 9 for s in out.seqs):
             raise OverflowError("injected")
         return real_prepare(out, *args)
 

@@ -10,7 +10,7 @@ import numpy as np
 from tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 from jaxpaged import SamplingParams
-from jaxpaged.worker.model_runner import step_compiler_options
+from jaxpaged.worker.step import step_compiler_options
 
 # A vocabulary no activation shares a shape with; tied embeddings (SmolLM2's case).
 CONFIG = tiny_config(vocab_size=136, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, tie_word_embeddings=True)
@@ -59,8 +59,6 @@ def test_the_check_sees_a_hoisted_conversion():
     """The contrast: compiled without the step's options, XLA hoists the stacked weights' float32 conversion out of
     the layer loop, and the check above finds it. (Qwen3's per-head q/k norm weights are sliced by XLA: where the
     native CPU kernels run, they read every other stacked weight themselves.)"""
-    from jaxpaged.worker.model_runner import lower_step
-
     config = tiny_config(vocab_size=136, hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8,
                          tie_word_embeddings=True, qk_norm=True)
     params = random_params(config)
@@ -68,11 +66,8 @@ def test_the_check_sees_a_hoisted_conversion():
     llm = tiny_llm(config, params, dtype="bfloat16")
     generate(llm, n=1, max_tokens=2)
     runner = llm.engine.runner
-    batch_key = next(iter(runner._executables))
-    from jaxpaged.worker.model_runner import dummy_batch
-
-    batch = dummy_batch(*batch_key, **runner._sampling_dims)
-    hlo = lower_step(runner._step_fn, runner.params, runner.kv_pool, batch).compile().as_text()
+    layout = next(lay for lay in runner.all_layouts() if lay.key in runner._executables)
+    hlo = runner.lower(layout).compile().as_text()
     assert weight_shapes(runner.params) & top_level_f32_outputs(hlo)
 
 

@@ -350,11 +350,11 @@ def test_a_failed_op_across_processes_kills_the_engine_even_with_its_pool_intact
                     EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
                                  block_size=8, num_blocks=40, precompile=False, show_progress=False))
 
-    def collective_fails(batch):
+    def collective_fails(inputs, rows):
         raise RuntimeError("UNKNOWN: Gloo all-reduce failed: Connection closed by peer")
 
     engine.runner.multihost = True
-    engine.runner.execute = collective_fails
+    engine.runner.dispatch = collective_fails
     engine.add_request("r", [3, 4, 5], SamplingParams(max_tokens=4))
     with pytest.raises(EngineDeadError, match="a device op failed across processes: RuntimeError: UNKNOWN: Gloo"):
         engine.step()
@@ -366,39 +366,40 @@ def test_a_failed_op_across_processes_kills_the_engine_even_with_its_pool_intact
 # ---- the wire -----------------------------------------------------------------------------------------------------
 
 
-def test_a_step_batch_crosses_the_wire_unchanged():
-    import jax
+def test_a_step_crosses_the_wire_unchanged():
     import ml_dtypes
 
-    from jaxpaged.worker.model_runner import dummy_batch
+    from jaxpaged.worker.input_batch import StepInputs, StepLayout
 
-    batch = dummy_batch(32, 4, 8, 16, None, vocab_size=100, max_len=64)
-    batch.token_ids[:5] = [5, 6, 7, 8, 9]
-    batch.sampling.want_logprobs = np.array(True)  # a 0-d leaf stays 0-d
-    header, payload = multihost.pack(Op.STEP, batch)
+    layout = StepLayout(32, 4, 8, 16, None)
+    buf = layout.empty()
+    layout.view(buf, "token_ids")[:5] = [5, 6, 7, 8, 9]
+    inputs = StepInputs(layout, buf, want_logprobs=True)
+    meta, arrays = multihost.step_to_wire(inputs)
+    header, payload = multihost.pack(Op.STEP, arrays, meta)
     decoded = Header.decode(header.encode())
     assert decoded == header and payload.dtype == np.int32 and payload.size & (payload.size - 1) == 0
-    got = multihost.unpack(decoded, payload, multihost._template(decoded))
-    assert (got.attn.tile_size, got.attn.decode_blocks) == (16, None)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(batch), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
+    got = multihost.step_from_wire(decoded.meta, multihost.unpack(decoded, payload))
+    assert got.layout == layout and got.want_logprobs and got.extras == {}
+    assert np.array_equal(got.buf, buf)
 
-    # a padded decode step of 64 rows: the constant arrays (bitmask, seen tokens, ...) go as one value each
-    decode = dummy_batch(64, 64, 128, 1, 512, vocab_size=49152, max_len=2048)
-    decode.token_ids[:3] = [7, 8, 9]
-    decode.sampling.bitmask[1, 5] = 0  # one constrained row: the bitmask goes whole
-    header, payload = multihost.pack(Op.STEP, decode)
-    assert sum(c for _, _, c in header.leaves) >= 10
-    assert payload.nbytes <= 2**19 < decode.sampling.bitmask.nbytes + decode.sampling.seen_tokens.nbytes
-    got = multihost.unpack(Header.decode(header.encode()), payload, multihost._template(header))
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(decode), strict=True):
-        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b)
-    decode.sampling.bitmask[1, 5] = -1
-    assert multihost.pack(Op.STEP, decode)[1].nbytes <= 2**13  # all padding but the token ids: 8 KiB
+    # a decode step of 64 rows, vocabulary 49152, with one constrained row: its bitmask goes whole (384 KiB)
+    decode = StepLayout(64, 64, 128, 1, 512)
+    bitmask = np.full((64, 1536), -1, np.int32)
+    bitmask[1, 5] = 0
+    inputs = StepInputs(decode, decode.empty(), {"bitmask": bitmask})
+    meta, arrays = multihost.step_to_wire(inputs)
+    header, payload = multihost.pack(Op.STEP, arrays, meta)
+    assert payload.nbytes <= 2**20
+    got = multihost.step_from_wire(header.meta, multihost.unpack(Header.decode(header.encode()), payload))
+    assert got.layout == decode and list(got.extras) == ["bitmask"] and np.array_equal(got.extras["bitmask"], bitmask)
+    # without it, the step is its buffer alone (mostly block tables)
+    plain = multihost.pack(Op.STEP, *reversed(multihost.step_to_wire(StepInputs(decode, decode.empty()))))[1]
+    assert plain.nbytes <= 2**16
 
     k = np.random.default_rng(0).standard_normal((2, 3, 4, 1, 8)).astype(ml_dtypes.bfloat16)
     header, payload = multihost.pack(Op.WRITE_BLOCKS, (np.arange(3, dtype=np.int32), k, k))
-    idx, k2, _ = multihost.unpack(Header.decode(header.encode()), payload, (0, 0, 0))
+    idx, k2, _ = multihost.unpack(Header.decode(header.encode()), payload)
     assert idx.tolist() == [0, 1, 2] and k2.dtype == k.dtype and np.array_equal(k2, k)
 
 

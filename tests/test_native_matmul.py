@@ -14,7 +14,7 @@ from tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 from jaxpaged import SamplingParams
 from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul, native_matmul
-from jaxpaged.worker import model_runner as model_runner_module
+from jaxpaged.worker import step as step_module
 from pallas_kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels could not be built")
@@ -245,7 +245,7 @@ def test_layer_glu_is_native_only_inside_native_matmul():
     np.testing.assert_array_equal(np.asarray(glu(8)(x, w), np.float32), np.asarray(glu(0)(x, w), np.float32))
 
 
-ENGINE_ROWS = model_runner_module.NATIVE_MATMUL_ROWS
+ENGINE_ROWS = step_module.NATIVE_MATMUL_ROWS
 CONFIG = tiny_config(vocab_size=160, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16)  # V: 5 panels of 32
 
 
@@ -257,7 +257,7 @@ def run(native: bool, monkeypatch):
 
     from jaxpaged.models.matmul import LAYER_MATRICES
 
-    monkeypatch.setattr(model_runner_module, "NATIVE_MATMUL_ROWS", ENGINE_ROWS if native else 0)
+    monkeypatch.setattr(step_module, "NATIVE_MATMUL_ROWS", ENGINE_ROWS if native else 0)
     llm = tiny_llm(CONFIG, random_params(CONFIG), dtype="bfloat16")
     state = nnx.to_pure_dict(llm.engine.runner.params)
     head = state.get("head_t", state.get("lm_head"))
@@ -288,6 +288,6 @@ def test_no_native_matmul_under_a_mesh_or_off_cpu():
     import jax
     from jax.sharding import Mesh
 
-    assert model_runner_module.native_matmul_rows(Mesh(np.array(jax.devices()[:1]), ("tp",))) == 0
-    assert model_runner_module.native_matmul_rows(None) == (model_runner_module.NATIVE_MATMUL_ROWS
+    assert step_module.native_matmul_rows(Mesh(np.array(jax.devices()[:1]), ("tp",))) == 0
+    assert step_module.native_matmul_rows(None) == (step_module.NATIVE_MATMUL_ROWS
                                                              if cpu_native.matmul_is_fast() else 0)

@@ -6,8 +6,9 @@ import jax
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.core.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, SchedulerOutput, StepPacer
-from tests.tiny import random_params, random_prompts, tiny_config
+from jaxpaged.core.sched_output import SchedulerOutput
+from jaxpaged.core.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, StepPacer, decodable
+from tests.tiny import Collector, random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()
 ON_CPU = jax.default_backend() == "cpu"
@@ -94,10 +95,10 @@ def _spy_steps(sched) -> list[tuple[bool, int, int]]:
     original = sched.schedule
 
     def spy():
-        decoding = any(sched._decodable(s) for s in sched.running)
+        decoding = any(decodable(s) for s in sched.running)
         out = original()
         if out is not None:
-            prompt = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill)
+            prompt = sum(s.num_new_tokens for s in out.scheduled if not s.is_decode)
             steps.append((decoding, prompt, out.num_tokens - prompt))
         return out
 
@@ -109,18 +110,14 @@ def _long_prompt_while_decoding(engine, first, decode_steps: int) -> tuple[dict,
     """Request "first" runs until it decodes (and `decode_steps` decode steps more), then a 100-token prompt "long"
     arrives; runs both to the end. Returns ("long"'s prompt, each request's tokens)."""
     engine.add_request("first", first, GREEDY)
+    collector = Collector(engine)
     while not any(s.output_token_ids for s in engine.scheduler.running):  # "first" is decoding now
-        engine.step()
+        collector.step()
     for _ in range(decode_steps):
-        engine.step()
+        collector.step()
     long_prompt = {"prompt_token_ids": random_prompts(1, 100, 100, seed=9)[0]}
     engine.add_request("long", long_prompt, GREEDY)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-    return long_prompt, outputs
+    return long_prompt, collector.drain()
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
@@ -156,15 +153,15 @@ def test_mixed_steps_decode_every_running_sequence_every_step(prompts, reference
     mixed = []
 
     def spy():
-        decodable = [s for s in sched.running if sched._decodable(s)]
+        waiting = [s for s in sched.running if decodable(s)]
         out = original()
         if out is not None:
             assert out.num_tokens <= 48
             scheduled = {s.seq.seq_id for s in out.scheduled}
             if not out.preempted:
-                assert all(s.seq_id in scheduled for s in decodable)
-            prompt = sum(s.num_new_tokens for s in out.scheduled if s.seq.is_prefill)
-            mixed.append(prompt > 0 and len(out.scheduled) > 1 and any(not s.seq.is_prefill for s in out.scheduled))
+                assert all(s.seq_id in scheduled for s in waiting)
+            prompt = sum(s.num_new_tokens for s in out.scheduled if not s.is_decode)
+            mixed.append(prompt > 0 and len(out.scheduled) > 1 and any(s.is_decode for s in out.scheduled))
         return out
 
     sched.schedule = spy
@@ -187,10 +184,10 @@ def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
     excess per token of the last PACER_WINDOW paced steps, in 4s for mixed steps (16s for separate ones), between
     one unit and the ceiling, at most twice the last bound. Steps nobody waited for (not paced) and steps before
     any decode teach it nothing."""
-    decode = SchedulerOutput(is_prefill=False, scheduled=["a decode"])
+    decode = SchedulerOutput(is_prefill=False, seqs=["a decode"])
 
     def paced(tokens, paced=True):
-        return SchedulerOutput(is_prefill=True, scheduled=["a chunk"], prompt_tokens=tokens, paced=paced)
+        return SchedulerOutput(is_prefill=True, seqs=["a chunk"], prompt_tokens=tokens, paced=paced)
 
     pacer = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=True)
     pacer.observe(paced(128), 0.080)  # no decode step seen yet
@@ -228,8 +225,10 @@ def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(pr
     chunk is the ceiling (64); then a step may add 10 ms of prompt tokens: 20 a step at 0.5 ms each (mixed steps;
     a separate prefill step is all delay and takes whole tiles: 16), 64 at 0.1 ms, and at 2 ms 4 a step on mixed
     steps, below a tile, since they lay tokens out one by one (16, one tile, on separate steps). The tokens are
-    those of the unpaced engine."""
-    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=64, max_decode_slowdown=2.0)
+    those of the unpaced engine. Synchronous steps: with asynchronous scheduling a step's time reaches the pacer
+    after the next step was scheduled, so each bound applies one step later."""
+    llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=64, max_decode_slowdown=2.0,
+                   async_scheduling=False)
     sched = llm.engine.scheduler
     if not sched.mixed_steps and per_token_s == 0.0001:
         pytest.skip("a separate prefill step is all delay: this case is about mixed steps")
@@ -260,13 +259,13 @@ def test_mixed_steps_take_half_as_many_sequence_rows_as_tokens_and_compile_nothi
     shapes = runner.compiled_shapes
     assert shapes == set(runner.all_shapes())
     seen = []
-    execute = runner.execute
+    dispatch = runner.dispatch
 
-    def spy(batch):
-        seen.append((batch.shape_key, int((batch.attn.context_lens > 0).sum())))
-        return execute(batch)
+    def spy(inputs, rows):
+        seen.append((inputs.layout.key, len(rows.seqs)))
+        return dispatch(inputs, rows)
 
-    runner.execute = spy
+    runner.dispatch = spy
     many = prompts * 3  # 36 sequences decode while later prompts are prefilled beside them
     outs = llm.generate(many, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference * 3

@@ -1,4 +1,4 @@
-"""The K/V pool's device format (jaxpaged/model_runner.py, `pool_format`): row-major on TPU, the default elsewhere.
+"""The K/V pool's device format (jaxpaged/worker/kv_pool.py, `pool_format`): row-major on TPU, the default elsewhere.
 
 The Pallas TPU kernel's custom call takes the pool [L, NB, BS, Hkv, D] row-major; XLA's default TPU layout for
 head_dim 64 is not row-major, and the compiled step would then copy the whole pool around every kernel call. On TPU
@@ -31,17 +31,16 @@ from jaxpaged.engine import setup as engine_setup
 from jaxpaged.models import families
 from jaxpaged.worker import model_runner
 from jaxpaged.worker.attention import KVPool, PagedAttention
-from jaxpaged.worker.model_runner import (
+from jaxpaged.worker.input_batch import StepLayout
+from jaxpaged.worker.kv_pool import (
     ROW_MAJOR_POOL,
     _copy_blocks,
     _write_blocks,
-    dummy_batch,
     jit_pool_update,
-    jit_step,
-    lower_step,
     pool_block_bytes,
     pool_format,
 )
+from jaxpaged.worker.step import jit_step, lower_step
 from pallas_kernels.attention import paged_attention
 from tests.hlo_checks import computations_with, pool_copies
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
@@ -77,14 +76,21 @@ def compile_tpu_step(device, fmt: Format | None, shape: tuple) -> tuple[str, tup
         return jax.ShapeDtypeStruct(np.shape(x), jnp.bfloat16 if x.dtype == np.float32 else x.dtype, sharding=where)
 
     graphdef, state = nnx.split(families.from_params(config, random_params(config)))
-    state = jax.tree.map(abstract, state)  # bfloat16, as build_runner casts them
+    leaves, treedef = jax.tree.flatten(jax.tree.map(abstract, state))  # bfloat16, as build_runner casts them
     pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     pool = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16, sharding=fmt or sharding)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), dummy_batch(*shape))
+    layout = StepLayout(*shape)
+    s = layout.num_seqs
+
+    def ints(*dims):
+        return jax.ShapeDtypeStruct(dims, jnp.int32, sharding=sharding)
+
     # What attention_backend("auto") gives on a TPU.
     attn = PagedAttention("pallas_tpu", functools.partial(paged_attention, implementation="pallas_tpu"))
-    step_fn = jit_step(graphdef, attn, fmt)
-    return lower_step(step_fn, state, KVPool(pool, pool), batch).compile().as_text(), pool_shape
+    step_fn = jit_step(graphdef, treedef, attn, fmt, max_rows=s)
+    extras = (ints(s, 3), ints(s, 64), ints(s, 300), jax.ShapeDtypeStruct((s, 300), jnp.float32, sharding=sharding))
+    lowered = lower_step(step_fn, tuple(leaves), KVPool(pool, pool), ints(s), layout, extras)
+    return lowered.compile().as_text(), pool_shape
 
 
 @pytest.mark.parametrize("shape", list(STEP_SHAPES), ids=list(STEP_SHAPES))
@@ -173,7 +179,7 @@ def test_the_explicit_pool_format_path_runs_on_cpu(monkeypatch):
     row-major format: same tokens as the default path, the pool keeps its format and buffers, blocks copy and swap."""
     expected = _generate(tiny_llm())
 
-    def row_major(device):
+    def row_major(device, sharding=None):
         return Format(ROW_MAJOR_POOL, jax.sharding.SingleDeviceSharding(device))
 
     monkeypatch.setattr(model_runner, "pool_format", row_major)

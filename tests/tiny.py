@@ -14,6 +14,23 @@ def tiny_config(vocab_size=96, hidden=32, layers=2, heads=4, kv_heads=2, head_di
                        eos_token_ids=(1,), **kw)
 
 
+class CharTokenizer:
+    """Token t decodes to one letter (a..z); text encodes a letter per token. Enough for the detokenizer and stop
+    strings without a real vocabulary."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
+
+    def __call__(self, text):
+        return {"input_ids": [2 + ord(c) % 90 for c in text]}
+
+    def encode(self, text, add_special_tokens=False):
+        """Token ids that decode back to `text`'s letters (26 + letter index)."""
+        return [26 + (ord(c) - ord("a")) % 26 for c in text]
+
+
 def random_params(c: ModelConfig, seed: int = 0) -> dict:
     """Weights scaled so logits stay spread (greedy choices are not near ties)."""
     rng = np.random.default_rng(seed)
@@ -46,9 +63,9 @@ def tiny_llm(config: ModelConfig | None = None, params: dict | None = None, **op
 
     config = config or tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8)
     params = params if params is not None else random_params(config)
-    options.setdefault("dtype", "float32")  # the numbers tests compare are float32's
-    return LLM.from_params(config, params, None, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                           block_size=8, num_blocks=48, precompile=False, show_progress=False, **options)
+    options = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, block_size=8,
+                   num_blocks=48, precompile=False, show_progress=False) | options  # float32: the numbers tests compare
+    return LLM.from_params(config, params, None, **options)
 
 
 def greedy_tokens(config: ModelConfig, params: dict, prompts: list[list[int]], *, attention_backend: str,
@@ -60,3 +77,38 @@ def greedy_tokens(config: ModelConfig, params: dict, prompts: list[list[int]], *
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
+
+
+
+class Collector:
+    """Steps an engine and gathers each request's token ids (sample 0) from its per-step outputs (`EngineOutput`
+    deltas): `tokens` holds the finished requests', `partial` the running ones'."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokens: dict[str, list[int]] = {}
+        self.partial: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str | None] = {}
+
+    def step(self) -> list:
+        outs = self.engine.step()
+        for out in outs:
+            got = self.partial.setdefault(out.request_id, [])
+            for delta in out.deltas:
+                if delta.index == 0:
+                    got += delta.token_ids
+                    self.finish_reasons[out.request_id] = delta.finish_reason
+            if out.finished:
+                self.tokens[out.request_id] = self.partial.pop(out.request_id)
+        return outs
+
+    def drain(self) -> dict[str, list[int]]:
+        """Steps until the engine has no work left; returns the finished requests' tokens."""
+        while self.engine.has_unfinished_requests():
+            self.step()
+        return self.tokens
+
+
+def drain(engine) -> dict[str, list[int]]:
+    """Steps `engine` until it has no work left; returns each finished request's token ids (sample 0)."""
+    return Collector(engine).drain()

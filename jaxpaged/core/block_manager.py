@@ -107,6 +107,14 @@ class BlockManager:
         self.cpu_refcount = [0] * num_cpu_blocks
         self.cpu_tables: dict = {}  # seq_id -> host blocks of a swapped-out sequence
         self.counters = {"queries": 0, "hits": 0, "swapped_out": 0, "swapped_in": 0, "cow": 0}
+        # Kept as they change, so stats() costs O(1) at every step, whatever the pool's size.
+        self.num_used = 0  # blocks with refcount > 0
+        self.num_shared = 0  # blocks with refcount > 1
+        self.num_table_blocks = 0  # entries of the device block tables (a shared block once per holder)
+        self.num_device_tokens = 0  # token slots the sequences on the device hold (seq_tokens, swapped ones not)
+        # Sequences whose device block table changed since `pop_changed_tables` (the runner's persistent copy of
+        # the tables is updated from these alone).
+        self.changed_tables: set = set()
 
     # ---- pool primitives ----------------------------------------------------------------------------------------
 
@@ -123,17 +131,25 @@ class BlockManager:
         else:
             raise NoFreeBlocksError(f"all {self.num_blocks - 1} KV blocks are in use")
         self.refcount[block] = 1
+        self.num_used += 1
         return block
 
     def _ref(self, block: int) -> None:
-        if self.refcount[block] == 0:
+        n = self.refcount[block]
+        if n == 0:
             del self.evictable[block]  # a prefix-cache hit brings an evictable block back into use
-        self.refcount[block] += 1
+            self.num_used += 1
+        elif n == 1:
+            self.num_shared += 1
+        self.refcount[block] = n + 1
 
     def _unref(self, block: int) -> None:
-        self.refcount[block] -= 1
-        if self.refcount[block] > 0:
+        n = self.refcount[block] = self.refcount[block] - 1
+        if n == 1:
+            self.num_shared -= 1
+        if n > 0:
             return
+        self.num_used -= 1
         self.pending_copies.pop(block, None)  # nobody will read this copy's destination
         if block in self.block_hash:
             self.evictable[block] = None
@@ -185,6 +201,9 @@ class BlockManager:
         self.tables[seq_id] = blocks
         self.seq_hashes[seq_id] = hashes
         self.seq_tokens[seq_id] = len(blocks) * bs
+        self.num_table_blocks += len(blocks)
+        self.num_device_tokens += len(blocks) * bs
+        self.changed_tables.add(seq_id)
         self.counters["hits"] += len(blocks) * bs
         return len(blocks) * bs
 
@@ -193,14 +212,26 @@ class BlockManager:
 
         `token_ids` are the sequence's known tokens (longer or shorter than `num_tokens`): every block that is
         full of slots and of known tokens gets its prefix hash registered.
+
+        A decode's next slot in a block the sequence alone holds costs a few comparisons (the fast path below): it
+        runs for every running sequence at every step.
         """
+        table = self.tables.get(seq_id)
+        have = self.seq_tokens.get(seq_id, 0)
+        bs = self.block_size
+        if (table is not None and have < num_tokens <= len(table) * bs and num_tokens <= have + bs - have % bs
+                and self.refcount[table[(num_tokens - 1) // bs]] == 1):
+            # the new slots are in the last block the sequence already holds alone: nothing to allocate or copy
+            self.seq_tokens[seq_id] = num_tokens
+            self.num_device_tokens += num_tokens - have
+            if self.enable_prefix_caching and min(num_tokens, len(token_ids)) // bs > len(self.seq_hashes[seq_id]):
+                self._register_full_blocks(seq_id, token_ids)
+            return True
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
         if seq_id in self.cpu_tables:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap_in before allocating")
-        table = self.tables.get(seq_id, [])
-        have = self.seq_tokens.get(seq_id, 0)
-        bs = self.block_size
+        table = table if table is not None else []
         num_new = max(0, _cdiv(max(num_tokens, self.reserve_tokens), bs) - len(table))
         # The blocks this call writes into that other sequences also hold must be made private first.
         shared = [i for i in range(have // bs, min(_cdiv(num_tokens, bs), len(table)))
@@ -215,10 +246,20 @@ class BlockManager:
         table.extend(self._allocate() for _ in range(num_new))
         self.tables[seq_id] = table
         self.seq_tokens[seq_id] = max(have, num_tokens)
+        self.num_table_blocks += num_new
+        self.num_device_tokens += max(have, num_tokens) - have
+        if num_new or shared:
+            self.changed_tables.add(seq_id)
         self.seq_hashes.setdefault(seq_id, [])
         if self.enable_prefix_caching:
             self._register_full_blocks(seq_id, token_ids)
         return True
+
+    def cache_full_blocks(self, seq_id, token_ids: Sequence[int]) -> None:
+        """Registers the prefix hashes of the sequence's blocks that are full of slots and of known tokens (before it
+        is freed: a token that became known after its block's last allocation, as with asynchronous scheduling)."""
+        if self.enable_prefix_caching and seq_id in self.tables:
+            self._register_full_blocks(seq_id, token_ids)
 
     def _register_full_blocks(self, seq_id, token_ids: Sequence[int]) -> None:
         bs = self.block_size
@@ -239,15 +280,27 @@ class BlockManager:
         self.tables[child_id] = table
         self.seq_tokens[child_id] = self.seq_tokens.get(parent_id, 0)
         self.seq_hashes[child_id] = list(self.seq_hashes.get(parent_id, []))
+        self.num_table_blocks += len(table)
+        self.num_device_tokens += self.seq_tokens[child_id]
+        self.changed_tables.add(child_id)
 
     def free(self, seq_id) -> None:
         """Returns the sequence's blocks (device or host). Unknown ids are a no-op."""
-        for block in reversed(self.tables.pop(seq_id, [])):  # the tail first: evicted before the prefix
-            self._unref(block)
+        self._drop_device_table(seq_id)
         for block in self.cpu_tables.pop(seq_id, []):
             self._cpu_unref(block)
         self.seq_tokens.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
+        self.changed_tables.discard(seq_id)
+
+    def _drop_device_table(self, seq_id) -> None:
+        table = self.tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block in reversed(table):  # the tail first: evicted before the prefix
+            self._unref(block)
+        self.num_table_blocks -= len(table)
+        self.num_device_tokens -= self.seq_tokens.get(seq_id, 0)
 
     def forget_unwritten(self, seq_id, num_written_tokens: int) -> None:
         """Before freeing a sequence whose step failed: its blocks past `num_written_tokens` had their prefix
@@ -260,6 +313,13 @@ class BlockManager:
         hashes = self.seq_hashes.get(seq_id)
         if hashes is not None:
             del hashes[num_written_tokens // self.block_size:]
+
+    def pop_changed_tables(self) -> dict:
+        """seq_id -> its device block table, for the sequences whose table changed since the last call (new,
+        grown, copied on write, swapped in); a sequence freed or swapped out since then is not in it."""
+        changed = {s: self.tables[s] for s in self.changed_tables if s in self.tables}
+        self.changed_tables = set()
+        return changed
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) device copies recorded since the last call; no dst repeats."""
@@ -296,8 +356,7 @@ class BlockManager:
             self.cpu_tables[s] = [mapping[b] for b in self.block_table(s)]
             for c in self.cpu_tables[s]:
                 self.cpu_refcount[c] += 1
-            for block in reversed(self.tables.pop(s, [])):
-                self._unref(block)
+            self._drop_device_table(s)
             self.seq_tokens.setdefault(s, 0)
         self.counters["swapped_out"] += len(mapping)
         return copies
@@ -325,6 +384,11 @@ class BlockManager:
                 self._cpu_unref(c)
         for block, n in Counter(b for s in seq_ids for b in self.tables[s]).items():
             self.refcount[block] = n  # _allocate set 1; the group's own sharing makes it n
+            self.num_shared += n > 1
+        for s in seq_ids:
+            self.num_table_blocks += len(self.tables[s])
+            self.num_device_tokens += self.seq_tokens.get(s, 0)
+            self.changed_tables.add(s)
         if self.enable_prefix_caching:  # same tokens, same hashes: cache the new blocks where nobody else is
             for s in seq_ids:
                 for block, h in zip(self.tables[s], self.seq_hashes.get(s, []), strict=False):
@@ -342,8 +406,7 @@ class BlockManager:
     def stats(self) -> BlockStats:
         return BlockStats(
             num_blocks=self.num_blocks - 1, num_free=self.num_free_blocks,
-            num_used=sum(1 for r in self.refcount if r > 0), num_cached=len(self.block_hash),
-            num_shared=sum(1 for r in self.refcount if r > 1),
+            num_used=self.num_used, num_cached=len(self.block_hash), num_shared=self.num_shared,
             prefix_cache_queries=self.counters["queries"], prefix_cache_hits=self.counters["hits"],
             num_cpu_blocks=self.num_cpu_blocks, num_cpu_used=self.num_cpu_blocks - len(self.cpu_free),
             swapped_out_blocks=self.counters["swapped_out"], swapped_in_blocks=self.counters["swapped_in"],
@@ -363,6 +426,10 @@ class BlockManager:
             places = (block in free_set) + (block in evictable) + (self.refcount[block] > 0)
             assert places == 1, f"block {block} is in {places} of free list / evictable cache / in use"
         assert NULL_BLOCK not in evictable and NULL_BLOCK not in self.block_hash, "the null block is cached"
+        assert self.num_used == sum(1 for r in self.refcount if r > 0), "the used-block counter drifted"
+        assert self.num_shared == sum(1 for r in self.refcount if r > 1), "the shared-block counter drifted"
+        assert self.num_table_blocks == sum(map(len, self.tables.values())), "the table-entry counter drifted"
+        assert self.num_device_tokens == sum(self.seq_tokens[s] for s in self.tables), "the token counter drifted"
         assert evictable <= set(self.block_hash), "an evictable block has no hash"
         assert len(self.hash_to_block) == len(self.block_hash) and all(
             self.block_hash.get(b) == h for h, b in self.hash_to_block.items()), "hash maps disagree"

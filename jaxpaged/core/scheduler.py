@@ -14,11 +14,23 @@ Policy (first-come-first-served), in one of two forms picked by the attention ba
   sequences, and so the time between a stream's tokens. With `max_decode_slowdown` that bound is a ceiling, and the
   bound in force follows the step times the engine reports (`StepPacer`): such a step may delay a stream's next
   token by at most (slowdown - 1) decode steps, however long the prompt's context has grown. On mixed steps a
-  paced chunk is any number of tokens (the pacer's bound goes in 4s, below a tile where a machine needs it).
+  paced chunk is any number of tokens (the pacer's bound goes in 4s, below a tile where a machine needs it). With
+  asynchronous scheduling a step's time is known after the next step was scheduled: each bound applies a step later.
 - A prompt longer than the token budget is chunked over several prefill steps.
 - When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
   is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
   go back ahead of every request that arrived after them, so earlier requests are never starved by later ones.
+
+Asynchronous scheduling: `schedule` commits the step it returns at once (num_computed_tokens advanced, a placeholder
+counted for every token the step samples), so the next step can be scheduled before this one's tokens reach the
+host. A sequence that has all the tokens max_tokens and max_model_len allow is not scheduled again (it finishes when
+its last token arrives); one with a placeholder is never prefilled (a recompute waits for its token). The step
+output carries diffs for the runner's persistent rows: sequences that left the running set, block tables that
+changed.
+
+Host cost: a decode step touches each running sequence once, with an allocation that is a few comparisons unless
+the sequence needs a new block (`BlockManager.allocate_slots`'s fast path); counts the step loop needs (seats
+taken) are kept as they change rather than summed per step.
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from collections import deque
 from jaxpaged.config import CacheConfig, SchedulerConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Sequence, SequenceStatus
+from jaxpaged.core.sched_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -39,35 +52,6 @@ PREFILL_TILE = 16  # prefill segments start at multiples of this many tokens (se
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-@dataclasses.dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # token_ids[num_computed_tokens : num_computed_tokens + num_new_tokens] run this step
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step's logits give the sequence a new token (its last known token is computed)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    is_prefill: bool  # the step runs prompt tokens (and, in a mixed step, decodes too): the runner's prefill shapes
-    scheduled: list[ScheduledSeq]
-    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) device blocks
-    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
-    preempted: list[Sequence] = dataclasses.field(default_factory=list)
-    # n > 1: (parent, its new sample sequences) forked this step; the engine adds them to their request's outputs
-    forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
-    prompt_tokens: int = 0  # prompt (and recomputed) tokens among `scheduled`
-    paced: bool = False  # the prompt tokens were bounded because sequences wait to decode (the pacer's steps)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
 
 
 PACED_CHUNK_UNIT = 4  # mixed steps: the pacer's bound is a multiple of this many tokens (and at least this many)
@@ -113,7 +97,7 @@ class StepPacer:
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         if out.prompt_tokens == 0:
-            if out.scheduled:
+            if out.seqs:
                 self.decode_times.append(seconds)
             return
         decode_s = self.decode_s
@@ -146,6 +130,11 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # arrival order
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._last_was_prefill = False
+        # Running sequences plus the seats their requests will take when they fork: the n - 1 samples of a parent
+        # that has not forked yet, the beam_width - 1 beams of a beam search before its first step. Admission counts
+        # them all, so forks that come later never push a step past max_num_seqs.
+        self.seats_taken = 0
+        self._removed: list[int] = []  # seq ids that left the running set since the last step (the runner's diff)
 
     # ---- queue management -------------------------------------------------------------------------------------
 
@@ -167,49 +156,64 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Removes a sequence from whichever queue holds it and frees its blocks (cached blocks stay reusable)."""
+        status = seq.status
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        for queue in (self.running, self.swapped):
-            if seq in queue:
-                queue.remove(seq)
-        if seq in self.waiting:
+        if status is SequenceStatus.RUNNING:
+            self._remove_running(seq)
+        elif status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        # Blocks that filled with tokens known only after their last allocation (asynchronous scheduling) join the
+        # prefix cache now, as they would have at allocation with a synchronous step.
+        if reason != "error":
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids)
         self.block_manager.free(seq.seq_id)
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput | None:
-        out = SchedulerOutput(is_prefill=True, scheduled=[])
+        out = SchedulerOutput(is_prefill=True)
         self._swap_in(out)
         if self.mixed_steps:
             self._schedule_decodes(out)
-            decodes = {id(s) for s in out.scheduled}
-            self._schedule_prefills(out, self.config.max_num_batched_tokens - len(decodes))
-            out.is_prefill = any(id(s) not in decodes for s in out.scheduled)
+            num_decodes = len(out.seqs)
+            self._schedule_prefills(out, self.config.max_num_batched_tokens - num_decodes)
+            out.is_prefill = len(out.seqs) > num_decodes
         else:
             # After a prefill step, running sequences that wait for a token get a decode step before the next
             # prefill, so a long queue of prompts never stalls the streams already running for more than one step.
-            decodes_waiting = self._last_was_prefill and any(self._decodable(s) for s in self.running)
+            decodes_waiting = self._last_was_prefill and any(decodable(s) for s in self.running)
             if not decodes_waiting:
                 self._schedule_prefills(out, self.config.max_num_batched_tokens)
-            if not out.scheduled:
+            if not out.seqs:
                 out.is_prefill = False
                 self._schedule_decodes(out)
-            self._last_was_prefill = out.is_prefill and bool(out.scheduled)
+            self._last_was_prefill = out.is_prefill and bool(out.seqs)
         out.blocks_to_copy = self.block_manager.pop_copies()
-        if not out.scheduled and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
+        if not out.seqs and not (out.blocks_to_swap_in or out.blocks_to_swap_out):
             return None
+        self._commit(out)
         return out
 
-    def _seats_taken(self) -> int:
-        """Running sequences plus the seats their requests will take when they fork: the n - 1 samples of a parent
-        that has not forked yet, the beam_width - 1 beams of a beam search before its first step. Admission counts
-        them all, so forks that come later never push a step past max_num_seqs."""
-        return sum(1 + s.fork_pending + s.extra_beams for s in self.running)
+    def _commit(self, out: SchedulerOutput) -> None:
+        """The step is decided: its sequences' computed tokens advance now, and each one it samples for counts a
+        placeholder until the token reaches the host; the runner's diffs are handed over."""
+        starts, samples = out.starts, out.samples
+        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            starts.append(start)
+            seq.num_computed_tokens = start + n
+            sampled = start + n == len(seq.token_ids) + seq.num_placeholders
+            samples.append(sampled)
+            if sampled:
+                seq.num_placeholders += 1
+        out.removed, self._removed = self._removed, []
+        out.changed_tables = self.block_manager.pop_changed_tables()
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         # Swapped requests arrived before every waiting one: bring them back first.
-        while self.swapped and (self._seats_taken() + 1 + self.swapped[0].fork_pending + self.swapped[0].extra_beams
-                                <= self.config.max_num_seqs):
+        while self.swapped and self.seats_taken + _seats(self.swapped[0]) <= self.config.max_num_seqs:
             seq = self.swapped[0]
             if not self.block_manager.can_swap_in([seq.seq_id]):
                 break
@@ -225,7 +229,7 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         bound = self.pacer.bound if self.pacer is not None else self.config.max_prefill_tokens_while_decoding
-        if bound is not None and any(self._decodable(s) for s in self.running):
+        if bound is not None and any(decodable(s) for s in self.running):
             out.paced = True
             budget = min(budget, bound)
         # Mixed steps lay a step's tokens out one after another, so a paced chunk may be any number of tokens (the
@@ -235,15 +239,15 @@ class Scheduler:
             self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do.
-        for seq in [s for s in self.running if s.is_prefill]:
-            if seq in self.running:
+        for seq in [s for s in self.running if _prefilling(s)]:
+            if seq.status is SequenceStatus.RUNNING:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
             if budget < unit:
                 return
         while self.waiting and not self.swapped and budget >= unit:
             seq = self.waiting[0]
-            if self._seats_taken() + 1 + seq.fork_pending + seq.extra_beams > self.config.max_num_seqs:
-                return
+            if seq.num_placeholders or self.seats_taken + _seats(seq) > self.config.max_num_seqs:
+                return  # a preempted sequence whose last token is still on the device waits for it
             if seq.num_computed_tokens == 0 and self.cache_config.enable_prefix_caching:
                 hit = self.block_manager.take_cached_prefix(seq.seq_id, seq.token_ids)
                 seq.num_computed_tokens = hit
@@ -278,6 +282,7 @@ class Scheduler:
     def _fork(self, parent: Sequence, out: SchedulerOutput) -> list[Sequence]:
         """n > 1: the parent's prompt is in the cache but for its last token; children share all its blocks."""
         children = [parent.fork(sample_index=i) for i in range(1, parent.fork_pending + 1)]
+        self.seats_taken -= parent.fork_pending  # the children take those seats now, as running sequences
         parent.fork_pending = 0
         self.fork(parent, children)
         out.forked.append((parent, children))
@@ -298,21 +303,20 @@ class Scheduler:
                 return budget
         elif not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
             return budget
-        out.scheduled.append(ScheduledSeq(seq, num_new))
+        out.add(seq, num_new)
         out.prompt_tokens += num_new
         return budget - round_up(num_new, unit)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        allocate = self.block_manager.allocate_slots
         for seq in list(self.running):  # oldest first
-            if not self._decodable(seq):
-                continue  # a prompt still in prefill, or a beam whose step result waits for the rest of its group
-            if seq in self.running and self._allocate_or_preempt(seq, seq.num_tokens, out):
-                out.scheduled.append(ScheduledSeq(seq, 1))
-
-    @staticmethod
-    def _decodable(seq: Sequence) -> bool:
-        """Its cache holds everything but the last sampled token."""
-        return seq.num_uncomputed_tokens == 1 and not seq.is_prefill
+            num_tokens = len(seq.token_ids) + seq.num_placeholders
+            # `decodable`, inline: this loop runs for every running sequence at every step.
+            if (num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens
+                    or num_tokens >= seq.token_limit or seq.status is not SequenceStatus.RUNNING):
+                continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
+            if allocate(seq.seq_id, seq.token_ids, num_tokens) or self._allocate_or_preempt(seq, num_tokens, out):
+                out.add(seq, 1)
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests until it fits.
@@ -322,7 +326,7 @@ class Scheduler:
         while not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
             victim = self.running[-1]
             self._preempt(victim, out)
-            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            out.drop(victim)
             if victim is seq:
                 return False
         return True
@@ -330,7 +334,7 @@ class Scheduler:
     # ---- preemption ---------------------------------------------------------------------------------------------
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.running.remove(seq)
+        self._remove_running(seq)
         seq.num_preemptions += 1
         blocks = len(self.block_manager.block_table(seq.seq_id))
         use_swap = self.cache_config.preemption_mode == "swap" and self.block_manager.can_swap_out([seq.seq_id])
@@ -350,9 +354,36 @@ class Scheduler:
                     "swap" if use_swap else "recompute", blocks, seq.num_tokens)
 
     def _insert_running(self, seq: Sequence) -> None:
+        self.seats_taken += _seats(seq)
         self._insert_by_arrival(self.running, seq)
+
+    def _remove_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.seats_taken -= _seats(seq)
+        self._removed.append(seq.seq_id)
 
     @staticmethod
     def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
-        keys = [(s.arrival_time, s.seq_id) for s in queue]
-        queue.insert(bisect.bisect(keys, (seq.arrival_time, seq.seq_id)), seq)
+        queue.insert(bisect.bisect(queue, (seq.arrival_time, seq.seq_id), key=_arrival), seq)
+
+
+def _arrival(seq: Sequence) -> tuple[float, int]:
+    return seq.arrival_time, seq.seq_id
+
+
+def _seats(seq: Sequence) -> int:
+    """The running seats a sequence takes: itself and the forks its request will make."""
+    return 1 + seq.fork_pending + seq.extra_beams
+
+
+def _prefilling(seq: Sequence) -> bool:
+    """More than the last sampled token is missing from the cache (`Sequence.is_prefill`, inline)."""
+    num_tokens = len(seq.token_ids) + seq.num_placeholders
+    return num_tokens - seq.num_computed_tokens > 1 or num_tokens == seq.num_prompt_tokens
+
+
+def decodable(seq: Sequence) -> bool:
+    """Its cache holds everything but the last sampled token, and it may have another token."""
+    num_tokens = len(seq.token_ids) + seq.num_placeholders
+    return (num_tokens - seq.num_computed_tokens == 1 and num_tokens != seq.num_prompt_tokens
+            and num_tokens < seq.token_limit)

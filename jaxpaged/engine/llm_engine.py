@@ -1,7 +1,15 @@
-"""`Engine`: requests in, one scheduled and executed step at a time, `RequestOutput`s out.
+"""`Engine`: requests in, scheduled and executed steps, each request's new tokens out.
 
-The engine owns the host state (requests, scheduler, block manager) and the `ModelRunner` (device state); what a
-request gives back (detokenization, stop conditions, output kinds) is the `OutputProcessor`'s.
+The step loop (`step`), asynchronous by default: each call schedules, lays out and dispatches the next step, then
+reads the tokens of the step dispatched before it, so the device has the next step queued while the host reads,
+appends and checks the last one's tokens (stop conditions apply one step late; a sequence that stopped gets one
+extra token computed, which is dropped). Requests that need each token on the host before the next step is laid out
+(a grammar's bitmask, bad words of several tokens, penalties, beam search) make the loop synchronous while they run.
+
+The engine hands out token ids (`EngineOutput`), not text: detokenization, stop strings and output kinds are the
+output processor's (`jaxpaged.engine.output_processor`), which runs beside the loop (the server's reader tasks) or
+after it (`LLM.generate` decodes once at the end).
+
 It is not thread-safe: the offline `LLM` calls it from one thread, the async engine from its one loop thread.
 """
 
@@ -18,16 +26,16 @@ from flax import nnx
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.pool_view import MAX_CELLS, pool_view
-from jaxpaged.core.request import Sequence
-from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
+from jaxpaged.core.request import Request, Sequence
+from jaxpaged.core.sched_output import SchedulerOutput
+from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
-from jaxpaged.engine.detokenizer import Detokenizer
-from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.setup import EngineConfig, build_runner
 from jaxpaged.engine.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import EngineOutput, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.worker.model_runner import StepHandle, StepResult
 from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -38,38 +46,28 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclasses.dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    seqs: list[Sequence]
-    detokenizers: list[Detokenizer]
-    seed: int
-    arrival_time: float
-    beam: BeamState | None = None
-    beam_results: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # seq_id -> top
-    grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
-    matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
-    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
-    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # DELTA: seq_id -> (tokens, chars) out
+class StepTimes:
+    """Seconds of host work per part of the step loop, summed over steps (benchmarks/host_overhead.py splits a
+    step's host time with these), and the time spent waiting for the device's tokens."""
 
-    def matcher(self, seq: Sequence):
-        """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one."""
-        if self.grammar is None:
-            return None
-        m = self.matchers.get(seq.seq_id)
-        if m is None:
-            m = self.matchers[seq.seq_id] = self.grammar.deep_copy()
-            if seq.output_token_ids and not m.consume_tokens(seq.output_token_ids):
-                raise ValueError(f"structured output: the grammar rejects the tokens so far: {m.get_error()}")
-        return m
-
-    def seed_of(self, seq: Sequence) -> int:
-        """Sample i of a seeded request draws from its own stream, reproducibly."""
-        return (self.seed + seq.sample_index * 0x9E3779B97F4A7C15) % 2**63
+    schedule_s: float = 0.0  # Scheduler.schedule
+    prepare_s: float = 0.0  # swaps and copies queued, the persistent batch updated, the step laid out
+    dispatch_s: float = 0.0  # the step queued on the device
+    wait_s: float = 0.0  # blocked on a step's tokens
+    output_s: float = 0.0  # tokens appended, stop conditions, the step's outputs built
+    steps: int = 0
 
     @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.dispatch_s + self.output_s
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose tokens the host has not read yet."""
+
+    out: SchedulerOutput
+    handle: StepHandle
 
 
 class Engine:
@@ -92,8 +90,12 @@ class Engine:
         self.config = config
         self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
         self.tokenizer = tokenizer
+        self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
         t0 = time.perf_counter()
-        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(model, config)
+        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(
+            model, config, tuple(sorted(self.eos_token_ids)))
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching,
                                           num_cpu_blocks=self._num_cpu_blocks(self.cache_config),
@@ -101,19 +103,19 @@ class Engine:
                                           else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager,
                                    mixed_steps=getattr(self.runner.attn, "mixes_steps", False))
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
-        self.requests: dict[str, _Request] = {}
-        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.async_scheduling = config.async_scheduling
+        self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
         self._rng = np.random.default_rng(config.seed)
+        self._inflight: _InFlight | None = None
+        self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
+        self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
         self.startup_times = {"setup_s": time.perf_counter() - t0, "compile_s": 0.0}
-        self.step_times = {"host_s": 0.0, "device_s": 0.0}  # summed over the steps that ran the model
+        self.step_times = StepTimes()
         if config.precompile:
             self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
             logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
@@ -133,7 +135,7 @@ class Engine:
         self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
 
     def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> _Request:
+                     arrival_time: float | None = None) -> Request:
         """Checks and tokenizes a request without queueing it (`enqueue` does), so a batch can be all or nothing."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -151,9 +153,12 @@ class Engine:
         so = params.structured_outputs
         grammar = self.grammars.matcher(so.kind, so.spec) if so is not None else None
         bad_words_ids = self._bad_words_ids(params.bad_words)
-        parent = Sequence(request_id, token_ids, params, arrival_time=arrival, fork_pending=params.n - 1)
-        return _Request(request_id, text, [parent], [self.outputs.detokenizer(params)], seed, arrival, grammar=grammar,
-                        bad_words_ids=bad_words_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                       else frozenset(self.eos_token_ids))
+        parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
+                          fork_pending=params.n - 1, stop_ids=stop_ids)
+        return Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
+                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and
@@ -171,8 +176,8 @@ class Engine:
         return out
 
     def make_beam_request(self, request_id: str, prompt: str | list[int] | dict,
-                          params: BeamSearchParams) -> _Request:
-        """A beam search, checked and not yet queued; its one RequestOutput holds the beam_width best hypotheses."""
+                          params: BeamSearchParams) -> Request:
+        """A beam search, checked and not yet queued; its one output holds the beam_width best hypotheses."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         self._check_request_id(request_id)
@@ -190,55 +195,23 @@ class Engine:
                              f"max_model_len={self.max_model_len}")
         # Greedy rows with the top-20 log-probs: the host picks the beams from those.
         sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
-        parent = Sequence(request_id, token_ids, sp, extra_beams=params.beam_width - 1)
-        return _Request(request_id, text, [parent], [], 0, parent.arrival_time, beam=state)
+        parent = Sequence(request_id, token_ids, sp, max_model_len=self.max_model_len,
+                          extra_beams=params.beam_width - 1)
+        return Request(request_id, text, [parent], 0, parent.arrival_time, beam=state)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> None:
         self.enqueue(self.make_beam_request(request_id, prompt, params))
 
-    def enqueue(self, req: _Request) -> None:
+    def enqueue(self, req: Request) -> None:
         """Queues a request made by `make_request` / `make_beam_request`."""
         self._check_request_id(req.request_id)
         self.requests[req.request_id] = req
+        self._sync_requests += req.needs_host_tokens
         self.scheduler.add(req.seqs[0])
 
     def _check_request_id(self, request_id: str) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-
-    def _advance_beams(self, req: _Request) -> RequestOutput | None:
-        """Every live beam has its next-token log-probs: pick the next beams, fork them, free the old ones."""
-        old = req.seqs
-        tops = [req.beam_results.pop(s.seq_id) for s in old]
-        new = req.beam.advance([(s.output_token_ids, s.cum_logprob) for s in old], tops)
-        req.seqs = []
-        if not req.beam.done:
-            for cand in new:
-                parent = old[cand.parent]
-                child = parent.fork(output_token_ids=parent.output_token_ids + [cand.token],
-                                    cum_logprob=cand.cum_logprob)
-                self.scheduler.fork(parent, [child])
-                req.seqs.append(child)
-        for seq in old:
-            self.scheduler.finish(seq, "beam")
-        self.counters["generation_tokens"] += len(old)
-        if not req.beam.done:
-            return None
-        eos = self.eos_token_ids
-        outs = [CompletionOutput(i, self.outputs.decode(h.token_ids), h.token_ids, h.cum_logprob, None,
-                                 "stop" if h.token_ids[-1] in eos and not req.beam.params.ignore_eos else "length")
-                for i, h in enumerate(req.beam.results())]
-        self.requests.pop(req.request_id, None)
-        self.counters["finished_requests"] += 1
-        return RequestOutput(req.request_id, req.prompt, list(old[0].prompt_token_ids), outs, True,
-                             old[0].num_cached_prompt_tokens, {"arrival_time": req.arrival_time})
-
-    def _add_forked(self, forked: list[tuple[Sequence, list[Sequence]]]) -> None:
-        """The n - 1 other samples the scheduler forked from their parents join their requests' outputs."""
-        for parent, children in forked:
-            req = self.requests[parent.request_id]
-            req.seqs += children
-            req.detokenizers += [self.outputs.detokenizer(parent.params) for _ in children]
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -273,7 +246,7 @@ class Engine:
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request and frees its blocks at once. Unknown or finished ids are ignored."""
-        req = self.requests.pop(request_id, None)
+        req = self._forget(request_id)
         if req is None:
             return
         for seq in req.seqs:
@@ -281,114 +254,156 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
         self.counters["aborted_requests"] += 1
 
+    def stop_sequences(self, request_id: str, indices: list[int]) -> None:
+        """The output processor found a stop string: those sequences (sample indices) end now, as "stop". The
+        request's remaining output is the output processor's; the engine gives no more for them."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.sample_index in indices and not seq.finished:
+                self.scheduler.finish(seq, "stop")
+        if req.finished:
+            self._forget(request_id)
+            self.counters["finished_requests"] += 1
+
+    def _forget(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self._sync_requests -= req.needs_host_tokens
+        return req
+
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules and runs one step; returns an output for every request that progressed, finished or failed.
+    def step(self) -> list[EngineOutput]:
+        """Schedules and dispatches the next step, then reads the previous one's tokens (asynchronous scheduling; with
+        `async_scheduling=False`, or while a request needs its tokens on the host, the step just dispatched is read
+        at once). Returns an output for every request that finished or failed, and for every request whose new
+        tokens its caller streams (output kind not FINAL_ONLY, or stop strings to look for).
 
         A failure that can be traced to requests fails those requests only (their output has `error` set) and the
-        step goes on for the others: a row the host cannot lay out, a device step whose pool survived (its
+        loop goes on for the others: a row the host cannot lay out, a device step whose pool survived (its
         requests), a request whose output processing raised. A device operation that raised after the pool was
         donated leaves no pool: the engine is dead from then on and every call raises EngineDeadError.
         """
         if self.dead is not None:
             raise EngineDeadError(self.dead)
-        t_start = time.perf_counter()
+        outputs: list[EngineOutput] = []
+        times = self.step_times
+        if self._inflight is not None and (not self.async_scheduling or self._sync_requests):
+            outputs += self._complete(self._inflight)
+            self._inflight = None
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        if out is None:
-            return []
+        times.schedule_s += time.perf_counter() - t0
+        launched = self._launch(out, outputs) if out is not None else None
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)
+        self._inflight = launched
+        if launched is not None and (not self.async_scheduling or self._sync_requests):
+            outputs += self._complete(launched)
+            self._inflight = None
+        return outputs
+
+    def _launch(self, out: SchedulerOutput, failed: list[EngineOutput]) -> _InFlight | None:
+        """Queues the step's swaps, copies and the step itself on the device; None when nothing runs."""
+        t0 = time.perf_counter()
         self._add_forked(out.forked)
-        failed: list[RequestOutput] = []
+        num_failed = len(failed)
         with self._device_guard(out, failed):
             self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
             self.runner.copy_blocks(out.blocks_to_copy)
-        if failed or not out.scheduled:
-            return failed
-        batch = self._prepare(out, failed)
-        if batch is None:
-            return failed
-        t_device = time.perf_counter()
+        if not out.seqs or len(failed) > num_failed:
+            return None
+        prepared = self._prepare(out, failed)
+        if prepared is None:
+            return None
+        inputs, rows = prepared
+        t1 = time.perf_counter()
+        handle = None
         with self._device_guard(out, failed):
-            result = self.runner.execute(batch)
-        if failed:
-            return failed
-        t_host = time.perf_counter()
-        self.scheduler.observe_step(out, t_host - t_device)
-
+            handle = self.runner.dispatch(inputs, rows)
+        t2 = time.perf_counter()
+        self.step_times.prepare_s += t1 - t0
+        self.step_times.dispatch_s += t2 - t1
+        if handle is None:
+            return None
         self.counters["steps"] += 1
         self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1
-        now = time.monotonic()
-        touched: dict[str, _Request] = {}
-        finished_beams: list[RequestOutput] = []
-        for i, sched in enumerate(out.scheduled):
-            seq, samples = sched.seq, sched.samples
-            if seq.is_prefill:
-                self.counters["prompt_tokens"] += sched.num_new_tokens
-            seq.num_computed_tokens += sched.num_new_tokens
-            req = self.requests.get(seq.request_id)
-            if not samples or req is None:  # None: failed earlier in this loop
-                continue
-            try:
-                if req.beam is not None:
-                    req.beam_results[seq.seq_id] = list(zip(result["top_ids"][i].tolist(),
-                                                            result["top_logprobs"][i].tolist(), strict=True))
-                    if len(req.beam_results) == len(req.seqs):
-                        done = self._advance_beams(req)
-                        finished_beams += [done] if done is not None else []
-                    continue
-                self._append_token(req, seq, int(result["tokens"][i]), result, i)
-            except Exception as e:
-                logger.exception("output processing failed for request %s", req.request_id)
-                touched.pop(req.request_id, None)
-                failed.append(self._fail(req, e, unwritten=False))
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            touched[req.request_id] = req
-        outputs = [self._output(req) for req in touched.values()
-                   if req.finished or req.seqs[0].params.output_kind != RequestOutputKind.FINAL_ONLY]
-        # Host time of the step (scheduling, batch building, output processing) and the device step's wall time.
-        self.step_times["host_s"] += (t_device - t_start) + (time.perf_counter() - t_host)
-        self.step_times["device_s"] += t_host - t_device
-        return outputs + finished_beams + failed
+        self.counters["prompt_tokens"] += out.prompt_tokens
+        return _InFlight(out, handle)
 
-    def _prepare(self, out: SchedulerOutput, failed: list[RequestOutput]):
-        """The step's device batch. If laying it out raises, the rows that raise on their own are failed (their
-        requests) and the batch is built from the rest; None when nothing is left."""
+    @staticmethod
+    def _unschedule(out: SchedulerOutput) -> None:
+        """The step did not run: its sequences' computed tokens and placeholders go back to before it."""
+        for seq, n, sampled in zip(out.seqs, out.num_new_tokens, out.samples, strict=True):
+            seq.num_computed_tokens -= n
+            seq.num_placeholders -= sampled
+
+    def _prepare(self, out: SchedulerOutput, failed: list[EngineOutput]):
+        """The step's inputs, (StepInputs, StepRows). A request whose rows cannot be laid out (its grammar's bitmask
+        raises; or the layout raises and, tried alone, its rows do) fails alone, and the step goes on without it;
+        None when nothing is left."""
+        culprits: dict[str, Exception] = {}
+        bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
+        for i, seq in enumerate(out.seqs):
+            req = self.requests[seq.request_id]
+            if (req.grammar is not None or req.bad_words_ids) and out.samples[i]:
+                try:
+                    mask = self._bitmask(req, seq)
+                except Exception as e:
+                    culprits.setdefault(seq.request_id, e)
+                    continue
+                if mask is not None:
+                    bitmasks[seq.seq_id] = mask
+        out = self._without(out, culprits, failed)
+        if not out.seqs:
+            return None
+        tables = self.block_manager.tables
         try:
-            return self._prepare_rows(out)
+            return self.runner.prepare(out, tables, self._seeds(out), bitmasks)
         except Exception as e:
             first_error = e
-        culprits: dict[str, Exception] = {}
-        for sched in out.scheduled:
+        for request_id in dict.fromkeys(s.request_id for s in out.seqs):  # which requests' rows raise on their own
+            alone = self._without(out, {r: None for r in self.requests if r != request_id}, None)
             try:
-                self._prepare_rows(dataclasses.replace(out, scheduled=[sched]))
+                self.runner.prepare(alone, tables, self._seeds(alone), bitmasks)
             except Exception as e:
-                culprits.setdefault(sched.seq.request_id, e)
-        if not culprits:  # only the batch as a whole fails: every request in it
-            culprits = {s.seq.request_id: first_error for s in out.scheduled}
-        for request_id, e in culprits.items():
-            logger.error("request %s cannot be laid out for the device: %r", request_id, e)
-            failed.append(self._fail(self.requests[request_id], e))
-        out.scheduled = [s for s in out.scheduled if s.seq.request_id not in culprits]
-        return self._prepare_rows(out) if out.scheduled else None
+                culprits[request_id] = e
+        out = self._without(out, culprits or {s.request_id: first_error for s in out.seqs}, failed)
+        if not out.seqs:
+            return None
+        return self.runner.prepare(out, tables, self._seeds(out), bitmasks)
 
-    def _prepare_rows(self, out: SchedulerOutput):
-        tables = [self.block_manager.block_table(s.seq.seq_id) for s in out.scheduled]
-        seeds = [self.requests[s.seq.request_id].seed_of(s.seq) for s in out.scheduled]
-        banned = [self._banned(s.seq) for s in out.scheduled]
-        bitmasks = [self._bitmask(self.requests[s.seq.request_id], s.seq) if s.samples else None
-                    for s in out.scheduled]
-        return self.runner.prepare(out, tables, seeds, banned, bitmasks)
+    def _without(self, out: SchedulerOutput, culprits: dict[str, Exception | None],
+                 failed: list[EngineOutput] | None) -> SchedulerOutput:
+        """The step without the culprits' sequences; with `failed`, the culprits fail (their outputs go there)."""
+        if not culprits:
+            return out
+        if failed is not None:
+            self._unschedule(self._without(out, {s.request_id: None for s in out.seqs if s.request_id not in culprits},
+                                           None))  # the culprits' part of the step will not run
+            for request_id, e in culprits.items():
+                if request_id in self.requests:
+                    logger.error("request %s cannot be laid out for the device: %r", request_id, e)
+                    failed.append(self._fail(self.requests[request_id], e))
+        keep = [i for i, s in enumerate(out.seqs) if s.request_id not in culprits]
+        return dataclasses.replace(out, **{name: [getattr(out, name)[i] for i in keep]
+                                           for name in ("seqs", "num_new_tokens", "starts", "samples")})
 
-    def _bitmask(self, req: _Request, seq: Sequence) -> np.ndarray | None:
+    def _seeds(self, out: SchedulerOutput) -> dict[int, int]:
+        """Seeds of the step's sequences that get a row in the persistent batch."""
+        row_of = self.runner.input_batch.row_of
+        return {s.seq_id: self.requests[s.request_id].seed_of(s) for s in out.seqs if s.seq_id not in row_of}
+
+    def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
         allowed tokens, minus its bad words (one-token words always, longer ones when the rest was just generated).
         """
-        matcher = req.matcher(seq)
+        matcher = self._matcher(req, seq)
         if matcher is None and not req.bad_words_ids:
             return None
         mask = np.full(bitmask_words(self.model_config.vocab_size), -1, np.int32)
@@ -399,10 +414,171 @@ class Engine:
                    if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])])
         return mask
 
+    @staticmethod
+    def _matcher(req: Request, seq: Sequence):
+        """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one."""
+        if req.grammar is None:
+            return None
+        m = req.matchers.get(seq.seq_id)
+        if m is None:
+            m = req.matchers[seq.seq_id] = req.grammar.deep_copy()
+            if seq.output_token_ids and not m.consume_tokens(seq.output_token_ids):
+                raise ValueError(f"structured output: the grammar rejects the tokens so far: {m.get_error()}")
+        return m
+
+    def _complete(self, inflight: _InFlight) -> list[EngineOutput]:
+        """Reads a dispatched step's tokens (waiting for the device), appends them and applies the stop conditions;
+        returns the step's outputs."""
+        out, handle = inflight.out, inflight.handle
+        failed: list[EngineOutput] = []
+        t0 = time.perf_counter()
+        result = None
+        with self._device_guard(out, failed):
+            result = self.runner.fetch(handle)
+        t1 = time.perf_counter()
+        times = self.step_times
+        times.wait_s += t1 - t0
+        times.steps += 1
+        if result is None:
+            return failed
+        # The step's device time, roughly: from when it could start (dispatched, and the one before it done).
+        self.scheduler.observe_step(out, t1 - max(handle.dispatched_at, self._last_step_done))
+        self._last_step_done = t1
+        outputs = self._apply_tokens(out, result, failed)
+        times.output_s += time.perf_counter() - t1
+        return outputs + failed
+
+    def _apply_tokens(self, out: SchedulerOutput, result: StepResult, failed: list[EngineOutput]
+                      ) -> list[EngineOutput]:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}  # requests with outputs to give this step
+        ended: set[str] = set()  # requests a sequence of which finished this step
+        finished_beams: list[EngineOutput] = []
+        requests = self.requests
+        tokens = result.tokens.tolist()
+        generated = 0
+        for i, seq in enumerate(out.seqs):
+            if not out.samples[i]:
+                continue
+            if seq.finished or seq.request_id not in requests:  # finished, aborted or failed after this step began
+                continue
+            req = requests[seq.request_id]
+            token = tokens[i]
+            try:
+                if req.beam is not None:
+                    seq.num_placeholders -= 1  # a beam's token becomes a new beam's, chosen with its group
+                    req.beam_results[seq.seq_id] = list(zip(result.top_ids[i].tolist(),
+                                                            result.top_logprobs[i].tolist(), strict=True))
+                    if len(req.beam_results) == len(req.seqs):
+                        done = self._advance_beams(req)
+                        finished_beams += [done] if done is not None else []
+                    continue
+                seq.token_ids.append(token)
+                seq.num_placeholders -= 1
+                generated += 1
+                if seq.params.logprobs is not None:
+                    self._append_logprobs(seq, token, result, i)
+                reason, stop_reason = self._stop(req, seq, token)
+                if reason is not None:
+                    seq.stop_reason = stop_reason
+                    req.matchers.pop(seq.seq_id, None)
+                    self.scheduler.finish(seq, reason)
+                    ended.add(req.request_id)
+            except Exception as e:
+                logger.exception("output processing failed for request %s", req.request_id)
+                touched.pop(req.request_id, None)
+                failed.append(self._fail(req, e, unwritten=False))
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if req.streams or req.request_id in ended:
+                touched[req.request_id] = req
+        self.counters["generation_tokens"] += generated
+        outputs = [self._output(req, req.request_id in ended and req.finished) for req in touched.values()]
+        return outputs + finished_beams
+
+    def _stop(self, req: Request, seq: Sequence, token: int) -> tuple[str | None, int | None]:
+        """(finish reason, stop reason) after `token` was appended: ("stop", None) for EOS or a grammar that allows
+        nothing more, ("stop", token) for a stop token, ("length", None) at max_tokens or the context length,
+        (None, None) while it goes on. EOS and stop tokens count only from min_tokens on; stop strings are the
+        output processor's."""
+        if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
+            return "stop", (token if token in seq.params.stop_token_ids else None)
+        if req.grammar is not None:
+            matcher = self._matcher(req, seq)
+            if not matcher.consume_token(token):
+                raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
+            if matcher.is_stopped():  # the grammar allows nothing more
+                return "stop", None
+        if len(seq.token_ids) >= seq.token_limit:
+            return "length", None
+        return None, None
+
+    @staticmethod
+    def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int) -> None:
+        k = seq.params.logprobs
+        chosen = float(result.logprobs[row])
+        seq.output_logprobs.append(chosen)
+        top = dict(zip(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist(), strict=True))
+        top[token] = chosen
+        seq.output_top_logprobs.append(top)
+
+    def _output(self, req: Request, finished: bool) -> EngineOutput:
+        """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
+        deltas = []
+        for seq in req.seqs:
+            done = len(seq.token_ids) - seq.num_prompt_tokens
+            if done == seq.num_emitted and not (finished and seq.finish_reason is not None):
+                continue
+            start = seq.num_emitted
+            seq.num_emitted = done
+            logprobs = seq.params.logprobs is not None
+            deltas.append(SeqDelta(seq.sample_index, seq.token_ids[seq.num_prompt_tokens + start:],
+                                   seq.output_logprobs[start:] if logprobs else None,
+                                   seq.output_top_logprobs[start:] if logprobs else None,
+                                   seq.finish_reason, seq.stop_reason))
+        if finished:
+            self._forget(req.request_id)
+            self.counters["finished_requests"] += 1
+        return EngineOutput(req.request_id, deltas, finished, req.seqs[0].num_cached_prompt_tokens,
+                            req.seqs[0].first_token_time)
+
+    def _advance_beams(self, req: Request) -> EngineOutput | None:
+        """Every live beam has its next-token log-probs: pick the next beams, fork them, free the old ones."""
+        old = req.seqs
+        tops = [req.beam_results.pop(s.seq_id) for s in old]
+        new = req.beam.advance([(s.output_token_ids, s.cum_logprob) for s in old], tops)
+        req.seqs = []
+        if not req.beam.done:
+            for cand in new:
+                parent = old[cand.parent]
+                child = parent.fork(output_token_ids=parent.output_token_ids + [cand.token],
+                                    cum_logprob=cand.cum_logprob)
+                self.scheduler.fork(parent, [child])
+                req.seqs.append(child)
+        for seq in old:
+            self.scheduler.finish(seq, "beam")
+        self.counters["generation_tokens"] += len(old)
+        if not req.beam.done:
+            return None
+        eos = self.eos_token_ids
+        deltas = [SeqDelta(i, h.token_ids, finish_reason="stop" if h.token_ids[-1] in eos and
+                           not req.beam.params.ignore_eos else "length", cumulative_logprob=h.cum_logprob)
+                  for i, h in enumerate(req.beam.results())]
+        self._forget(req.request_id)
+        self.counters["finished_requests"] += 1
+        return EngineOutput(req.request_id, deltas, True, old[0].num_cached_prompt_tokens)
+
+    def _add_forked(self, forked: list[tuple[Sequence, list[Sequence]]]) -> None:
+        """The n - 1 other samples the scheduler forked from their parents join their requests."""
+        for parent, children in forked:
+            self.requests[parent.request_id].seqs += children
+
     @contextlib.contextmanager
-    def _device_guard(self, out: SchedulerOutput, failed: list[RequestOutput]):
-        """A device operation that raises: with the pool gone, or multi-host, the engine is dead; with the pool
-        intact the requests of this step fail (which of them caused it cannot be known) and the engine goes on."""
+    def _device_guard(self, out: SchedulerOutput, failed: list[EngineOutput]):
+        """A device operation of step `out` that raises: with the pool gone, or multi-host, the engine is dead; with
+        the pool intact the requests of this step fail (which of them caused it cannot be known; the step's tokens
+        count as unwritten) and the engine goes on."""
         try:
             yield
         except Exception as e:
@@ -415,15 +591,16 @@ class Engine:
                 self.dead = f"a device step failed after its KV pool was donated: {type(e).__name__}: {e}"
                 logger.exception("the engine is dead")
                 raise EngineDeadError(self.dead) from e
-            logger.exception("a device step failed; failing its %d requests", len(out.scheduled))
-            for request_id in dict.fromkeys(s.seq.request_id for s in out.scheduled):
+            logger.exception("a device step failed; failing its requests")
+            self._unschedule(out)
+            for request_id in dict.fromkeys(s.request_id for s in out.seqs):
                 if request_id in self.requests:
                     failed.append(self._fail(self.requests[request_id], e))
 
-    def _fail(self, req: _Request, error: Exception, unwritten: bool = True) -> RequestOutput:
-        """Ends a request with an error. unwritten: this step allocated slots its K/V never reached, so the blocks
-        it alone holds must not stay in the prefix cache."""
-        self.requests.pop(req.request_id, None)
+    def _fail(self, req: Request, error: Exception, unwritten: bool = True) -> EngineOutput:
+        """Ends a request with an error. unwritten: a step allocated slots its K/V never reached, so the blocks it
+        alone holds must not stay in the prefix cache."""
+        self._forget(req.request_id)
         for seq in req.seqs:
             if not seq.finished:
                 if unwritten:
@@ -431,39 +608,9 @@ class Engine:
                 self.scheduler.finish(seq, "error")
         self.counters["failed_requests"] += 1
         message = f"{type(error).__name__}: {error}"
-        outs = [CompletionOutput(i, "", list(seq.output_token_ids), None, None, "error")
-                for i, seq in enumerate(req.seqs)]
-        return RequestOutput(req.request_id, req.prompt, list(req.seqs[0].prompt_token_ids), outs, True,
-                             metrics={"arrival_time": req.arrival_time}, error=message)
-
-    def _banned(self, seq: Sequence) -> list[int]:
-        """Below min_tokens, EOS and the stop token ids may not be sampled (unless a grammar decides when to end)."""
-        p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens or p.structured_outputs is not None:
-            return []
-        eos = [] if p.ignore_eos else sorted(self.eos_token_ids)
-        return eos + p.stop_token_ids
-
-    def _append_token(self, req: _Request, seq: Sequence, token: int, result, row: int) -> None:
-        self.counters["generation_tokens"] += 1
-        matcher = req.matcher(seq)
-        if matcher is not None and not matcher.consume_token(token):
-            raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
-        reason, stop_reason = self.outputs.add_token(
-            seq, req.detokenizers[req.seqs.index(seq)], token, result, row,
-            grammar_stopped=matcher is not None and matcher.is_stopped())  # the grammar allows nothing more
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            req.matchers.pop(seq.seq_id, None)
-            self.scheduler.finish(seq, reason)
-
-    def _output(self, req: _Request) -> RequestOutput:
-        out = self.outputs.request_output(req.request_id, req.prompt, req.seqs, req.detokenizers, req.sent,
-                                          req.arrival_time)
-        if out.finished:
-            self.requests.pop(req.request_id, None)
-            self.counters["finished_requests"] += 1
-        return out
+        deltas = [SeqDelta(seq.sample_index, seq.output_token_ids[seq.num_emitted:], finish_reason="error")
+                  for seq in req.seqs]
+        return EngineOutput(req.request_id, deltas, True, error=message)
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
@@ -508,22 +655,22 @@ class Engine:
         return view
 
     def stats(self) -> dict:
-        """Pool, scheduler and throughput counters (a plain dict, for logs, tests and /metrics)."""
-        b = self.block_manager.stats()
+        """Pool, scheduler and throughput counters (a plain dict, for logs, tests and /metrics). O(1): every figure
+        is a counter kept as it changes, so the server can take it after every step."""
+        bm = self.block_manager
+        b = bm.stats()
         bs = self.cache_config.block_size
-        live = [s for s in self.scheduler.running]
-        logical_blocks = sum(len(self.block_manager.block_table(s.seq_id)) for s in live)
         slots_allocated = b.num_used * bs  # distinct blocks: a shared block counts once
-        tokens_held = sum(min(s.num_computed_tokens, self.block_manager.num_tokens(s.seq_id)) for s in live)
+        times = self.step_times
         return {
             **dataclasses.asdict(b),
             "block_size": bs,
             # token slots holding real tokens / slots in allocated blocks (shared tokens count once per holder, so
             # with sharing this can pass 1: the pool holds more tokens than it has slots)
-            "kv_utilization": tokens_held / slots_allocated if slots_allocated else 0.0,
+            "kv_utilization": bm.num_device_tokens / slots_allocated if slots_allocated else 0.0,
             "prefix_cache_hit_rate": b.prefix_cache_hits / b.prefix_cache_queries if b.prefix_cache_queries else 0.0,
-            # blocks the running sequences would hold without sharing, minus what the pool holds for them
-            "bytes_saved_by_sharing": max(0, logical_blocks - b.num_used) * self.runner.block_bytes,
+            # blocks the sequences would hold without sharing, minus what the pool holds for them
+            "bytes_saved_by_sharing": max(0, bm.num_table_blocks - b.num_used) * self.runner.block_bytes,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_swapped": len(self.scheduler.swapped),
@@ -532,7 +679,8 @@ class Engine:
             "preemptions_swap": self.scheduler.num_preemptions["swap"],
             **self.counters,
             **self.startup_times,
-            **self.step_times,
+            "host_s": times.host_s,
+            "device_wait_s": times.wait_s,
         }
 
 
@@ -550,4 +698,4 @@ def _token_ids(ids, field: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-__all__ = ["Engine", "EngineConfig", "EngineDeadError"]
+__all__ = ["Engine", "EngineConfig", "EngineDeadError", "StepTimes"]

@@ -1,86 +1,143 @@
-"""What a request gives back, from the tokens its sequences sample: log-probs, incremental detokenization, the stop
-conditions (EOS, stop tokens, stop strings, length) and the output kinds (cumulative, deltas, final only).
+"""What a request gives its caller, from the engine's token ids: text (incremental detokenization), stop strings,
+log-probs and the output kinds (cumulative, deltas, final only). It runs off the engine's step path: in the server's
+reader tasks, or in `LLM.generate` after each step.
 
-The engine schedules and executes; it hands every sampled token to `OutputProcessor.add_token`, which says whether
-(and why) the sequence finished, and asks `request_output` for a request's `RequestOutput`. Structured output's
-grammar matchers stay with the engine (they also build the next step's token bitmask); the engine tells
-`add_token` when a grammar allows nothing more.
+One `RequestState` per request folds the engine's `EngineOutput`s into `RequestOutput`s. Text is decoded as tokens
+arrive only where someone reads it as it grows (streamed outputs) or a stop string must be found; a request that
+wants its final output alone and has no stop string is decoded once, when it finishes. A stop string ends a sequence
+here, as its tokens arrive: `take_stopped` then gives the caller the sequences to stop in the engine
+(`Engine.stop_sequences`; the engine may have run a step or two past the stop string: those tokens are dropped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from jaxpaged.core.request import Sequence
 from jaxpaged.engine.detokenizer import Detokenizer
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import CompletionOutput, EngineOutput, RequestOutput, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+@dataclasses.dataclass
+class _SeqState:
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    detokenizer: Detokenizer | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None  # beam search: the hypothesis' sum
+    sent_tokens: int = 0  # DELTA: tokens and characters already given out
+    sent_chars: int = 0
+
+
+class RequestState:
+    """One request's output as its caller sees it (see the module docstring)."""
+
+    def __init__(self, tokenizer, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float):
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = arrival_time
+        self.kind = params.output_kind
+        # decoded as it grows: someone reads it as it grows, or a stop string must be found in it
+        self.incremental = self.kind != RequestOutputKind.FINAL_ONLY or bool(params.stop)
+        self.seqs: dict[int, _SeqState] = {}
+        self.finished = False
+        self._stopped: list[int] = []  # sequences a stop string ended here that the engine has not been told of
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.error: str | None = None
 
-    def detokenizer(self, params: SamplingParams) -> Detokenizer:
-        """A sequence's incremental detokenizer, holding back text that may be the start of a stop string."""
-        return Detokenizer(self.tokenizer, params.skip_special_tokens, params.stop, params.include_stop_str_in_output)
+    def update(self, out: EngineOutput) -> RequestOutput | None:
+        """Folds one engine output in; returns what the caller should see now (None: nothing for FINAL_ONLY yet)."""
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
+        self.first_token_time = self.first_token_time or out.first_token_time
+        for delta in out.deltas:
+            self._add(delta)
+        if out.error is not None:
+            self.error = out.error
+        ended = len(self.seqs) >= self.params.n and all(s.finish_reason is not None for s in self.seqs.values())
+        self.finished = self.finished or out.finished or ended
+        if self.kind == RequestOutputKind.FINAL_ONLY and not self.finished:
+            return None
+        return self.output()
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+    def _add(self, delta: SeqDelta) -> None:
+        seq = self.seqs.get(delta.index)
+        if seq is None:
+            seq = self.seqs[delta.index] = _SeqState()
+            if self.params.logprobs is not None:
+                seq.logprobs, seq.top_logprobs = [], []
+            if self.incremental and self.tokenizer is not None:
+                p = self.params
+                seq.detokenizer = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop,
+                                              p.include_stop_str_in_output)
+        if delta.cumulative_logprob is not None:
+            seq.cumulative_logprob = delta.cumulative_logprob
+        if seq.finish_reason is not None and seq.finish_reason != "error":
+            return  # ended here by a stop string: what the engine ran past it is dropped
+        last = len(delta.token_ids) - 1
+        for j, token in enumerate(delta.token_ids):
+            seq.token_ids.append(token)
+            if seq.logprobs is not None and delta.logprobs is not None:
+                seq.logprobs.append(delta.logprobs[j])
+                seq.top_logprobs.append(delta.top_logprobs[j])
+            if seq.detokenizer is None:
+                continue
+            detok = seq.detokenizer
+            before = len(detok.text)
+            detok.add(seq.token_ids)
+            # EOS and stop tokens (the engine's "stop" on the last token) take precedence over a stop string
+            token_stop = j == last and delta.finish_reason == "stop"
+            if (not token_stop and len(seq.token_ids) >= self.params.min_tokens
+                    and detok.check_stop(len(detok.text) - before) is not None):
+                seq.finish_reason, seq.stop_reason = "stop", detok.stopped_on
+                if delta.finish_reason is None:
+                    self._stopped.append(delta.index)
+                return
+        if delta.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
 
-    def add_token(self, seq: Sequence, detok: Detokenizer, token: int, result: dict, row: int,
-                  grammar_stopped: bool = False) -> tuple[str | None, int | str | None]:
-        """Appends `token` (and its log-probs from the step's `result`, row `row`) to `seq`, detokenizes it, and
-        returns (finish reason, stop reason): ("stop", None) for EOS or a grammar that allows nothing more, ("stop",
-        the token or string) for a stop token or stop string, ("length", None) at max_tokens or the context length,
-        (None, None) while it goes on. EOS and stops count only from min_tokens on."""
-        p = seq.params
-        seq.output_token_ids.append(token)
-        if p.logprobs is not None:
-            seq.output_logprobs.append(float(result["logprobs"][row]))
-            top = {int(t): float(lp) for t, lp in zip(result["top_ids"][row][:p.logprobs],
-                                                      result["top_logprobs"][row][:p.logprobs], strict=True)}
-            top[token] = float(result["logprobs"][row])
-            seq.output_top_logprobs.append(top)
-        before = len(detok.text)
-        detok.add(seq.output_token_ids)
-        num_out = len(seq.output_token_ids)
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop", None
-            if token in p.stop_token_ids:
-                return "stop", token
-            if detok.check_stop(len(detok.text) - before) is not None:
-                return "stop", detok.stopped_on
-        if grammar_stopped:
-            return "stop", None
-        if (p.max_tokens is not None and num_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len:
-            return "length", None
-        return None, None
+    def take_stopped(self) -> list[int]:
+        """Indices of the sequences a stop string ended since the last call, which the engine still runs."""
+        stopped, self._stopped = self._stopped, []
+        return stopped
 
-    def request_output(self, request_id: str, prompt: str | None, seqs: list[Sequence],
-                       detokenizers: list[Detokenizer], sent: dict[int, tuple[int, int]],
-                       arrival_time: float) -> RequestOutput:
-        """The request's output now, in its output kind. sent: seq_id -> (tokens, characters) already given out,
-        which DELTA outputs start after and update."""
-        finished = all(s.finished for s in seqs)
-        delta = seqs[0].params.output_kind == RequestOutputKind.DELTA
+    def output(self) -> RequestOutput:
+        """The request's output now, in its output kind."""
+        delta = self.kind == RequestOutputKind.DELTA
         outs = []
-        for i, (seq, detok) in enumerate(zip(seqs, detokenizers, strict=True)):
-            logprobs = seq.output_top_logprobs if seq.params.logprobs is not None else None
-            cum = float(sum(seq.output_logprobs)) if seq.params.logprobs is not None else None
-            text, tokens = detok.visible_text(seq.finished), seq.output_token_ids
+        for index in sorted(self.seqs):
+            seq = self.seqs[index]
+            done = seq.finish_reason is not None
+            text = self._text(seq, done)
+            tokens, logprobs = seq.token_ids, seq.top_logprobs
+            cum = seq.cumulative_logprob if seq.cumulative_logprob is not None else (
+                float(sum(seq.logprobs)) if seq.logprobs is not None else None)
             if delta:  # what is new since this sequence's previous output
-                sent_tokens, sent_chars = sent.get(seq.seq_id, (0, 0))
-                sent[seq.seq_id] = (len(tokens), max(sent_chars, len(text)))
+                sent_tokens, sent_chars = seq.sent_tokens, seq.sent_chars
+                seq.sent_tokens, seq.sent_chars = len(tokens), max(sent_chars, len(text))
                 text, tokens = text[sent_chars:], tokens[sent_tokens:]
                 logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-            outs.append(CompletionOutput(i, text, list(tokens), cum, logprobs, seq.finish_reason, seq.stop_reason))
-        seq0 = seqs[0]
-        metrics = {"arrival_time": arrival_time, "first_token_time": seq0.first_token_time or 0.0}
-        if finished:
+            outs.append(CompletionOutput(index, text, list(tokens), cum, list(logprobs) if logprobs is not None
+                                         else None, seq.finish_reason, seq.stop_reason))
+        metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time or 0.0}
+        if self.finished:
             metrics["finished_time"] = time.monotonic()
-        return RequestOutput(request_id, prompt, list(seq0.prompt_token_ids), outs, finished,
-                             seq0.num_cached_prompt_tokens, metrics)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
+                             self.num_cached_tokens, metrics, self.error)
+
+    def _text(self, seq: _SeqState, done: bool) -> str:
+        if seq.detokenizer is not None:
+            return seq.detokenizer.visible_text(done)
+        if self.tokenizer is None or not seq.token_ids:
+            return ""
+        return self.tokenizer.decode(seq.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+
+__all__ = ["RequestState"]

@@ -11,10 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
+from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.parallel.multihost import DistributedConfig
 from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
-from jaxpaged.worker.model_runner import ModelRunner, pool_block_bytes, pool_format
+from jaxpaged.worker.kv_pool import pool_block_bytes, pool_format
+from jaxpaged.worker.model_runner import ModelRunner
+from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,9 @@ class EngineConfig:
     distributed_initialization_timeout: int = _option(
         300, "multi-host: seconds the processes have to find each other at start-up")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
+    async_scheduling: bool = _option(True, "schedule and dispatch each step before reading the previous one's "
+                                           "tokens, so the device never waits for the host (requests with grammars, "
+                                           "penalties, multi-token bad words or beam search run synchronously)")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
     compilation_cache_dir: str | None = _option(None, "persistent XLA cache (default: $JAXPAGED_COMPILATION_CACHE "
@@ -232,7 +237,7 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     `prepack_head`)."""
     from jaxpaged.models import gemma3, llama
     from jaxpaged.models.matmul import prepack_head, prepack_layer_weights
-    from jaxpaged.worker.model_runner import native_matmul_rows
+    from jaxpaged.worker.step import native_matmul_rows
 
     built_in = isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM))
     if (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
@@ -293,8 +298,9 @@ def _placed_as(x, mesh, spec, dtype) -> bool:
                                                                                          x.ndim)
 
 
-def build_runner(model: nnx.Module, config: EngineConfig):
-    """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner."""
+def build_runner(model: nnx.Module, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+    """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner
+    (multi-host: the runner that announces each device op to the other processes first)."""
     model_config = model.config
     tp, mesh = config.tensor_parallel_size, None
     if tp > 1:
@@ -341,15 +347,21 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
+    pool_sharding = None
+    runner_class = ModelRunner
     if mesh is not None:
-        from jaxpaged.parallel.tensor_parallel import ShardedAttention
+        from jaxpaged.parallel import multihost
+        from jaxpaged.parallel.tensor_parallel import ShardedAttention, pool_sharding
 
         attn = ShardedAttention(attn, mesh)
-    runner = ModelRunner(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
-                         max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
-                         max_num_batched_tokens=sched.max_num_batched_tokens,
-                         attn=attn, cache_dtype=cache_dtype,
-                         block_bytes=block_bytes, mesh=mesh)
+        pool_sharding = pool_sharding(mesh)
+        if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+            runner_class = multihost.MultihostRunner
+    runner = runner_class(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
+                          max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
+                          max_num_batched_tokens=sched.max_num_batched_tokens, attn=attn, cache_dtype=cache_dtype,
+                          block_bytes=block_bytes, mesh=mesh, pool_sharding=pool_sharding,
+                          eos_token_ids=eos_token_ids, truncate_tables=config.kv_allocation == "contiguous")
     if mesh is not None:
         _log_device_bytes(runner)
     return runner, cache, sched, max_model_len

@@ -8,10 +8,12 @@ send it commands and read each request's outputs as they come.
 
 Threading: callers never touch the `Engine`. They append commands (add, abort) to a deque under one condition
 variable; the loop thread takes them between steps, so a request that arrives while others decode joins at the next
-step. Outputs go back to each request's asyncio queue through `loop.call_soon_threadsafe`. With no work the loop
-thread blocks on the condition variable (no busy polling). `stats()` returns a snapshot that the loop thread takes
-after every iteration, so readers never see the scheduler half-updated. `pool_view()` is a command too: the loop
-thread draws the pool between steps, at most once per POOL_VIEW_MAX_AGE_S however many callers ask.
+step. The loop thread hands each request's new token ids (`EngineOutput`) to its stream through
+`loop.call_soon_threadsafe`; the reader's own task turns them into text (`RequestState`: detokenization, stop
+strings, log-probs), so none of that is on the engine's step path. With no work the loop thread blocks on the
+condition variable (no busy polling). `stats()` returns a snapshot that the loop thread takes after every
+iteration (O(1): counters), so readers never see the scheduler half-updated. `pool_view()` is a command too: the
+loop thread draws the pool between steps, at most once per POOL_VIEW_MAX_AGE_S however many callers ask.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from collections.abc import AsyncIterator
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.core.pool_view import MAX_CELLS
 from jaxpaged.engine.llm_engine import Engine
+from jaxpaged.engine.output_processor import RequestState
 from jaxpaged.entrypoints.metrics import EngineMetrics
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import EngineOutput, RequestOutput, SeqDelta
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,14 @@ class _Abort:
 
 
 @dataclasses.dataclass
+class _StopSequences:
+    """The reader found a stop string: those sequences end in the engine."""
+
+    request_id: str
+    indices: list[int]
+
+
+@dataclasses.dataclass
 class _PoolView:
     max_cells: int
     done: concurrent.futures.Future  # the view, drawn by the loop thread between steps
@@ -77,54 +88,63 @@ POOL_VIEW_MAX_AGE_S = 0.2  # callers within this long of a view share it: watche
 
 
 class RequestStream:
-    """The outputs of one request, an async iterator of cumulative `RequestOutput`s ending with a finished one.
+    """The outputs of one request, an async iterator of `RequestOutput`s (in the request's output kind; the server
+    asks for cumulative ones) ending with a finished one.
 
-    It holds at most one unread item: each output carries all text and tokens so far, so a newer one replaces an
-    unread older one, and a reader that falls behind (or stops reading) costs one output's memory, not one per
-    step. A terminal item (the finished output, or an error) is never replaced. Leaving early (`aclose()`, `break`
-    inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
+    The engine's outputs for it wait merged into one unread item (token ids only, so a reader that falls behind, or
+    stops reading, holds the tokens it has not read, not an output per step); the reader turns them into text when
+    it reads (`RequestState`). A terminal item (the finished output, or an error) is never replaced. Leaving early
+    (`aclose()`, `break` inside `async with`, cancellation) aborts the request, which frees its KV blocks at once.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
-        self._unread: RequestOutput | BaseException | None = None
+        self._unread: EngineOutput | BaseException | None = None
         self._wakeup = asyncio.Event()
+        self._state: RequestState | None = None  # set by the engine thread before the add completes
         self.finished = False
         self._closed = False
 
-    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop, from the engine thread
+    def _put(self, item: EngineOutput | BaseException) -> None:  # on the event loop, from the engine thread
         unread = self._unread
         if isinstance(unread, BaseException) or (unread is not None and unread.finished):
             return  # e.g. the shutdown's error after a finished output the reader has not taken yet
-        self._unread = item
+        self._unread = item if unread is None or isinstance(item, BaseException) else _merge(unread, item)
         self._wakeup.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished or self._closed:
-            raise StopAsyncIteration
-        try:
-            while self._unread is None and not self._closed:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-        except BaseException:  # cancelled while waiting: nobody will read this request any more
-            await self.aclose()
-            raise
-        if self._closed:
-            raise StopAsyncIteration
-        item, self._unread = self._unread, None
-        if isinstance(item, BaseException):
-            self.finished = True
-            self._engine._forget(self.request_id, abort=False)
-            raise item
-        if item.finished:
-            self.finished = True
-            self._engine._forget(self.request_id, abort=False)
-        return item
+        while True:
+            if self.finished or self._closed:
+                raise StopAsyncIteration
+            try:
+                while self._unread is None and not self._closed:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+            except BaseException:  # cancelled while waiting: nobody will read this request any more
+                await self.aclose()
+                raise
+            if self._closed:
+                raise StopAsyncIteration
+            item, self._unread = self._unread, None
+            if isinstance(item, BaseException):
+                self.finished = True
+                self._engine._forget(self.request_id, abort=False)
+                raise item
+            out = self._state.update(item)  # the output processing: text, stop strings, log-probs
+            stopped = self._state.take_stopped()
+            if self._state.finished:
+                self.finished = True
+                # a stop string may have ended it before the engine did: the engine drops it now
+                self._engine._forget(self.request_id, abort=not item.finished)
+            elif stopped:
+                self._engine._stop_sequences(self.request_id, stopped)
+            if out is not None:
+                return out
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -162,6 +182,7 @@ class AsyncEngine:
         self._view: tuple[int, float, concurrent.futures.Future] | None = None  # (max_cells, asked at, view)
         self._error: BaseException | None = None
         self._token_times: dict[str, tuple[float, int]] = {}  # request id -> (last output time, tokens so far)
+        self._arrivals: dict[str, float] = {}  # request id -> arrival time
         self._snapshot = self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
@@ -264,6 +285,11 @@ class AsyncEngine:
         gets RequestAbortedError."""
         with self._cond:
             self._commands.append(_Abort(request_id, RequestAbortedError(f"request {request_id!r} was aborted")))
+            self._cond.notify()
+
+    def _stop_sequences(self, request_id: str, indices: list[int]) -> None:
+        with self._cond:
+            self._commands.append(_StopSequences(request_id, indices))
             self._cond.notify()
 
     def _forget(self, request_id: str, abort: bool) -> None:
@@ -381,7 +407,7 @@ class AsyncEngine:
         finally:
             self._shut_down_engine()
 
-    def _apply(self, commands: list[_Add | _Abort]) -> list[tuple[str, RequestOutput | BaseException]]:
+    def _apply(self, commands: list) -> list[tuple[str, EngineOutput | BaseException]]:
         deliveries = []
         for cmd in commands:
             if isinstance(cmd, _PoolView):
@@ -394,8 +420,12 @@ class AsyncEngine:
             if isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 self._token_times.pop(cmd.request_id, None)
+                self._arrivals.pop(cmd.request_id, None)
                 if cmd.error is not None:
                     deliveries.append((cmd.request_id, cmd.error))
+                continue
+            if isinstance(cmd, _StopSequences):
+                self.engine.stop_sequences(cmd.request_id, cmd.indices)
                 continue
             added = []
             if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it
@@ -405,6 +435,12 @@ class AsyncEngine:
                     for req in made:
                         self.engine.enqueue(req)
                     added = [rid for rid, _, _ in cmd.requests]
+                    with self._cond:
+                        streams = [self._streams.get(rid) for rid in added]
+                    for req, stream in zip(made, streams, strict=True):
+                        if stream is not None:  # the reader decodes with the API side's tokenizer (its thread's)
+                            stream._state = RequestState(self.tokenizer, req.request_id, req.prompt,
+                                                         req.seqs[0].prompt_token_ids, req.params, req.arrival_time)
                 except Exception as e:  # bad input: the caller gets it, nothing is queued, the loop goes on
                     cmd.done.set_exception(e)
             with self._cond:
@@ -414,6 +450,7 @@ class AsyncEngine:
             if added:
                 for rid in added:
                     self._token_times[rid] = (cmd.arrival_time, 0)
+                    self._arrivals[rid] = cmd.arrival_time
                 cmd.done.set_result(None)
         return deliveries
 
@@ -429,13 +466,14 @@ class AsyncEngine:
             if out.error is not None:  # this request failed inside the step; the others went on
                 self.metrics.step_errors.inc()
                 self._token_times.pop(out.request_id, None)
+                self._arrivals.pop(out.request_id, None)
                 deliveries.append((out.request_id, EngineStepError(f"internal engine error: {out.error}")))
                 continue
             self._observe(out, now)
             deliveries.append((out.request_id, out))
         return self.engine.counters["steps"] != steps_before or bool(outputs)
 
-    def _deliver(self, deliveries: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, deliveries: list[tuple[str, EngineOutput | BaseException]]) -> None:
         with self._cond:
             targets = [(self._streams.get(rid), item) for rid, item in deliveries]
         for stream, item in targets:
@@ -446,22 +484,24 @@ class AsyncEngine:
             except RuntimeError:  # the reader's event loop is closed
                 self.engine.abort_request(stream.request_id)
 
-    def _observe(self, out: RequestOutput, now: float) -> None:
-        last, before = self._token_times.get(out.request_id, (out.metrics.get("arrival_time", now), 0))
-        tokens = sum(len(o.token_ids) for o in out.outputs)
+    def _observe(self, out: EngineOutput, now: float) -> None:
+        arrival = self._arrivals.get(out.request_id, now)
+        last, before = self._token_times.get(out.request_id, (arrival, 0))
+        tokens = before + sum(len(d.token_ids) for d in out.deltas)
         if tokens > before:
             if before == 0:
-                first = out.metrics.get("first_token_time") or now
-                self.metrics.time_to_first_token.observe(max(0.0, first - out.metrics.get("arrival_time", first)))
+                first = out.first_token_time or now
+                self.metrics.time_to_first_token.observe(max(0.0, first - arrival))
             else:
                 per_token = (now - last) / (tokens - before)
                 for _ in range(tokens - before):
                     self.metrics.inter_token_latency.observe(per_token)
         if out.finished:
             self._token_times.pop(out.request_id, None)
-            self.metrics.e2e_latency.observe(now - out.metrics.get("arrival_time", now))
-            for o in out.outputs:
-                self.metrics.finished.labels(finish_reason=o.finish_reason or "unknown").inc()
+            self._arrivals.pop(out.request_id, None)
+            self.metrics.e2e_latency.observe(now - arrival)
+            for d in out.deltas:
+                self.metrics.finished.labels(finish_reason=d.finish_reason or "unknown").inc()
         else:
             self._token_times[out.request_id] = (now, tokens)
 
@@ -508,3 +548,22 @@ def _private_copy(tokenizer):
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineStepError", "EngineStoppedError", "RequestAbortedError",
            "RequestStream"]
+
+
+def _merge(old: EngineOutput, new: EngineOutput) -> EngineOutput:
+    """Two engine outputs of one request that no reader has taken yet, as one (tokens appended per sequence)."""
+    deltas = {d.index: d for d in old.deltas}
+    for d in new.deltas:
+        kept = deltas.get(d.index)
+        if kept is None:
+            deltas[d.index] = d
+            continue
+        deltas[d.index] = SeqDelta(
+            d.index, kept.token_ids + d.token_ids,
+            None if kept.logprobs is None else kept.logprobs + (d.logprobs or []),
+            None if kept.top_logprobs is None else kept.top_logprobs + (d.top_logprobs or []),
+            d.finish_reason, d.stop_reason,
+            d.cumulative_logprob if d.cumulative_logprob is not None else kept.cumulative_logprob)
+    return EngineOutput(new.request_id, list(deltas.values()), new.finished,
+                        new.num_cached_tokens or old.num_cached_tokens, old.first_token_time or new.first_token_time,
+                        new.error)

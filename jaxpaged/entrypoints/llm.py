@@ -11,8 +11,10 @@ from flax import nnx
 
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.config import ModelConfig
+from jaxpaged.core.request import Request
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.llm_engine import Engine
+from jaxpaged.engine.output_processor import RequestState
 from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -111,46 +113,58 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        # One output per request, when it finishes: no cumulative copies of every request at every step.
-        self._add_all([self.engine.make_request(rid, prompt, _final_only(params))
-                       for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)])
-        return self._run(ids, use_tqdm)
+        # One output per request, when it finishes: no cumulative copies of every request at every step, and its
+        # text decoded once then (unless it has stop strings to look for).
+        return self._run(self._add_all([self.engine.make_request(rid, prompt, _final_only(params))
+                                        for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)]),
+                         use_tqdm)
 
-    def _add_all(self, requests: list) -> None:
+    def _add_all(self, requests: list[Request]) -> list[Request]:
         """Queues requests that all passed their checks (a bad one raised while they were made, before any was
         queued, so nothing is left behind)."""
         for req in requests:
             self.engine.enqueue(req)
+        return requests
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        """Steps the engine until every request finished; the output processor (a `RequestState` per request)
+        turns the engine's token ids into outputs and stops sequences at their stop strings."""
         from tqdm.auto import tqdm
 
-        wanted = set(ids)
+        states = {r.request_id: RequestState(self.tokenizer, r.request_id, r.prompt, r.seqs[0].prompt_token_ids,
+                                             r.params, r.arrival_time) for r in requests}
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
+        bar = tqdm(total=len(states), desc="generating", disable=not use_tqdm)
         try:
-            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+            while len(done) < len(states) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.error is not None and out.request_id in wanted:
+                    state = states.get(out.request_id)
+                    if state is None or out.request_id in done:
+                        continue
+                    if out.error is not None:
                         raise RequestFailedError(f"request {out.request_id} failed: {out.error}")
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
+                    result = state.update(out)
+                    stopped = state.take_stopped()
+                    if stopped:
+                        self.engine.stop_sequences(out.request_id, stopped)
+                    if state.finished:
+                        done[out.request_id] = result if result is not None else state.output()
                         bar.update(1)
         finally:
             bar.close()
             # An error (or Ctrl-C) leaves nothing of this call queued: the LLM stays usable.
-            for rid in wanted - set(done):
+            for rid in set(states) - set(done):
                 self.engine.abort_request(rid)
-        return [done[rid] for rid in ids]
+        return [done[r.request_id] for r in requests]
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search per prompt, returned as vLLM does: each output's `sequences` are the beam_width hypotheses,
         best first, with the prompt's tokens and text included."""
         prompts = _as_list(prompts)
         ids = [f"beam-{next(self._ids)}" for _ in prompts]
-        self._add_all([self.engine.make_beam_request(rid, prompt, params)
-                       for rid, prompt in zip(ids, prompts, strict=True)])
-        return [self._beam_output(out) for out in self._run(ids, use_tqdm)]
+        requests = self._add_all([self.engine.make_beam_request(rid, prompt, params)
+                                  for rid, prompt in zip(ids, prompts, strict=True)])
+        return [self._beam_output(out) for out in self._run(requests, use_tqdm)]
 
     def _beam_output(self, out: RequestOutput) -> BeamSearchOutput:
         def text(tokens: list[int]) -> str | None:

@@ -1,8 +1,8 @@
 """Multi-host serving: several processes joined by `jax.distributed`, one tensor-parallel mesh over all their
 devices, one SPMD program.
 
-    process 0   scheduler, block manager, server; before each device op its ModelRunner announces the op and its
-                host arrays to the other processes (`StepBroadcaster`)
+    process 0   scheduler, block manager, server; before each device op its runner (`MultihostRunner`) announces
+                the op and its host arrays to the other processes (`StepBroadcaster`)
     process k   `run_worker(runner)`: receive an op, run the same ModelRunner op on its devices, repeat until `stop`
 
     from jaxpaged import LLM
@@ -21,11 +21,12 @@ Every process must enter the same jitted call with the same shapes in the same o
 tensor-parallel step complete only when every device of the mesh takes part. So the only thing that crosses
 processes outside the step is what process 0 decided: each op's numpy arrays. They travel by
 `jax.experimental.multihost_utils.broadcast_one_to_all` (a psum over every device, process 0 contributing the data),
-in two messages: a fixed-size int32 header (op, the step's static fields, each array's dtype and shape) and one int32
-payload holding every array's bytes, padded to a power of two so a few payload shapes are compiled. An array of one
-repeated value (most of a step's sampling metadata: the [S, V / 32] bitmask of unconstrained rows, the
-[S, max_model_len] seen tokens of unpenalized ones) travels as that one value: a decode step of 64 sequences at
-max_model_len 2048 sends tens of KiB (mostly its block tables), not ~1 MiB.
+in two messages: a fixed-size int32 header (op, the op's integers such as a step's layout, each array's dtype and
+shape) and one int32 payload holding every array's bytes, padded to a power of two so a few payload shapes are
+compiled. A step is its one packed input buffer (`worker.input_batch.StepLayout`; tens of KiB for a decode step of
+64 sequences, mostly its block tables), plus a bitmask or seen tokens only when a row needs them; an array of one
+repeated value travels as that one value. The sampled tokens a step feeds the next one stay on every process's
+devices (each process runs the same steps), so nothing of them crosses processes.
 
 Failure: `jax.distributed` runs a coordination service with heartbeats. If a process dies, a collective in flight
 fails at once (gloo on CPU: "Connection closed by peer"), and an idle process is terminated by the coordination
@@ -42,6 +43,9 @@ import os
 import re
 
 import numpy as np
+
+from jaxpaged.worker.input_batch import EXTRAS, StepInputs, StepLayout, StepRows
+from jaxpaged.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -175,30 +179,30 @@ def shutdown() -> None:
 
 
 class Op(enum.IntEnum):
-    STEP = 1  # ModelRunner.execute: a Batch
+    STEP = 1  # ModelRunner.dispatch: StepInputs
     COPY_BLOCKS = 2  # (src [N], dst [N]) int32
     READ_BLOCKS = 3  # (blocks [N],) int32; the gather is a collective, so every process runs it
     WRITE_BLOCKS = 4  # (blocks [N] int32, k [L, N, BS, Hkv, D], v [L, N, BS, Hkv, D])
     STOP = 5  # no arrays: the worker loop returns
 
 
-HEADER_LEN = 256  # int32 words: op, tile, decode_blocks, payload words, leaf count, then per leaf dtype + shape
-_FIXED = 5
+HEADER_LEN = 256  # int32 words: op, payload words, leaf count, META_LEN op integers, then per leaf dtype + shape
+META_LEN = 8
+_FIXED = 3 + META_LEN
 MAX_NDIM = 5
 _LEAF = 3 + MAX_NDIM  # dtype code, ndim, constant (1: one value repeated, sent once), dims
 DTYPES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16", "bfloat16",
-          "float32", "float64")
+          "float32", "float64", "float8_e4m3fn", "float8_e5m2")
 MIN_PAYLOAD_WORDS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class Header:
-    """What an op carries: the op, a step's static fields (tile_size, decode_blocks; None -> -1) and each array's
-    dtype, shape and whether it is one repeated value (sent once), in pytree leaf order."""
+    """What an op carries: the op, up to META_LEN integers of its own (a step's layout and flags) and each array's
+    dtype, shape and whether it is one repeated value (sent once), in order."""
 
     op: Op
-    tile: int = 0
-    decode_blocks: int | None = None
+    meta: tuple[int, ...] = ()
     payload_words: int = 0
     leaves: tuple[tuple[str, tuple[int, ...], bool], ...] = ()
 
@@ -206,9 +210,12 @@ class Header:
         """[HEADER_LEN] int32."""
         if _FIXED + _LEAF * len(self.leaves) > HEADER_LEN:
             raise ValueError(f"{len(self.leaves)} arrays do not fit a {HEADER_LEN}-word header")
+        if len(self.meta) > META_LEN:
+            raise ValueError(f"{len(self.meta)} op integers do not fit the header's {META_LEN}")
         out = np.zeros(HEADER_LEN, np.int32)
-        out[:_FIXED] = (int(self.op), self.tile, -1 if self.decode_blocks is None else self.decode_blocks,
-                        self.payload_words, len(self.leaves))
+        out[:3] = int(self.op), self.payload_words, len(self.leaves)
+        out[3:3 + len(self.meta)] = self.meta
+        out[3 + META_LEN - 1] = len(self.meta)
         for i, (dtype, shape, constant) in enumerate(self.leaves):
             if len(shape) > MAX_NDIM:
                 raise ValueError(f"an array of {len(shape)} dimensions exceeds the header's {MAX_NDIM}")
@@ -219,12 +226,14 @@ class Header:
 
     @classmethod
     def decode(cls, words: np.ndarray) -> Header:
-        op, tile, decode_blocks, payload_words, n = (int(x) for x in words[:_FIXED])
+        op, payload_words, n = (int(x) for x in words[:3])
+        num_meta = int(words[3 + META_LEN - 1])
+        meta = tuple(int(x) for x in words[3:3 + num_meta])
         leaves = []
         for i in range(n):
             row = words[_FIXED + _LEAF * i:_FIXED + _LEAF * (i + 1)]
             leaves.append((DTYPES[int(row[0])], tuple(int(d) for d in row[3:3 + int(row[1])]), bool(row[2])))
-        return cls(Op(op), tile, None if decode_blocks < 0 else decode_blocks, payload_words, tuple(leaves))
+        return cls(Op(op), meta, payload_words, tuple(leaves))
 
 
 def _payload_words(nbytes: int) -> int:
@@ -233,29 +242,21 @@ def _payload_words(nbytes: int) -> int:
     return 1 << (words - 1).bit_length()
 
 
-def pack(op: Op, tree) -> tuple[Header, np.ndarray]:
-    """An op's pytree of numpy arrays as (header, payload [words] int32)."""
-    import jax
-
-    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]  # tobytes() is C order; ascontiguousarray is >= 1-D
-    tile = decode_blocks = None
-    attn = getattr(tree, "attn", None)
-    if attn is not None:
-        tile, decode_blocks = attn.tile_size, attn.decode_blocks
+def pack(op: Op, arrays: list | tuple, meta: tuple[int, ...] = ()) -> tuple[Header, np.ndarray]:
+    """An op's numpy arrays (and its integers) as (header, payload [words] int32)."""
+    leaves = [np.asarray(x) for x in arrays]  # tobytes() is C order
     constant = [x.size > 1 and bool(np.all(x == x.flat[0])) for x in leaves]
     raw = b"".join((x.flat[:1] if c else x).tobytes() for x, c in zip(leaves, constant, strict=True))
     words = _payload_words(len(raw))
     payload = np.zeros(words * 4, np.uint8)
     payload[:len(raw)] = np.frombuffer(raw, np.uint8)
-    header = Header(op, tile or 0, decode_blocks, words,
+    header = Header(op, tuple(meta), words,
                     tuple((x.dtype.name, x.shape, c) for x, c in zip(leaves, constant, strict=True)))
     return header, payload.view(np.int32)
 
 
-def unpack(header: Header, payload: np.ndarray, template) -> object:
-    """The pytree process 0 packed: `template` gives its structure (a Batch of the header's static fields, or a
-    tuple), the header each leaf's dtype and shape."""
-    import jax
+def unpack(header: Header, payload: np.ndarray) -> list[np.ndarray]:
+    """The arrays process 0 packed, each of the header's dtype and shape."""
     import jax.numpy as jnp
 
     raw = np.asarray(payload).view(np.uint8)
@@ -269,19 +270,25 @@ def unpack(header: Header, payload: np.ndarray, template) -> object:
         n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
         leaves.append(raw[offset:offset + n].view(dt).reshape(shape).copy())
         offset += n
-    treedef = jax.tree.structure(template)
-    if treedef.num_leaves != len(leaves):
-        raise RuntimeError(f"{header.op.name}: {len(leaves)} arrays received, {treedef.num_leaves} expected")
-    return jax.tree.unflatten(treedef, leaves)
+    return leaves
 
 
-def _template(header: Header):
-    """An object of the op's pytree structure (the leaves are replaced)."""
-    from jaxpaged.worker.model_runner import dummy_batch
+def step_to_wire(inputs: StepInputs) -> tuple[tuple[int, ...], list[np.ndarray]]:
+    """A step's (integers, arrays): its layout, which of the sampler's large arrays it has (bit i: EXTRAS[i]), whether
+    it wants log-probs, and the arrays."""
+    lay = inputs.layout
+    present = [e.name for e in EXTRAS if e.name in inputs.extras]
+    flags = sum(1 << i for i, e in enumerate(EXTRAS) if e.name in inputs.extras)
+    meta = (lay.num_tokens, lay.num_seqs, lay.width, lay.tile_size,
+            -1 if lay.decode_blocks is None else lay.decode_blocks, flags, int(inputs.want_logprobs))
+    return meta, [inputs.buf] + [inputs.extras[name] for name in present]
 
-    if header.op is Op.STEP:
-        return dummy_batch(1, 1, 1, header.tile, header.decode_blocks)
-    return tuple(range({Op.COPY_BLOCKS: 2, Op.READ_BLOCKS: 1, Op.WRITE_BLOCKS: 3}[header.op]))
+
+def step_from_wire(meta: tuple[int, ...], arrays: list[np.ndarray]) -> StepInputs:
+    t, s, w, tile, blocks, flags, want_logprobs = meta
+    layout = StepLayout(t, s, w, tile, None if blocks < 0 else blocks)
+    names = [e.name for i, e in enumerate(EXTRAS) if flags >> i & 1]
+    return StepInputs(layout, arrays[0], dict(zip(names, arrays[1:], strict=True)), bool(want_logprobs))
 
 
 class StepBroadcaster:
@@ -295,10 +302,10 @@ class StepBroadcaster:
                                "process 0's ops through jaxpaged.parallel.multihost.run_worker")
         self.ops = 0
 
-    def announce(self, op: Op, tree=()) -> None:
+    def announce(self, op: Op, arrays=(), meta: tuple[int, ...] = ()) -> None:
         from jax.experimental import multihost_utils
 
-        header, payload = pack(op, tree)
+        header, payload = pack(op, arrays, meta)
         multihost_utils.broadcast_one_to_all(header.encode())
         if op is not Op.STOP:
             multihost_utils.broadcast_one_to_all(payload)
@@ -309,11 +316,46 @@ class StepBroadcaster:
         self.announce(Op.STOP)
 
 
+class MultihostRunner(ModelRunner):
+    """The runner of a mesh that spans processes. On process 0 every device op is announced to the other processes
+    first (they run the same op, so the step's collectives meet); on the others it is driven by `WorkerLoop`."""
+
+    def __init__(self, *args, **kwargs):
+        import jax
+
+        super().__init__(*args, **kwargs)
+        self.broadcaster = StepBroadcaster() if jax.process_index() == 0 else None
+
+    def _announce(self, op: Op, arrays=(), meta: tuple[int, ...] = ()) -> None:
+        if self.broadcaster is None:
+            StepBroadcaster()  # raises: this process does not schedule
+        self.broadcaster.announce(op, arrays, meta)
+
+    def dispatch(self, inputs: StepInputs, rows: StepRows):
+        meta, arrays = step_to_wire(inputs)
+        self._announce(Op.STEP, arrays, meta)
+        return super().dispatch(inputs, rows)
+
+    def copy_block_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self._announce(Op.COPY_BLOCKS, (src, dst))
+        super().copy_block_arrays(src, dst)
+
+    def read_blocks(self, blocks) -> tuple[np.ndarray, np.ndarray]:
+        idx = np.asarray(blocks, np.int32)
+        self._announce(Op.READ_BLOCKS, (idx,))
+        return super().read_blocks(idx)
+
+    def write_blocks(self, blocks, k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
+        idx = np.asarray(blocks, np.int32)
+        self._announce(Op.WRITE_BLOCKS, (idx, np.asarray(k_blocks), np.asarray(v_blocks)))
+        super().write_blocks(idx, k_blocks, v_blocks)
+
+
 class WorkerLoop:
     """A process other than 0: receive each op process 0 announces and run it on this process's devices through
-    the runner's `*_local` methods (the same jitted functions, so the mesh's collectives meet)."""
+    the plain runner's methods (the same jitted functions, so the mesh's collectives meet)."""
 
-    def __init__(self, runner):
+    def __init__(self, runner: ModelRunner):
         import jax
 
         if jax.process_index() == 0:
@@ -321,32 +363,32 @@ class WorkerLoop:
         self.runner = runner
         self.ops = {op: 0 for op in Op}
 
-    def receive(self) -> tuple[Header, object]:
+    def receive(self) -> tuple[Header, list[np.ndarray]]:
         from jax.experimental import multihost_utils
 
         header = Header.decode(multihost_utils.broadcast_one_to_all(np.zeros(HEADER_LEN, np.int32)))
         if header.op is Op.STOP:
-            return header, ()
+            return header, []
         payload = multihost_utils.broadcast_one_to_all(np.zeros(header.payload_words, np.int32))
-        return header, unpack(header, payload, _template(header))
+        return header, unpack(header, payload)
 
     def run(self) -> dict[Op, int]:
         """Runs ops until `stop`; returns how many of each it ran."""
         runner = self.runner
         while True:
-            header, tree = self.receive()
+            header, arrays = self.receive()
             self.ops[header.op] += 1
             if header.op is Op.STOP:
                 logger.info("process 0 said stop after %d steps", self.ops[Op.STEP])
                 return self.ops
             if header.op is Op.STEP:
-                runner.execute_local(tree)
+                ModelRunner.dispatch(runner, step_from_wire(header.meta, arrays), None)
             elif header.op is Op.COPY_BLOCKS:
-                runner.copy_blocks_local(*tree)
+                ModelRunner.copy_block_arrays(runner, *arrays)
             elif header.op is Op.READ_BLOCKS:
-                runner.read_blocks_local(*tree)
+                ModelRunner.read_blocks(runner, *arrays)
             else:
-                runner.write_blocks_local(*tree)
+                ModelRunner.write_blocks(runner, *arrays)
 
 
 def run_worker(runner) -> dict[Op, int]:
@@ -371,6 +413,6 @@ def stop_workers(runner) -> bool:
         return False
 
 
-__all__ = ["DistributedConfig", "Header", "Op", "StepBroadcaster", "WorkerLoop", "check_joined",
-           "check_mesh_spans_processes", "initialize",
-           "pack", "run_worker", "shutdown", "stop_workers", "unpack"]
+__all__ = ["DistributedConfig", "Header", "MultihostRunner", "Op", "StepBroadcaster", "WorkerLoop", "check_joined",
+           "check_mesh_spans_processes", "initialize", "pack", "run_worker", "shutdown", "step_from_wire",
+           "step_to_wire", "stop_workers", "unpack"]

@@ -1,0 +1,72 @@
+"""What the scheduler decided for one step, as the runner needs it: the sequences to run and their token counts, and
+what changed since the previous step (rows to drop, block tables that changed, block copies and swaps).
+
+The runner keeps a persistent copy of the running sequences' rows (`jaxpaged.worker.input_batch`) and applies these
+changes to it, so a step costs O(what changed) in host work, not O(every row's whole state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpaged.core.request import Sequence
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSeq:
+    """One scheduled sequence (a view for callers that walk the step sequence by sequence)."""
+
+    seq: Sequence
+    num_new_tokens: int  # tokens [start, start + num_new_tokens) run this step
+    start: int  # num_computed_tokens before this step
+    samples: bool  # the step's logits give the sequence a new token
+
+    @property
+    def is_decode(self) -> bool:
+        """One token past the prompt, sampling the next: a decode (else a prompt chunk or a recompute)."""
+        return self.num_new_tokens == 1 and self.samples and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    is_prefill: bool  # the step runs prompt tokens (and, in a mixed step, decodes too): the runner's prefill shapes
+    # The step's sequences in row order and, per sequence, its new tokens, its computed tokens before the step
+    # (`start`) and whether it samples. The scheduler has already advanced num_computed_tokens and added a
+    # placeholder for every sampled token (`Sequence.num_placeholders`).
+    seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    num_new_tokens: list[int] = dataclasses.field(default_factory=list)
+    starts: list[int] = dataclasses.field(default_factory=list)
+    samples: list[bool] = dataclasses.field(default_factory=list)
+    # diffs since the previous step
+    removed: list[int] = dataclasses.field(default_factory=list)  # seq ids that left the running set
+    changed_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # seq id -> its whole table
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) device blocks
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    # n > 1: (parent, its new sample sequences) forked this step; the engine adds them to their request's outputs
+    forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0  # prompt (and recomputed) tokens among the scheduled ones
+    paced: bool = False  # the prompt tokens were bounded because sequences wait to decode (the pacer's steps)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new_tokens)
+
+    def drop(self, seq: Sequence) -> None:
+        """Takes a preempted sequence out of the step (before it is committed)."""
+        for i in reversed(range(len(self.seqs))):
+            if self.seqs[i] is seq:
+                del self.seqs[i], self.num_new_tokens[i]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """The step sequence by sequence (built on demand; the runner reads the lists)."""
+        if len(self.starts) != len(self.seqs):
+            raise RuntimeError("the step is not committed yet: starts and samples are set by Scheduler.schedule")
+        return [ScheduledSeq(*row) for row in zip(self.seqs, self.num_new_tokens, self.starts, self.samples,
+                                                  strict=True)]

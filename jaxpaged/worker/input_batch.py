@@ -1,0 +1,386 @@
+"""The persistent input batch: a row per running sequence, kept between steps, and one step's inputs packed into one
+int32 buffer from those rows, vectorized.
+
+Rows live in preallocated numpy arrays of `max_rows` (= max_num_seqs) rows: block tables, sampling parameters,
+the last token known on the host, and where a sampled token still on the device sits in the previous step's output.
+Each step's `SchedulerOutput` changes them by its diffs alone (rows of sequences that left, new rows, changed block
+tables), then `build` lays out the step: positions, slot mapping, query starts and the sampling fields come from
+numpy over the step's rows, with no Python loop over decoding sequences (a prompt chunk's token ids are copied from
+its sequence, one slice per chunk).
+
+One buffer per step (`StepLayout` gives each field's offset; the float fields travel as their int32 bits): the host
+sends one array, and the jitted step slices it into `AttentionMetadata` and `SamplingMetadata` on the device. The
+sampler's large per-row arrays (a grammar's bitmask, penalties' token history, logit bias: `EXTRAS`) travel only in a
+step that has a row using them; other steps pass the runner's device-resident neutral arrays.
+
+A decoding row's input token comes from the host (`last_token`) when the host knows it, or from the previous step's
+sampled tokens on the device (`inflight`: asynchronous scheduling), chosen on the device by `token_src`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.core.request import Sequence
+from jaxpaged.core.sched_output import SchedulerOutput
+from jaxpaged.sampling_params import MAX_LOGIT_BIAS
+from jaxpaged.worker.attention import AttentionMetadata
+from jaxpaged.worker.sampler import MAX_BANNED, SamplingMetadata
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """A compiled step's shape and the offsets of its fields in the packed int32 buffer.
+
+    T tokens, S sequence rows, block-table width W; `tile_size` and `decode_blocks` are AttentionMetadata's static
+    fields. Fields, in order (S-long unless said): token_ids [T], token_src [T], positions [T], slot_mapping [T],
+    block_tables [S * W], context_lens, query_start_loc [S + 1], logits_indices, top_k, seed_lo, seed_hi, step,
+    output_start, banned [S * MAX_BANNED], flags [3] (want_logprobs, penalized, constrained), then float32 bits:
+    temperature, top_p, min_p, presence, frequency, repetition penalties.
+    """
+
+    num_tokens: int  # T
+    num_seqs: int  # S
+    width: int  # W
+    tile_size: int
+    decode_blocks: int | None
+
+    @property
+    def key(self) -> tuple:
+        return self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        t, s = self.num_tokens, self.num_seqs
+        sizes = [("token_ids", t), ("token_src", t), ("positions", t), ("slot_mapping", t),
+                 ("block_tables", s * self.width), ("context_lens", s), ("query_start_loc", s + 1),
+                 ("logits_indices", s), ("top_k", s), ("seed_lo", s), ("seed_hi", s), ("step", s),
+                 ("output_start", s), ("banned", s * MAX_BANNED), ("flags", 3),
+                 ("temperature", s), ("top_p", s), ("min_p", s), ("presence_penalty", s), ("frequency_penalty", s),
+                 ("repetition_penalty", s)]
+        out, o = {}, 0
+        for name, n in sizes:
+            out[name] = (o, o + n)
+            o += n
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.offsets["repetition_penalty"][1]
+
+    def empty(self) -> np.ndarray:
+        """An all-padding buffer [size] int32: every field at its neutral value (no token, greedy, nothing banned)."""
+        buf = np.zeros(self.size, np.int32)
+        for name in ("positions", "top_k", "banned"):
+            self.view(buf, name)[:] = -1
+        self.view(buf, "token_src")[:] = -1
+        self.view(buf, "top_p", np.float32)[:] = 1.0
+        self.view(buf, "repetition_penalty", np.float32)[:] = 1.0
+        return buf
+
+    def view(self, buf: np.ndarray, name: str, dtype=np.int32) -> np.ndarray:
+        lo, hi = self.offsets[name]
+        return buf[lo:hi].view(dtype) if dtype is not np.int32 else buf[lo:hi]
+
+    def unpack(self, buf: jax.Array, extras: tuple[jax.Array, ...]
+               ) -> tuple[jax.Array, jax.Array, AttentionMetadata, SamplingMetadata]:
+        """Inside the jitted step: (host token ids [T], token_src [T], attention metadata, sampling metadata);
+        `extras` are the EXTRAS arrays, in order."""
+        bitmask, seen_tokens, bias_ids, bias_values = extras
+        s = self.num_seqs
+
+        def field(name, dtype=jnp.int32, shape=None):
+            lo, hi = self.offsets[name]
+            x = buf[lo:hi]
+            if dtype != jnp.int32:
+                x = jax.lax.bitcast_convert_type(x, dtype)
+            return x.reshape(shape) if shape is not None else x
+
+        flags = field("flags")
+        md = AttentionMetadata(
+            positions=field("positions"), slot_mapping=field("slot_mapping"),
+            block_tables=field("block_tables", shape=(s, self.width)), context_lens=field("context_lens"),
+            query_start_loc=field("query_start_loc"), logits_indices=field("logits_indices"),
+            tile_size=self.tile_size, decode_blocks=self.decode_blocks)
+        sm = SamplingMetadata(
+            temperature=field("temperature", jnp.float32), top_p=field("top_p", jnp.float32),
+            top_k=field("top_k"), min_p=field("min_p", jnp.float32), seed_lo=field("seed_lo", jnp.uint32),
+            seed_hi=field("seed_hi", jnp.uint32), step=field("step"), want_logprobs=flags[0] != 0,
+            banned=field("banned", shape=(s, MAX_BANNED)), bitmask=bitmask, constrained=flags[2] != 0,
+            presence_penalty=field("presence_penalty", jnp.float32),
+            frequency_penalty=field("frequency_penalty", jnp.float32),
+            repetition_penalty=field("repetition_penalty", jnp.float32), seen_tokens=seen_tokens,
+            output_start=field("output_start"), penalized=flags[1] != 0,
+            bias_ids=bias_ids, bias_values=bias_values)
+        return field("token_ids"), field("token_src"), md, sm
+
+
+@dataclasses.dataclass(frozen=True)
+class Extra:
+    """One of the sampler's large per-row arrays: [S, width] of `dtype`, `neutral` in rows that do not use it."""
+
+    name: str
+    dtype: type
+    neutral: int | float
+
+
+# bitmask [S, ceil(V / 32)] (structured output, bad words; all ones: any token), seen_tokens [S, max_model_len]
+# (penalties; -1: none), bias_ids / bias_values [S, MAX_LOGIT_BIAS] (logit_bias; id -1: none)
+EXTRAS = (Extra("bitmask", np.int32, -1), Extra("seen_tokens", np.int32, -1), Extra("bias_ids", np.int32, -1),
+          Extra("bias_values", np.float32, 0.0))
+
+
+def extra_shapes(num_seqs: int, vocab_size: int, max_len: int) -> tuple[tuple[int, int], ...]:
+    """The EXTRAS' shapes for a step of num_seqs rows."""
+    return ((num_seqs, (vocab_size + 31) // 32), (num_seqs, max_len), (num_seqs, MAX_LOGIT_BIAS),
+            (num_seqs, MAX_LOGIT_BIAS))
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One step's host inputs: the packed buffer, and those of the EXTRAS a row of the step uses (the others: the
+    step takes the runner's device-resident neutral arrays, and nothing of that size travels)."""
+
+    layout: StepLayout
+    buf: np.ndarray  # [layout.size] int32
+    extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # EXTRAS name -> [S, width]
+    want_logprobs: bool = False
+
+
+@dataclasses.dataclass
+class StepRows:
+    """What the engine needs back from a laid-out step: which sequence each step row is, and which rows sample."""
+
+    seqs: list[Sequence]  # step row i is seqs[i]
+    seq_ids: np.ndarray  # [n] int64
+    rows: np.ndarray  # [n] int32: their rows in the persistent batch
+    samples: np.ndarray  # [n] bool
+    step_id: int
+
+
+class InputBatch:
+    """The running sequences' rows, and the layout of each step from them (see the module docstring)."""
+
+    def __init__(self, max_rows: int, max_width: int, block_size: int, eos_token_ids: tuple[int, ...] = (),
+                 truncate_tables: bool = False):
+        self.max_rows = max_rows
+        self.max_width = max_width
+        self.block_size = block_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        # contiguous allocation (a benchmark's model of pre-paged systems): tables hold blocks past the context
+        self.truncate_tables = truncate_tables
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        r = max_rows
+        self.seq_id = np.full(r, -1, np.int64)
+        self.block_tables = np.zeros((r, max_width), np.int32)  # [R, W]
+        self.num_prompt = np.zeros(r, np.int32)
+        self.last_token = np.zeros(r, np.int32)  # the row's last token, when the host knows it
+        self.inflight = np.full(r, -1, np.int32)  # index of its last token in the previous step's output, or -1
+        self.inflight_step = np.full(r, -1, np.int64)
+        # sampling parameters
+        self.temperature = np.zeros(r, np.float32)
+        self.top_p = np.ones(r, np.float32)
+        self.top_k = np.full(r, -1, np.int32)
+        self.min_p = np.zeros(r, np.float32)
+        self.seed_lo = np.zeros(r, np.uint32)
+        self.seed_hi = np.zeros(r, np.uint32)
+        self.min_tokens = np.zeros(r, np.int32)
+        self.banned = np.full((r, MAX_BANNED), -1, np.int32)  # banned below min_tokens: EOS and stop token ids
+        self.presence = np.zeros(r, np.float32)
+        self.frequency = np.zeros(r, np.float32)
+        self.repetition = np.ones(r, np.float32)
+        self.penalized = np.zeros(r, bool)
+        self.logprobs = np.zeros(r, bool)
+        self.has_bias = np.zeros(r, bool)
+        self.bias_ids = np.full((r, MAX_LOGIT_BIAS), -1, np.int32)
+        self.bias_values = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
+        self._step_id = 0
+
+    # ---- the diffs ----------------------------------------------------------------------------------------------
+
+    def apply(self, out: SchedulerOutput, tables: dict, seeds: dict[int, int]) -> None:
+        """The scheduler's diffs: rows of sequences that left go; the step's new sequences get rows (their table from
+        `tables`, the block manager's seq_id -> table, and their seed from `seeds`); changed tables are copied."""
+        for seq_id in out.removed:
+            self.remove(seq_id)
+        for seq in out.seqs:
+            if seq.seq_id not in self.row_of:
+                self.add(seq, tables[seq.seq_id], seeds[seq.seq_id])
+        for seq_id, table in out.changed_tables.items():
+            row = self.row_of.get(seq_id)
+            if row is not None:
+                self._set_table(row, table)
+
+    def add(self, seq: Sequence, table: list[int], seed: int) -> int:
+        if not self._free_rows:
+            raise RuntimeError(f"the input batch has no free row (max_rows={self.max_rows})")
+        row = self._free_rows.pop()
+        self.row_of[seq.seq_id] = row
+        self.seq_id[row] = seq.seq_id
+        self._set_table(row, table)
+        self.num_prompt[row] = seq.num_prompt_tokens
+        self.last_token[row] = seq.token_ids[-1]
+        self.inflight[row] = -1
+        p = seq.params
+        self.temperature[row], self.top_p[row], self.top_k[row], self.min_p[row] = (p.temperature, p.top_p,
+                                                                                     p.top_k, p.min_p)
+        self.seed_lo[row], self.seed_hi[row] = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+        # Below min_tokens EOS and the stop ids may not be sampled, unless a grammar decides when to end.
+        banned = [] if p.structured_outputs is not None or not p.min_tokens else (
+            ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids))
+        self.min_tokens[row] = p.min_tokens
+        self.banned[row] = -1
+        self.banned[row, :len(banned)] = banned[:MAX_BANNED]
+        self.presence[row], self.frequency[row] = p.presence_penalty, p.frequency_penalty
+        self.repetition[row], self.penalized[row] = p.repetition_penalty, p.has_penalties
+        self.logprobs[row] = p.logprobs is not None
+        self.bias_ids[row], self.bias_values[row] = -1, 0.0
+        self.has_bias[row] = bool(p.logit_bias)
+        if p.logit_bias:
+            self.bias_ids[row, :len(p.logit_bias)] = list(p.logit_bias)
+            self.bias_values[row, :len(p.logit_bias)] = list(p.logit_bias.values())
+        return row
+
+    def remove(self, seq_id: int) -> None:
+        row = self.row_of.pop(seq_id, None)
+        if row is not None:
+            self.seq_id[row] = -1
+            self.inflight[row] = -1
+            self._free_rows.append(row)
+
+    def _set_table(self, row: int, table: list[int]) -> None:
+        n = len(table)
+        self.block_tables[row, :n] = table
+        self.block_tables[row, n:] = 0
+
+    # ---- tokens back from the device -----------------------------------------------------------------------------
+
+    def tokens_arrived(self, rows: StepRows, tokens: np.ndarray) -> None:
+        """A step's sampled tokens [n] reached the host: rows that still hold the same sequences know their last
+        token now; the ones whose last token is still that step's (not a newer step's) stop reading it from the
+        device."""
+        r, ok = rows.rows, rows.samples & (self.seq_id[rows.rows] == rows.seq_ids)
+        r, toks = r[ok], tokens[ok]
+        self.last_token[r] = toks
+        self.inflight[r[self.inflight_step[r] == rows.step_id]] = -1
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+
+    def build(self, out: SchedulerOutput, layout: StepLayout) -> tuple[StepInputs, StepRows]:
+        """The step's packed inputs in `layout` (chosen by the runner's buckets for this step's counts)."""
+        n = len(out.seqs)
+        bs = self.block_size
+        row_of = self.row_of
+        rows = np.fromiter((row_of[s.seq_id] for s in out.seqs), np.int32, n)
+        num_new = np.asarray(out.num_new_tokens, np.int32)
+        starts = np.asarray(out.starts, np.int32)
+        samples = np.asarray(out.samples, bool)
+        ctx = starts + num_new
+        buf = layout.empty()
+
+        def put(name, values, dtype=np.int32):
+            layout.view(buf, name, dtype)[:len(values)] = values
+
+        # token layout: segment i starts at a multiple of the tile
+        tile = layout.tile_size
+        lengths = -(-num_new // tile) * tile if tile > 1 else num_new
+        seg_start = np.zeros(n + 1, np.int32)
+        np.cumsum(lengths, out=seg_start[1:])
+        decode_only = not out.is_prefill
+        if decode_only:  # one token per row, rows laid out 0..n-1
+            tok_row = np.arange(n, dtype=np.int32)
+            tok_idx = tok_row
+            positions = starts
+        else:
+            tok_row = np.repeat(np.arange(n, dtype=np.int32), num_new)
+            offset = np.arange(tok_row.size, dtype=np.int32) - np.repeat(np.cumsum(num_new) - num_new, num_new)
+            tok_idx = seg_start[tok_row] + offset  # where each real token sits in the step
+            positions = starts[tok_row] + offset
+        row_of_tok = rows[tok_row]
+        # token ids: a row's last token from the host or the device, the rest of a prompt chunk from its sequence
+        last = samples & (num_new == 1)
+        token_ids = np.empty(tok_row.size, np.int32)
+        token_src = np.full(tok_row.size, -1, np.int32)
+        if decode_only:
+            token_ids[:] = self.last_token[rows]
+            token_src[:] = self.inflight[rows]
+        else:
+            dense_first = np.cumsum(num_new) - num_new  # index of each row's first token in tok_row order
+            for i in np.flatnonzero(~last):
+                s, seq = int(starts[i]), out.seqs[i]
+                token_ids[dense_first[i]:dense_first[i] + num_new[i]] = seq.token_ids[s:s + int(num_new[i])]
+            li = np.flatnonzero(last)
+            token_ids[dense_first[li]] = self.last_token[rows[li]]
+            token_src[dense_first[li]] = self.inflight[rows[li]]
+        ids = layout.view(buf, "token_ids")
+        src = layout.view(buf, "token_src")
+        ids[tok_idx], src[tok_idx] = token_ids, token_src
+        layout.view(buf, "positions")[tok_idx] = positions
+        slots = self.block_tables[row_of_tok, positions // bs] * bs + positions % bs
+        layout.view(buf, "slot_mapping")[tok_idx] = slots
+        # sequences
+        tables = self.block_tables[rows]  # [n, W]
+        if self.truncate_tables:
+            tables = np.where(np.arange(self.max_width)[None, :] < (-(-ctx // bs))[:, None], tables, 0)
+        layout.view(buf, "block_tables").reshape(layout.num_seqs, layout.width)[:n] = tables[:, :layout.width]
+        put("context_lens", ctx)
+        qsl = layout.view(buf, "query_start_loc")
+        qsl[:n + 1] = seg_start
+        qsl[n + 1:] = seg_start[-1]
+        put("logits_indices", seg_start[:-1] + num_new - 1)
+        # sampling: each row's parameters; the token being sampled is output number `step`
+        step = ctx - self.num_prompt[rows]
+        put("top_k", self.top_k[rows])
+        put("seed_lo", self.seed_lo[rows].view(np.int32))
+        put("seed_hi", self.seed_hi[rows].view(np.int32))
+        put("step", step)
+        put("output_start", self.num_prompt[rows])
+        below_min = step < self.min_tokens[rows]
+        if below_min.any():
+            layout.view(buf, "banned").reshape(layout.num_seqs, MAX_BANNED)[:n] = np.where(
+                below_min[:, None], self.banned[rows], -1)
+        extras = {}
+        if self.has_bias[rows].any():
+            extras["bias_ids"] = np.full((layout.num_seqs, MAX_LOGIT_BIAS), -1, np.int32)
+            extras["bias_values"] = np.zeros((layout.num_seqs, MAX_LOGIT_BIAS), np.float32)
+            extras["bias_ids"][:n], extras["bias_values"][:n] = self.bias_ids[rows], self.bias_values[rows]
+        put("temperature", self.temperature[rows], np.float32)
+        put("top_p", self.top_p[rows], np.float32)
+        put("min_p", self.min_p[rows], np.float32)
+        penalized = bool(self.penalized[rows].any())
+        if penalized:
+            put("presence_penalty", self.presence[rows], np.float32)
+            put("frequency_penalty", self.frequency[rows], np.float32)
+            put("repetition_penalty", self.repetition[rows], np.float32)
+        want_logprobs = bool(self.logprobs[rows].any())
+        layout.view(buf, "flags")[:2] = want_logprobs, penalized
+        # The rows that sample will read their last token from this step's output (row i of it) until it arrives.
+        self._step_id += 1
+        sampled_rows = rows[samples]
+        self.inflight[sampled_rows] = np.flatnonzero(samples).astype(np.int32)
+        self.inflight_step[sampled_rows] = self._step_id
+        step_rows = StepRows(list(out.seqs), self.seq_id[rows].copy(), rows, samples, self._step_id)
+        return StepInputs(layout, buf, extras, want_logprobs), step_rows
+
+    def seen_tokens(self, out: SchedulerOutput, layout: StepLayout, max_len: int) -> np.ndarray:
+        """[S, max_len] int32 of the penalized rows' tokens (prompt, then output; -1 padding): every token is known
+        on the host (such requests run synchronously)."""
+        seen = np.full((layout.num_seqs, max_len), -1, np.int32)
+        for i, seq in enumerate(out.seqs):
+            if seq.params.has_penalties:
+                tokens = seq.token_ids
+                seen[i, :len(tokens)] = tokens
+        return seen
+
+    def check_tables(self, tables: dict) -> None:
+        """Raises AssertionError where a row's block table differs from the block manager's (tests)."""
+        for seq_id, row in self.row_of.items():
+            table = tables.get(seq_id, [])
+            got = self.block_tables[row, :len(table)].tolist()
+            assert got == list(table), f"seq {seq_id}: row {row} holds {got}, the pool says {table}"

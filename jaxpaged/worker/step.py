@@ -1,0 +1,159 @@
+"""The jitted step and its shapes: one pure function of (parameters, KV pool, previous tokens, packed inputs) that
+runs the model over a ragged batch and samples a token per sequence, returning the new pool (donated, updated in
+place).
+
+Every array the step sees is padded up to a bucket, so XLA compiles a few shapes once (at start-up) and a request's
+length never reaches a jitted shape:
+  decode steps   tokens = sequences = S in `decode_buckets`; block tables at the full width; the K/V read as a
+                 flat list of B blocks, B in the runner's `flat_block_buckets(S)` (the blocks in use, rounded up)
+  prefill steps  tokens T in `prefill_buckets`, sequences min(max_num_seqs, T / tile), block-table width W in
+                 `width_buckets`, tile 16; or tile 1 when the attention `mixes_steps` (then a prefill step may
+                 carry decodes too, every sequence's tokens start right after the previous one's, and S is T / 2
+                 but at the largest T: a step with more sequences than that takes a larger T)
+
+The step's inputs travel as one int32 buffer (`input_batch.StepLayout`), and the parameters as the flat list of
+their leaves (flattened once at load, unflattened inside the trace): a call costs one host-to-device copy and no
+pytree traversal of the model. The sampled tokens come back padded to a fixed `max_rows`, so the next step can take
+its decoding rows' input tokens from them on the device, whatever the two steps' shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental.layout import Format
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpaged.models.matmul import native_matmul
+from jaxpaged.worker import sampler
+from jaxpaged.worker.attention import AttentionBackend, KVPool
+from jaxpaged.worker.input_batch import StepLayout
+from jaxpaged.worker.sampler import SamplerOutput
+
+NATIVE_MATMUL_ROWS = 1 << 20  # every step's: benchmarks/matmul.py compares the native kernel with XLA's dot by rows
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo up to hi, with hi itself as the last bucket."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def batch_buckets(lo: int, hi: int) -> list[int]:
+    """Sequence counts of decode steps: powers of two from lo, with the 1.5x points between them from 16 up (24, 48,
+    96, ...), so a batch is padded by at most a third above 16 rows (a decode step costs per row), and hi last."""
+    out = []
+    for b in pow2_buckets(lo, hi):
+        if b >= 32 and b // 4 * 3 > (out[-1] if out else 0):
+            out.append(b // 4 * 3)
+        out.append(b)
+    return sorted(set(x for x in out if x <= hi))
+
+
+def pick_bucket(buckets: list[int], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple, *,
+          layout: StepLayout, treedef, graphdef: nnx.GraphDef, attn: AttentionBackend, max_rows: int,
+          mesh: Mesh | None = None, native_matmul_rows: int = 0) -> tuple[jax.Array, SamplerOutput, KVPool]:
+    """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
+    buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each.
+    Returns (tokens [max_rows] int32 (rows past S are 0), the sampler's output over S rows, the pool)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
+    host_ids, token_src, md, sm = layout.unpack(buf, extras)
+    # A decoding row whose last token the host does not know yet reads it from the previous step's output.
+    token_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], host_ids)  # [T]
+    # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
+    with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
+        hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
+    # The LM head runs only on the rows that need logits: one per sequence, not one per token; natively, only on
+    # the step's sequences (the rest of S is padding: context length 0).
+    num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)
+    with native_matmul(native_matmul_rows, live_rows=(md.logits_indices.shape[0], num_seqs)):
+        logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
+    if mesh is not None and logits.shape[-1] % mesh.size == 0:
+        # Tensor parallel: the LM head's output stays split over the vocabulary (so XLA does not gather the head
+        # instead), then the sampler gets the whole rows: the same sampling code, and the same tokens, at every tp.
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, mesh.axis_names[0])))
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+    out = sampler.sample(logits, sm, native=native_matmul_rows > 0)
+    tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
+    return tokens, out, kv_pool
+
+
+def native_matmul_rows(mesh: Mesh | None) -> int:
+    """The most rows a step's layer matmuls run by the native CPU kernel (`jaxpaged.models.matmul`), 0 for none:
+    on a CPU with AVX512_BF16 without a tensor-parallel mesh, up to NATIVE_MATMUL_ROWS: every step, decode and
+    prefill (at 256-2048 rows the kernel runs within a few percent of XLA's dot rate, and a prefill step is faster
+    with it: no weight slices copied, bf16 results written instead of float32 ones)."""
+    if mesh is not None or jax.default_backend() != "cpu":
+        return 0
+    from pallas_kernels import cpu_native
+
+    return NATIVE_MATMUL_ROWS if cpu_native.matmul_is_fast() else 0
+
+
+def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
+             max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0):
+    """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
+    load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
+    the native CPU kernel (`native_matmul_rows`).
+
+    The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
+    outputs live on its device. With a tensor-parallel mesh, the parameters keep their shardings, the pool its
+    split by kv head, and the inputs and the sampler's output are replicated over the mesh.
+    """
+    step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
+                             native_matmul_rows=native_rows)
+    if mesh is not None:
+        rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
+        return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,),
+                       in_shardings=(leaf_shardings, pool, rep, rep, rep), out_shardings=(rep, rep, pool))
+    if fmt is None:
+        return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,))
+    device = fmt.sharding
+    pool = KVPool(fmt, fmt)
+    return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,),
+                   in_shardings=(device, pool, device, device, device), out_shardings=(device, device, pool))
+
+
+def step_compiler_options(params) -> dict[str, str]:
+    """XLA options for compiling the step: on CPU with 16-bit parameters, no while-loop invariant code motion.
+
+    XLA CPU slices a layer's weights out of the stacked [L, ...] arrays in float32 (it has no 16-bit dynamic-slice),
+    and the invariant-code-motion pass hoists that conversion out of the layer loop: every step then converts every
+    stacked weight to float32 and back (a bfloat16 decode step of 64 sequences: 346 ms instead of 153 ms,
+    benchmarks/step_anatomy.py). Without the pass the conversion stays fused with the slice of one layer. Options are
+    per executable: nothing process-wide changes."""
+    sixteen_bit = any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
+                      for x in jax.tree.leaves(params))
+    if jax.default_backend() != "cpu" or not sixteen_bit:
+        return {}
+    return {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def step_matmul_precision(params) -> str | None:
+    """'highest' for a float32 model, so its matmuls multiply in float32: XLA's default on GPU rounds float32 inputs
+    to TF32 (logits ~1e-3 off transformers' float32) and on TPU to bfloat16. None (the default) for 16-bit models.
+    On CPU it changes nothing."""
+    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return "highest" if floats and all(jnp.dtype(d) == jnp.float32 for d in floats) else None
+
+
+def lower_step(step_fn, param_leaves, kv_pool: KVPool, prev_tokens, layout: StepLayout, extras: tuple):
+    """Lowers the step for one layout; the arguments may be arrays or jax.ShapeDtypeStructs. The matmul precision is
+    set for this trace only (`step_matmul_precision`), not process-wide."""
+    buf = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+    with jax.default_matmul_precision(step_matmul_precision(param_leaves)):
+        return step_fn.lower(param_leaves, kv_pool, prev_tokens, buf, extras, layout=layout)
