@@ -107,19 +107,25 @@ def test_preemption_gives_the_same_tokens_with_and_without_async(mode):
         llm = tiny_llm(CONFIG, PARAMS, async_scheduling=async_scheduling, max_num_seqs=6, num_blocks=14,
                        preemption_mode=mode, swap_space=0.01 if mode == "swap" else 0.0)
         engine = llm.engine
-        original = engine.step
-
-        def checked_step():
-            outs = original()
-            engine.runner.input_batch.check_tables(engine.block_manager.tables)
-            engine.block_manager.check_invariants()
-            return outs
-
-        engine.step = checked_step
+        engine.step = checked(engine)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == alone
         assert llm.stats()[f"preemptions_{mode}"] > 0
         assert llm.stats()["num_used"] == 0
+
+
+def checked(engine):
+    """engine.step that checks, after every step, the pool's invariants and that the runner's persistent block
+    tables equal the pool's."""
+    original = engine.step
+
+    def step():
+        outs = original()
+        engine.runner.input_batch.check_tables(engine.block_manager.tables)
+        engine.block_manager.check_invariants()
+        return outs
+
+    return step
 
 
 def test_the_next_step_is_dispatched_before_the_last_ones_tokens_are_read(monkeypatch):
