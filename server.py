@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
         finish_process_0(engine.engine.runner)
         return 2
-    if engine.engine.runner.broadcaster is None:  # a single process
+    if not engine.engine.runner.multihost:  # a single process
         return 0
     # multi-host: the workers are told to stop only once no step of this process can follow (the thread has ended)
     if not engine.close(timeout=1.0):

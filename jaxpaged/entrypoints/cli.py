@@ -70,7 +70,7 @@ def finish_process_0(runner) -> int:
     if a worker was already gone."""
     from jaxpaged.parallel import multihost
 
-    if runner.broadcaster is None:
+    if getattr(runner, "broadcaster", None) is None:
         return 0
     if not multihost.stop_workers(runner):
         return 1
