@@ -1,0 +1,264 @@
+"""End-to-end throughput on a GPU (or TPU): random-weight Llama-3.2-1B and Llama-3-8B shapes, two workloads, the
+engine and Hugging Face transformers on the same card in one run (issue #29's measurement).
+
+    P  256 prompts of U[128, 1024] tokens, 128 new each (prefill-heavy)
+    D  256 prompts of U[64, 256] tokens, 512 new each (decode-heavy)
+
+Engine settings: bf16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048, prefix caching off,
+greedy, EOS ignored; each figure is the second run of the workload in the process (the first compiles). Printed and
+written to results/gpu_throughput.json: tokens/s (total for P, output for D), model TFLOP/s against the card's bf16
+peak, the decode step's wall time against its device time (jax.profiler trace of decode steps), compile time; HF's
+static `generate` (batch 256, left-padded) and `generate_batch` (continuous batching) beside it. Goals on an H100 /
+H200: decode step <= 1.3x its device time; Llama-3-8B D >= 19,000 output tok/s and Llama-3.2-1B D >= 60,000 on an
+H200; P >= 50% of the card's bf16 peak. Name the card beside every figure.
+
+    PYTHONPATH=. python benchmarks/gpu_throughput.py                 # both shapes, both workloads, HF too
+    PYTHONPATH=. python benchmarks/gpu_throughput.py --models 1b --workloads D --no-hf
+    PYTHONPATH=. python benchmarks/gpu_throughput.py --smoke         # tiny shapes on any machine: checks the script
+
+Without a GPU or TPU it says so and exits (unless --smoke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import print_table, trace_events, write_json  # noqa: E402
+
+from jaxpaged.config import ModelConfig  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+SHAPES = {
+    "1b": ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                      num_kv_heads=8, head_dim=64, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                      max_position_embeddings=131072, tie_word_embeddings=True, eos_token_ids=(128001,)),
+    "8b": ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=8.0),
+                      max_position_embeddings=8192, eos_token_ids=(128001,)),
+    "smoke": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_ids=(1,)),
+}
+WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length range, new tokens
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, NVIDIA's data sheets
+
+
+@dataclasses.dataclass
+class Run:
+    model: str
+    workload: str
+    system: str
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    model_tflops: float
+    compile_s: float | None = None
+    decode_step_ms: float | None = None
+    decode_device_ms: float | None = None
+
+
+def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
+    """Forward FLOPs of the workload: 2 x (non-embedding parameters, LM head included) per token, plus attention's
+    4 x layers x heads x head_dim per (token, context position) pair."""
+    h, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    per_layer = h * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim + config.num_heads * \
+        config.head_dim * h + 3 * h * f
+    dense = 2 * (layers * per_layer + h * config.vocab_size)
+    flops = 0.0
+    for p in prompts:
+        tokens = p + new
+        pairs = tokens * (tokens + 1) / 2
+        flops += dense * tokens + 4 * layers * config.num_heads * config.head_dim * pairs
+    return flops
+
+
+def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], int]:
+    (lo, hi), new = WORKLOADS[name]
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, vocab - 10, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)], new
+
+
+def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int, args) -> Run:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    t0 = time.perf_counter()
+    llm = LLM.from_model(model, None, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                         enable_prefix_caching=False, show_progress=False)
+    compile_s = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch, sp, use_tqdm=False)  # the first run: anything left to load or compile
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    step_ms, device_ms = decode_step_times(llm, prompts, new)
+    del model, llm
+    jax.clear_caches()
+    return Run(config_name(config), name, "jaxpaged", seconds, sum(map(len, prompts)), output_tokens,
+               model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms)
+
+
+def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20) -> tuple[float, float]:
+    """A decode step's wall time and device time (ms) with every sequence decoding: the prompts are prefilled, then
+    `steps` engine steps run under jax.profiler; device time is the trace's busiest device line per step."""
+    from jaxpaged import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, output_kind=2)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, sp)
+    while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    events = trace_events(lambda: engine.step() and None, steps)
+    device_ms = busiest_device_line_us(events) / steps / 1e3 if events else float("nan")
+    for i in range(len(prompts)):
+        engine.abort_request(f"trace-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    return wall_ms, device_ms
+
+
+def busiest_device_line_us(events: list[dict]) -> float:
+    """Total busy microseconds of the device trace line with the most (XLA modules), over the traced calls."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    totals: dict[tuple, float] = {}
+    for e in events:
+        if e.get("ph") == "X" and any(k in names.get(e["pid"], "") for k in ("GPU", "TPU", "/device:")):
+            totals[(e["pid"], e.get("tid"))] = totals.get((e["pid"], e.get("tid")), 0.0) + e.get("dur", 0)
+    return max(totals.values(), default=0.0)
+
+
+def config_name(config: ModelConfig) -> str:
+    return next((k for k, v in SHAPES.items() if v == config), "?")
+
+
+def run_hf(config: ModelConfig, name: str, prompts: list[list[int]], new: int, args, device: str) -> list[Run]:
+    """transformers on the same card: static `generate` (batch of all prompts, left-padded) and `generate_batch`."""
+    import torch
+    import transformers
+
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling, max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings, torch_dtype=torch.bfloat16)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).eval()
+    flops = model_flops(config, list(map(len, prompts)), new)
+    runs = []
+    gen = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
+                                        eos_token_id=None)
+
+    def static():
+        width = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen)
+        return int((out.shape[1] - width) * len(prompts))
+
+    def continuous():
+        with torch.no_grad():
+            results = model.generate_batch(inputs=prompts, generation_config=gen)
+        return sum(len(r.generated_tokens) for r in results.values())
+
+    peers = [("HF generate (static)", static), ("HF generate_batch", continuous)]
+    if device != "cuda":  # generate_batch sizes its cache from the device's memory: on a CPU host that is all of it
+        peers = peers[:1]
+    for system, fn in peers:
+        try:
+            fn()  # warm-up
+            torch.cuda.synchronize() if device == "cuda" else None
+            t0 = time.perf_counter()
+            output_tokens = fn()
+            torch.cuda.synchronize() if device == "cuda" else None
+            seconds = time.perf_counter() - t0
+            runs.append(Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
+                            flops / seconds / 1e12))
+        except Exception as e:  # a peer that cannot run here is reported, not fatal
+            print(f"{system} failed on {config_name(config)} {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    model = None  # the next shape's weights need the memory
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=["1b", "8b"])
+    ap.add_argument("--workloads", nargs="+", default=["D", "P"], choices=list(WORKLOADS))
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
+    ap.add_argument("--out", default="results/gpu_throughput.json")
+    args = ap.parse_args()
+
+    import jax
+
+    device = jax.devices()[0]
+    if device.platform not in ("gpu", "tpu") and not args.smoke:
+        raise SystemExit(f"gpu_throughput.py needs a GPU or TPU; JAX sees {device.platform} ({device}). "
+                         "--smoke checks the script on any machine.")
+    card = getattr(device, "device_kind", device.platform)
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in card), None)
+    models = ["smoke"] if args.smoke else args.models
+    if args.smoke:
+        args.num_prompts, args.max_num_seqs, args.max_model_len = 8, 8, 256
+        WORKLOADS.update(P=((16, 64), 8), D=((8, 32), 16))
+    runs: list[Run] = []
+    for m in models:
+        config = SHAPES[m]
+        for w in args.workloads:
+            prompts, new = workload(w, args.num_prompts, config.vocab_size)
+            runs.append(run_ours(config, w, prompts, new, args))
+            print(runs[-1], flush=True)
+            if not args.no_hf:
+                runs += run_hf(config, w, prompts, new, args, "cuda" if device.platform == "gpu" else "cpu")
+    rows = []
+    for r in runs:
+        tokens = r.output_tokens if r.workload == "D" else r.prompt_tokens + r.output_tokens
+        rows.append({**dataclasses.asdict(r), "tok_s": tokens / r.seconds,
+                     "peak_share": r.model_tflops / peak if peak else None,
+                     "step_over_device": (r.decode_step_ms / r.decode_device_ms
+                                          if r.decode_step_ms and r.decode_device_ms else None)})
+    print(f"\n{card} (bf16 peak {peak or '?'} TFLOP/s); tok/s: output tokens for D, all tokens for P")
+    print_table(rows, [("model", "model", ""), ("workload", "workload", ""), ("system", "system", ""),
+                       ("tok_s", "tok/s", ",.0f"), ("model_tflops", "model TFLOP/s", ".1f"),
+                       ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
+                       ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
+                       ("compile_s", "start-up s", ".1f")])
+    write_json(args.out, {"card": card, "peak_bf16_tflops": peak, "jax": jax.__version__, "args": vars(args),
+                          "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
