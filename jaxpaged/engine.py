@@ -28,7 +28,7 @@ from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
-from jaxpaged.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
+from jaxpaged.structured_output import GrammarCache, advance, ban, bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -447,8 +447,8 @@ class Engine:
     def _append_token(self, req: _Request, seq: Sequence, token: int, result, row: int) -> None:
         self.counters["generation_tokens"] += 1
         matcher = req.matcher(seq)
-        if matcher is not None and not matcher.consume_token(token):
-            raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
+        if matcher is not None:
+            advance(matcher, token)  # GrammarError: fails this request alone, with a short message
         reason, stop_reason = self.outputs.add_token(
             seq, req.detokenizers[req.seqs.index(seq)], token, result, row,
             grammar_stopped=matcher is not None and matcher.is_stopped())  # the grammar allows nothing more
