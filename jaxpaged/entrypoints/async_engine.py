@@ -32,6 +32,7 @@ from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pool_view import MAX_CELLS
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ class RequestAbortedError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """This request failed inside the engine (its step or its output processing); other requests go on (HTTP 500)."""
+
+
+class RequestGrammarError(ValueError):
+    """This request's structured-output grammar failed while generating: the request's own fault, not the engine's
+    (HTTP 400); other requests go on."""
 
 
 @dataclasses.dataclass
@@ -427,8 +433,12 @@ class AsyncEngine:
         now = time.monotonic()
         for out in outputs:
             if out.error is not None:  # this request failed inside the step; the others went on
-                self.metrics.step_errors.inc()
                 self._token_times.pop(out.request_id, None)
+                kind, _, message = out.error.partition(": ")
+                if kind == GrammarError.__name__:
+                    deliveries.append((out.request_id, RequestGrammarError(message)))
+                    continue
+                self.metrics.step_errors.inc()
                 deliveries.append((out.request_id, EngineStepError(f"internal engine error: {out.error}")))
                 continue
             self._observe(out, now)
@@ -507,4 +517,4 @@ def _private_copy(tokenizer):
 
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineStepError", "EngineStoppedError", "RequestAbortedError",
-           "RequestStream"]
+           "RequestGrammarError", "RequestStream"]

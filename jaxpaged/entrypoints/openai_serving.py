@@ -9,8 +9,10 @@ as in OpenAI's API.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import re
 import time
 import uuid
@@ -22,6 +24,7 @@ from jaxpaged.entrypoints.async_engine import (
     EngineStepError,
     EngineStoppedError,
     RequestAbortedError,
+    RequestGrammarError,
     RequestStream,
 )
 from jaxpaged.entrypoints.openai_protocol import (
@@ -34,7 +37,14 @@ from jaxpaged.entrypoints.openai_protocol import (
 )
 from jaxpaged.entrypoints.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.tool_parsers import ToolCall, calls_from_required, tool_parser
+from jaxpaged.grammar_guard import GrammarBusyError
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+# Threads that check and compile structured-output grammars (each waits on a grammar worker process, or compiles
+# a checked grammar with the GIL released), so the event loop and the engine thread never do.
+GRAMMAR_THREADS = 4
 
 
 @dataclasses.dataclass
@@ -68,11 +78,13 @@ class OpenAIServing:
         self.prompt_tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len, max_prompt_chars)
         self.created = int(time.time())
         self._token_cache: dict[int, tuple[str, bytes]] = {}
+        self._grammar_threads = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
 
     # ---- models -----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.prompt_tokenizer.close()
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
@@ -109,7 +121,9 @@ class OpenAIServing:
             else:
                 prompts.append(_Prompt(None, list(p)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
-        ctx = await self._start("cmpl", model, body.n, prompts, body.sampling_params(max_tokens, body.logprobs))
+        structured = await self._structured(body)
+        ctx = await self._start("cmpl", model, body.n, prompts,
+                                body.sampling_params(max_tokens, body.logprobs, structured))
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -132,7 +146,7 @@ class OpenAIServing:
         ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
-        structured, _ = body.structured_output_request()
+        structured = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured))
         if body.stream:
@@ -306,9 +320,29 @@ class OpenAIServing:
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
+    async def _structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The body's structured-output constraint, checked and its grammar compiled for the engine on a grammar
+        thread: a large or hostile spec holds up neither the event loop (/health, other streams) nor the engine
+        thread, which then finds the grammar compiled. Errors name the field (400; 429 when the workers are busy)."""
+        if not body.sets_structured_output:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_threads, self._compile_structured, body)
+
+    def _compile_structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        structured, param = body.structured_output_request()
+        if structured is None:
+            return None
+        try:
+            self.engine.engine.grammars.prepare(structured.kind, structured.spec)
+        except GrammarBusyError as e:
+            raise OpenAIError(str(e), status=429, type="server_overloaded", param=param, code="grammar_busy") from e
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"{param}: {e}", param=param) from e
+        return structured
+
     async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         tools: list[dict] | None = None) -> list[int]:
-        conversation = [m.as_template_message() for m in messages]
+        conversation = [m.as_template_message(i) for i, m in enumerate(messages)]
         self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
             return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt, tools)
@@ -476,10 +510,14 @@ class _Context:
             finally:
                 for t in tasks:
                     t.cancel()
-        except (EngineStepError, RequestAbortedError, EngineStoppedError) as e:
-            status = 500 if isinstance(e, EngineStepError) else 503
-            raise OpenAIError(str(e), status=status, type="server_error" if status == 500 else "service_unavailable",
-                              code=type(e).__name__) from e
+        except RequestGrammarError as e:  # the request's own grammar: a client error, in its own words
+            raise OpenAIError(str(e), code="grammar_failed") from e
+        except EngineStepError as e:  # the details (state, tracebacks) are in the server log, never in the answer
+            logger.error("request %s failed inside the engine: %s", self.request_id, str(e)[:2000])
+            raise OpenAIError(f"the engine failed while generating request {self.request_id}; the server log has the "
+                              "details", status=500, type="server_error", code="engine_step_error") from e
+        except (RequestAbortedError, EngineStoppedError) as e:
+            raise OpenAIError(str(e), status=503, type="service_unavailable", code=type(e).__name__) from e
         finally:
             await self.aclose()
 
