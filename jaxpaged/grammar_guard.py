@@ -161,8 +161,9 @@ class _Worker:
         try:
             self.proc.stdin.write(struct.pack(">I", len(body)) + body)
             self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            raise _WorkerDied(self._exit_reason()) from None
+        except (BrokenPipeError, OSError):  # it died before this message (killed from outside): not its fault
+            self.kill()
+            raise _WorkerDied("gone") from None
         deadline = time.monotonic() + timeout
         head = self._read(4, deadline)
         (size,) = struct.unpack(">I", head)
@@ -273,29 +274,42 @@ class GrammarWorkers:
             cached = self._cache.get(key)
         if cached is not None:
             return cached
-        worker = self._acquire()
-        try:
-            if msg["op"] == "matcher" and msg["key"] not in worker.tokenizers:
-                reply = worker.call(self._tokenizers[msg["key"]], TOKENIZER_TIMEOUT_S)
-                if not reply.get("ok"):
-                    raise RuntimeError(f"the grammar worker could not load the tokenizer: {reply.get('error')}")
-                worker.tokenizers.add(msg["key"])
-            self.compiles += 1
-            reply = worker.call(msg, self.timeout_s)
-            result = (True, reply.get("grammar", "")) if reply.get("ok") else (False, str(reply.get("error")))
-        except _WorkerDied as e:
-            worker = None
-            self.restarts += 1
-            what = {"timeout": f"it takes more than {self.timeout_s:g} s to compile",
-                    "out of memory": "compiling it needs more memory than a grammar may use"}.get(
-                e.why, "it is too complex to compile (it crashed the grammar compiler)")
-            logger.warning("a structured-output spec was refused: %s; grammar worker restarted", what)
-            result = (False, what)
-        finally:
-            self._release(worker)
+        for attempt in range(2):
+            worker = self._acquire()
+            try:
+                self._load_tokenizer(worker, msg)
+                self.compiles += 1
+                reply = worker.call(msg, self.timeout_s)
+                result = (True, reply.get("grammar", "")) if reply.get("ok") else (False, str(reply.get("error")))
+            except _WorkerDied as e:
+                worker = None
+                self.restarts += 1
+                if e.why == "gone" and attempt == 0:  # lost before it saw the spec: once more on a fresh worker
+                    continue
+                what = {"timeout": f"it takes more than {self.timeout_s:g} s to compile",
+                        "out of memory": "compiling it needs more memory than a grammar may use"}.get(
+                    e.why, "it is too complex to compile (it crashed the grammar compiler)")
+                logger.warning("a structured-output spec was refused: %s; grammar worker restarted", what)
+                result = (False, what)
+            finally:
+                self._release(worker)
+            break
         with self._cond:
             self._cache.put(key, result)
         return result
+
+    def _load_tokenizer(self, worker: _Worker, msg: dict) -> None:
+        if msg["op"] != "matcher" or msg["key"] in worker.tokenizers:
+            return
+        try:
+            reply = worker.call(self._tokenizers[msg["key"]], TOKENIZER_TIMEOUT_S)
+        except _WorkerDied as e:
+            if e.why == "gone":
+                raise
+            raise RuntimeError(f"the grammar worker could not load the tokenizer ({e.why})") from None
+        if not reply.get("ok"):
+            raise RuntimeError(f"the grammar worker could not load the tokenizer: {reply.get('error')}")
+        worker.tokenizers.add(msg["key"])
 
     def _acquire(self) -> _Worker:
         deadline = time.monotonic() + self.timeout_s

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,6 +46,9 @@ logger = logging.getLogger(__name__)
 # Threads that check and compile structured-output grammars (each waits on a grammar worker process, or compiles
 # a checked grammar with the GIL released), so the event loop and the engine thread never do.
 GRAMMAR_THREADS = 4
+# Structured-output requests queued for those threads (a flood of costly specs waits its turn, up to this many; more
+# are answered 429 at once rather than queued without bound).
+MAX_GRAMMAR_BACKLOG = 64
 
 
 @dataclasses.dataclass
@@ -79,6 +83,8 @@ class OpenAIServing:
         self.created = int(time.time())
         self._token_cache: dict[int, tuple[str, bytes]] = {}
         self._grammar_threads = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        self._grammar_backlog = 0  # jobs submitted to the grammar threads and not yet finished (even if abandoned)
+        self._grammar_lock = threading.Lock()
 
     # ---- models -----------------------------------------------------------------------------------------------
 
@@ -326,9 +332,23 @@ class OpenAIServing:
         thread, which then finds the grammar compiled. Errors name the field (400; 429 when the workers are busy)."""
         if not body.sets_structured_output:
             return None
+        with self._grammar_lock:
+            if self._grammar_backlog >= MAX_GRAMMAR_BACKLOG:
+                raise OpenAIError(f"{self._grammar_backlog} structured-output requests are waiting for their grammars "
+                                  "to be checked; retry later", status=429, type="server_overloaded",
+                                  code="grammar_busy")
+            self._grammar_backlog += 1
         return await asyncio.get_running_loop().run_in_executor(self._grammar_threads, self._compile_structured, body)
 
     def _compile_structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        try:
+            return self._compile_structured_now(body)
+        finally:
+            with self._grammar_lock:
+                self._grammar_backlog -= 1
+
+    def _compile_structured_now(self, body: CompletionRequest | ChatCompletionRequest
+                                ) -> StructuredOutputsParams | None:
         structured, param = body.structured_output_request()
         if structured is None:
             return None
