@@ -28,7 +28,7 @@ from jaxpaged.sampler import MAX_BANNED, MAX_LOGPROBS
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.scheduler import Scheduler, SchedulerOutput
 from jaxpaged.sequence import Sequence
-from jaxpaged.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
+from jaxpaged.structured_output import GrammarCache, advance, ban, bitmask_words, fill_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -341,10 +341,7 @@ class Engine:
                     continue
                 self._append_token(req, seq, int(result["tokens"][i]), result, i)
             except Exception as e:
-                if isinstance(e, GrammarError):  # the request's own grammar: one line, no traceback
-                    logger.warning("request %s: %s", req.request_id, e)
-                else:
-                    logger.exception("output processing failed for request %s", req.request_id)
+                logger.exception("output processing failed for request %s", req.request_id)
                 touched.pop(req.request_id, None)
                 failed.append(self._fail(req, e, unwritten=False))
                 continue
@@ -374,8 +371,7 @@ class Engine:
         if not culprits:  # only the batch as a whole fails: every request in it
             culprits = {s.seq.request_id: first_error for s in out.scheduled}
         for request_id, e in culprits.items():
-            (logger.warning if isinstance(e, GrammarError) else logger.error)(
-                "request %s cannot be laid out for the device: %r", request_id, e)
+            logger.error("request %s cannot be laid out for the device: %r", request_id, e)
             failed.append(self._fail(self.requests[request_id], e))
         out.scheduled = [s for s in out.scheduled if s.seq.request_id not in culprits]
         return self._prepare_rows(out) if out.scheduled else None

@@ -41,8 +41,9 @@ MAX_SPEC_REFS = 256  # "$ref"s in a schema (or in a grammar's inline %json)
 MAX_SPEC_DEFINITIONS = 512  # entries of "$defs" / "definitions" in a schema
 MAX_GRAMMAR_RULES = 512  # rules of a Lark / GBNF grammar
 CHECK_TIMEOUT_S = 5.0  # one compile in the worker; also the longest a check waits for a free worker
-TOKENIZER_TIMEOUT_S = 120.0  # loading a tokenizer into a fresh worker (about 1 s for a 50k vocabulary)
-WORKER_MEMORY_BYTES = 2**30  # address space of a worker (about 150 MB of it with a 50k-token tokenizer loaded)
+TOKENIZER_TIMEOUT_S = 120.0  # loading a tokenizer into a fresh worker (1 s for 50k tokens, 10 s for 262k)
+# Address space of a worker: with a tokenizer loaded its peak is 150 MB (50k tokens) to 620 MB (Gemma 3's 262k).
+WORKER_MEMORY_BYTES = 2 * 2**30
 NUM_WORKERS = 2
 MAX_CACHED_RESULTS = 4096
 MAX_CACHED_GRAMMAR_CHARS = 64 * 2**20

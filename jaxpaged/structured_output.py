@@ -79,11 +79,17 @@ class GrammarCache:
         self._templates: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
         self._lltok = None
         self._tokenizer_key: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the template LRU (held for lookups only)
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer takes seconds: not under `_lock`
         self.compiles = 0  # for tests: grammars built, not served from the cache
 
+    def warm_up(self) -> None:
+        """Builds the tokenizer here and in a grammar worker (seconds for a large vocabulary), and the template of
+        `json_object`, so the first structured-output request does not wait for them."""
+        self.prepare("json_object", "True")
+
     def _ll_tokenizer(self):
-        with self._lock:
+        with self._tokenizer_lock:
             if self._lltok is None:
                 from llguidance import LLTokenizer
 

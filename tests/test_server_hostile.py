@@ -281,3 +281,45 @@ def test_canonical_logit_bias_keys_are_served(server):
                                                                                                     "0": -1.0}})
     assert status == 200 and body["usage"]["completion_tokens"] >= 1, body
 
+
+
+class _FailingStream:
+    """Stands in for a RequestStream whose request failed inside the engine."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise self.error
+
+    async def aclose(self):
+        pass
+
+
+@pytest.mark.parametrize("error,status,code", [
+    ("step", 500, "engine_step_error"),
+    ("grammar", 400, "grammar_failed"),
+])
+def test_an_engine_failure_reaches_the_client_without_internals(error, status, code):
+    import asyncio
+
+    from jaxpaged.entrypoints.async_engine import EngineStepError, RequestGrammarError
+    from jaxpaged.entrypoints.openai_protocol import OpenAIError
+    from jaxpaged.entrypoints.openai_serving import _Context
+
+    internals = 'ValueError: boom\n<state>{"rows": 1}</state><grammar>{"grammars": [{"lark_grammar": "..."}]}'
+    exc = EngineStepError(f"internal engine error: {internals}") if error == "step" else \
+        RequestGrammarError("structured output: the grammar failed while generating: NoExtensionBias")
+    ctx = _Context("cmpl-1", MODEL, 0, 1, [], [_FailingStream(exc)], None)
+
+    async def read():
+        async for _ in ctx.merged():
+            pass
+
+    with pytest.raises(OpenAIError) as e:
+        asyncio.run(read())
+    assert e.value.status == status and e.value.code == code
+    assert not any(leak in e.value.message for leak in LEAKS) and "boom" not in e.value.message, e.value.message

@@ -85,6 +85,7 @@ class OpenAIServing:
         self._grammar_threads = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._grammar_backlog = 0  # jobs submitted to the grammar threads and not yet finished (even if abandoned)
         self._grammar_lock = threading.Lock()
+        self._grammar_threads.submit(self._warm_up_grammars)
 
     # ---- models -----------------------------------------------------------------------------------------------
 
@@ -325,6 +326,15 @@ class OpenAIServing:
                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
 
     # ---- helpers ------------------------------------------------------------------------------------------------
+
+    def _warm_up_grammars(self) -> None:
+        grammars = getattr(getattr(self.engine, "engine", None), "grammars", None)
+        if grammars is None or self.engine.tokenizer is None:
+            return
+        try:
+            grammars.warm_up()
+        except Exception as e:  # e.g. a slow tokenizer: structured-output requests will say so themselves
+            logger.warning("structured outputs were not warmed up: %s", str(e)[:200])
 
     async def _structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
         """The body's structured-output constraint, checked and its grammar compiled for the engine on a grammar
