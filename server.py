@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hmac
 import json
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from jaxpaged import entrypoints
 from jaxpaged.core.pool_view import MAX_CELLS
@@ -55,6 +57,7 @@ from jaxpaged.entrypoints.openai_protocol import (
     parse_body,
 )
 from jaxpaged.entrypoints.openai_serving import ChunkStream, OpenAIServing
+from jaxpaged.entrypoints.read_progress import ReadProgress, cap_buffers
 from jaxpaged.runtime.tcmalloc import use_tcmalloc
 
 logger = logging.getLogger("jaxpaged.server")
@@ -105,8 +108,12 @@ class _BodyTimeout(Exception):
     """The client sent headers but not the whole body within --body-timeout."""
 
 
+class _UndecodableBody(Exception):
+    """The body does not decode as its Content-Encoding says (e.g. gzip): the client's error (400)."""
+
+
 class _ClientNotReading(Exception):
-    """A write to a stream did not complete within --write-timeout: the client stopped reading."""
+    """The client has had stream output waiting and read none of it for --write-timeout (read_progress.py)."""
 
 
 def _error_response(status: int, message: str, type: str | None = None, param: str | None = None,
@@ -126,13 +133,12 @@ async def errors_as_json(request: web.Request, handler):
     except _BodyTimeout:
         # Answer, then close at once: the rest of the body may never come, so the connection cannot be reused
         # (aiohttp would otherwise wait up to 10 s reading the rest).
-        resp = _error_response(408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s",
-                               code="request_timeout")
-        resp.force_close()
-        await resp.prepare(request)
-        await resp.write_eof()
-        request.protocol.force_close()
-        return resp
+        return await _answer_and_close(request, _error_response(
+            408, f"the request body did not arrive within {request.app[BODY_TIMEOUT]:g} s", code="request_timeout"))
+    except _UndecodableBody as e:
+        # Closed as well: aiohttp would read the rest of the body after the answer, meet the same error again and log
+        # it as a traceback.
+        return await _answer_and_close(request, _error_response(400, str(e)))
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -143,6 +149,14 @@ async def errors_as_json(request: web.Request, handler):
     except Exception:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return _error_response(500, "internal server error", "server_error")
+
+
+async def _answer_and_close(request: web.Request, resp: web.Response) -> web.Response:
+    resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
 
 
 @web.middleware
@@ -212,6 +226,11 @@ async def _read_body(request: web.Request) -> bytes:
         logger.warning("%s sent headers but not the body of %s %s within %g s (--body-timeout); closing",
                        request.remote, request.method, request.path, request.app[BODY_TIMEOUT])
         raise _BodyTimeout from None
+    except (RequestPayloadError, HttpProcessingError) as e:  # e.g. "Content-Encoding: gzip" on a body that is not
+        encoding = request.headers.get("Content-Encoding", "")[:40]
+        logger.warning("%s sent a body that does not decode as Content-Encoding %r on %s %s: answered 400 (%s)",
+                       request.remote, encoding, request.method, request.path, re.sub(r"\s+", " ", str(e))[:120])
+        raise _UndecodableBody(f"the request body does not decode as its Content-Encoding {encoding!r}") from None
 
 
 def _sse(obj: dict) -> bytes:
@@ -226,14 +245,14 @@ async def _respond(request: web.Request, result: dict | ChunkStream) -> web.Stre
                                        "X-Accel-Buffering": "no"})
 
     async def send(data: bytes | None) -> None:
-        # A write waits only when the socket's buffers are full, i.e. when the client is not reading.
+        # A write waits only when the (small) buffers are full; that alone bounds it by the timeout too.
         try:
             async with asyncio.timeout(timeout):
                 await (resp.write(data) if data is not None else resp.write_eof())
         except TimeoutError:
             raise _ClientNotReading from None
 
-    try:
+    async def pump() -> None:
         await resp.prepare(request)
         try:
             async for chunk in result:
@@ -242,6 +261,9 @@ async def _respond(request: web.Request, result: dict | ChunkStream) -> web.Stre
             await send(_sse(e.body()))
         await send(b"data: [DONE]\n\n")
         await send(None)
+
+    try:
+        await _while_client_reads(request, pump(), timeout)
     except ConnectionResetError:  # the client went away; closing the stream below aborts the request
         logger.info("client disconnected mid-stream from %s", request.path)
     except _ClientNotReading:
@@ -253,6 +275,33 @@ async def _respond(request: web.Request, result: dict | ChunkStream) -> web.Stre
     finally:
         await result.aclose()
     return resp
+
+
+async def _while_client_reads(request: web.Request, pump, timeout: float) -> None:
+    """Runs a stream's `pump` coroutine; raises _ClientNotReading once the client has had output waiting and
+    consumed none of it for `timeout` seconds, however much its buffers still take (read_progress.py)."""
+    task = asyncio.ensure_future(pump)
+    transport = request.transport
+    try:
+        if transport is None:
+            return await task
+        cap_buffers(transport)
+        loop = asyncio.get_running_loop()
+        progress = ReadProgress(transport, loop.time())
+        interval = min(0.5, timeout / 4)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=interval)
+            if done:
+                return task.result()
+            now = loop.time()
+            progress.sample(now)
+            if progress.stalled_for(now) >= timeout:
+                raise _ClientNotReading
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -63,7 +63,8 @@ class StructuredOutputsParams:
     """Constrains the output to a grammar (vLLM's names): exactly one of a JSON schema (a dict or its JSON text),
     a regex, a list of choices, a Lark / GBNF grammar, or `json_object=True` (any JSON object).
 
-    The spec is checked here by the grammar engine (llguidance), so an invalid schema is a ValueError that names
+    The spec is checked here: input limits (size, nesting, $refs, definitions, rules; `grammar_guard`), then the
+    grammar engine (llguidance) in a worker process, so an invalid or too costly schema is a ValueError that names
     the field: "structured_outputs.json: ..."."""
 
     json: dict | str | None = None
@@ -92,8 +93,12 @@ class StructuredOutputsParams:
             self.choice = list(value)
         if kind == "json_object" and value is not True:
             raise TypeError(f"structured_outputs.json_object must be True or unset, not {value!r}")
+        from jaxpaged.engine.grammar_guard import check_limits
         from jaxpaged.engine.structured_output import validate
 
+        # The limits first, on the value as given: a schema dict nested 10,000 deep never reaches json.dumps.
+        if kind != "json_object":
+            check_limits(f"structured_outputs.{kind}", kind, value)
         validate(self.kind, self.spec)
 
     @property

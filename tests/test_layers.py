@@ -22,7 +22,8 @@ ALLOWED = {
     "entrypoints": {"core", "worker", "models", "parallel", "loader", "engine", "runtime", "spec_decode"},
     "runtime": set(),
 }
-SHARED = {"config", "sampling_params", "outputs", "chat", "__init__"}  # top-level modules every layer may use
+# top-level modules every layer may use
+SHARED = {"config", "sampling_params", "outputs", "chat", "client_json", "__init__"}
 NO_JAX = ("jax", "jaxlib", "flax", "pallas_kernels", "numpy")  # core holds plain Python
 
 

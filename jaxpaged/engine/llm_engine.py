@@ -31,7 +31,7 @@ from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
 from jaxpaged.engine.setup import EngineConfig, build_runner
-from jaxpaged.engine.structured_output import GrammarCache, ban, bitmask_words, fill_bitmask
+from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import EngineOutput, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -321,7 +321,7 @@ class Engine:
         prepared = self._prepare(out, failed)
         if prepared is None:
             return None
-        inputs, rows = prepared
+        out, inputs, rows = prepared
         t1 = time.perf_counter()
         handle = None
         with self._device_guard(out, failed):
@@ -344,9 +344,9 @@ class Engine:
             seq.num_placeholders -= sampled
 
     def _prepare(self, out: SchedulerOutput, failed: list[EngineOutput]):
-        """The step's inputs, (StepInputs, StepRows). A request whose rows cannot be laid out (its grammar's bitmask
-        raises; or the layout raises and, tried alone, its rows do) fails alone, and the step goes on without it;
-        None when nothing is left."""
+        """The step as it will run and its inputs, (SchedulerOutput, StepInputs, StepRows). A request whose rows
+        cannot be laid out (its grammar's bitmask raises; or the layout raises and, tried alone, its rows do) fails
+        alone, and the step goes on without it; None when nothing is left."""
         culprits: dict[str, Exception] = {}
         bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
         for i, seq in enumerate(out.seqs):
@@ -364,7 +364,7 @@ class Engine:
             return None
         tables = self.block_manager.tables
         try:
-            return self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+            return out, *self.runner.prepare(out, tables, self._seeds(out), bitmasks)
         except Exception as e:
             first_error = e
         for request_id in dict.fromkeys(s.request_id for s in out.seqs):  # which requests' rows raise on their own
@@ -376,7 +376,7 @@ class Engine:
         out = self._without(out, culprits or {s.request_id: first_error for s in out.seqs}, failed)
         if not out.seqs:
             return None
-        return self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+        return out, *self.runner.prepare(out, tables, self._seeds(out), bitmasks)
 
     def _without(self, out: SchedulerOutput, culprits: dict[str, Exception | None],
                  failed: list[EngineOutput] | None) -> SchedulerOutput:
@@ -388,7 +388,8 @@ class Engine:
                                            None))  # the culprits' part of the step will not run
             for request_id, e in culprits.items():
                 if request_id in self.requests:
-                    logger.error("request %s cannot be laid out for the device: %r", request_id, e)
+                    (logger.warning if isinstance(e, GrammarError) else logger.error)(
+                        "request %s cannot be laid out for the device: %s", request_id, e)
                     failed.append(self._fail(self.requests[request_id], e))
         keep = [i for i, s in enumerate(out.seqs) if s.request_id not in culprits]
         return dataclasses.replace(out, **{name: [getattr(out, name)[i] for i in keep]
@@ -485,7 +486,10 @@ class Engine:
                     self.scheduler.finish(seq, reason)
                     ended.add(req.request_id)
             except Exception as e:
-                logger.exception("output processing failed for request %s", req.request_id)
+                if isinstance(e, GrammarError):  # the request's own grammar, not the engine
+                    logger.warning("request %s: %s", req.request_id, e)
+                else:
+                    logger.exception("output processing failed for request %s", req.request_id)
                 touched.pop(req.request_id, None)
                 failed.append(self._fail(req, e, unwritten=False))
                 continue
@@ -506,8 +510,7 @@ class Engine:
             return "stop", (token if token in seq.params.stop_token_ids else None)
         if req.grammar is not None:
             matcher = self._matcher(req, seq)
-            if not matcher.consume_token(token):
-                raise ValueError(f"structured output: the grammar rejects token {token}: {matcher.get_error()}")
+            advance(matcher, token)  # GrammarError: this request fails alone, with a short message
             if matcher.is_stopped():  # the grammar allows nothing more
                 return "stop", None
         if len(seq.token_ids) >= seq.token_limit:

@@ -1,66 +1,76 @@
 """Structured output on the host: grammars (JSON schema, regex, choice, Lark/GBNF) compiled by llguidance, one
 matcher per sequence, and the token bitmask each step hands the sampler.
 
+A spec reaches llguidance in this process only after `grammar_guard` has checked it: input limits, then a compile,
+a compile against the tokenizer and a first token mask in a worker process with a smaller stack, so a spec that
+would crash, exhaust or stall llguidance is a ValueError naming the field before any request is queued.
 A grammar is compiled once per (kind, spec) and kept in a bounded LRU as a fresh matcher; each sequence gets a
 `deep_copy` of it (n > 1 samples each their own) and advances it with every token it appends, once: preemption
-keeps a sequence's tokens and its matcher, so recompute never replays tokens into it.
+keeps a sequence's tokens and its matcher, so recompute never replays tokens into it. A grammar that still fails
+while generating raises `GrammarError`, which fails its own request with a short message.
 The bitmask is [ceil(V / 32)] int32 per row, bit j of word i allowing token 32 i + j (llguidance's layout).
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import functools
-import json
+import threading
 
 import numpy as np
 
-# Compact JSON (no free whitespace between tokens): a weak model otherwise fills its budget with blanks.
-JSON_OPTIONS = {"whitespace_flexible": False}
+from jaxpaged import client_json
+from jaxpaged.engine import grammar_guard
+from jaxpaged.engine.grammar_worker import parser_limits, short_error
+
 MAX_CACHED_GRAMMARS = 256
+
+
+class GrammarError(ValueError):
+    """A request's grammar failed while generating (its matcher is in an error state): the request's own fault."""
 
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-@functools.lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+@functools.lru_cache(maxsize=64)
 def grammar(kind: str, spec: str) -> str:
-    """The llguidance grammar of one spec (kind is a `StructuredOutputsParams` field name). Raises ValueError
-    naming the field when the spec is invalid."""
-    from llguidance import LLMatcher, grammar_from
-
+    """The llguidance grammar of one spec (kind is a `StructuredOutputsParams` field name), compiled and validated in
+    the grammar worker. Raises ValueError naming the field when the spec is invalid, over the limits, or too costly.
+    """
     field = f"structured_outputs.{kind}"
-    try:
-        if kind == "json":
-            schema = json.loads(spec)
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema must be an object")
-            g = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-        elif kind == "json_object":
-            g = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        elif kind == "regex":
-            g = LLMatcher.grammar_from_regex(spec)
-        elif kind == "choice":
-            g = grammar_from("choice", spec)
-        elif kind == "grammar":
-            g = grammar_from("grammar", spec)
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
-    except ValueError as e:
-        raise ValueError(f"{field} is invalid: {e}") from None
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(g)
-    if is_error:
-        raise ValueError(f"{field} is invalid: {messages[0].strip()}")
-    return g
+    value = spec
+    if kind == "choice":
+        value = client_json.loads(spec, field)
+        if not isinstance(value, list):
+            raise ValueError(f"{field} must be a list of strings")
+    if kind != "json_object":
+        grammar_guard.check_limits(field, kind, value)
+    return grammar_guard.workers().grammar(field, kind, spec)
 
 
 def validate(kind: str, spec: str) -> None:
     grammar(kind, spec)
 
 
+def tokenizer_json(tokenizer) -> str:
+    """A fast Hugging Face tokenizer as the JSON that llguidance's `LLTokenizer` reads (as `llguidance.hf` does it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError("structured_outputs needs a fast (Rust) Hugging Face tokenizer; this model's is "
+                         f"{type(tokenizer).__name__}")
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
+
+
 class GrammarCache:
-    """Fresh matchers per (kind, spec) for one tokenizer; `matcher` hands out copies to advance."""
+    """Fresh matchers per (kind, spec) for one tokenizer; `matcher` hands out copies to advance. Thread-safe, so the
+    server can `prepare` a grammar on a worker thread and the engine thread finds it compiled."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], maxsize: int = MAX_CACHED_GRAMMARS):
         self.tokenizer = tokenizer
@@ -69,42 +79,71 @@ class GrammarCache:
         self.maxsize = maxsize
         self._templates: collections.OrderedDict[tuple[str, str], object] = collections.OrderedDict()
         self._lltok = None
+        self._tokenizer_key: str | None = None
+        self._lock = threading.Lock()  # the template LRU (held for lookups only)
+        self._tokenizer_lock = threading.Lock()  # building the tokenizer takes seconds: not under `_lock`
         self.compiles = 0  # for tests: grammars built, not served from the cache
 
+    def warm_up(self) -> None:
+        """Builds the tokenizer here and in a grammar worker (seconds for a large vocabulary), and the template of
+        `json_object`, so the first structured-output request does not wait for them."""
+        self.prepare("json_object", "True")
+
     def _ll_tokenizer(self):
-        if self._lltok is None:
-            import llguidance.hf
-            from transformers import PreTrainedTokenizerFast
+        with self._tokenizer_lock:
+            if self._lltok is None:
+                from llguidance import LLTokenizer
 
-            if not isinstance(self.tokenizer, PreTrainedTokenizerFast):
-                raise ValueError("structured_outputs needs a fast (Rust) Hugging Face tokenizer; this model's is "
-                                 f"{type(self.tokenizer).__name__}")
-            self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                       eos_token=self.eos_token_ids)
-        return self._lltok
+                text = tokenizer_json(self.tokenizer)
+                self._lltok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                self._tokenizer_key = grammar_guard.workers().register_tokenizer(text, self.vocab_size,
+                                                                                 self.eos_token_ids)
+            return self._lltok
 
-    def matcher(self, kind: str, spec: str):
-        """A new matcher at the grammar's start. Raises ValueError naming the field if the grammar is invalid."""
+    def prepare(self, kind: str, spec: str) -> object:
+        """The compiled template of a spec, built if it is not cached. Raises ValueError naming the field if the grammar
+        is invalid, over the limits, or fails against this tokenizer."""
         from llguidance import LLMatcher
 
         key = (kind, spec)
-        template = self._templates.get(key)
-        if template is None:
-            template = LLMatcher(self._ll_tokenizer(), grammar(kind, spec), log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs.{kind} is invalid: {template.get_error()}")
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+                return template
+        g = grammar(kind, spec)
+        lltok = self._ll_tokenizer()
+        field = f"structured_outputs.{kind}"
+        grammar_guard.workers().check_matcher(field, self._tokenizer_key, g)
+        # The worker compiled this very grammar on a smaller stack: here it cannot overflow.
+        template = LLMatcher(lltok, g, log_level=0, limits=parser_limits())
+        if template.is_error():
+            raise ValueError(f"{field} is invalid: {short_error(template.get_error())}")
+        with self._lock:
             self.compiles += 1
             self._templates[key] = template
             if len(self._templates) > self.maxsize:
                 self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(key)
-        return template.deep_copy()
+        return template
+
+    def matcher(self, kind: str, spec: str):
+        """A new matcher at the grammar's start. Raises ValueError naming the field if the grammar is invalid."""
+        return self.prepare(kind, spec).deep_copy()
 
 
 def fill_bitmask(matcher, out: np.ndarray) -> None:
-    """The tokens `matcher` allows next, into out [ceil(V / 32)] int32 (contiguous)."""
+    """The tokens `matcher` allows next, into out [ceil(V / 32)] int32 (contiguous). GrammarError if the grammar
+    cannot go on (e.g. it allows no token the tokenizer has, or hit a parser limit)."""
     matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+    if matcher.is_error():
+        raise GrammarError(f"structured output: the grammar failed while generating: "
+                           f"{short_error(matcher.get_error())}")
+
+
+def advance(matcher, token: int) -> None:
+    """Feeds a sampled token to the matcher; GrammarError (a short message, no parser state) if it is refused."""
+    if not matcher.consume_token(token):
+        raise GrammarError(f"structured output: the grammar rejects token {token}: {short_error(matcher.get_error())}")
 
 
 def ban(mask: np.ndarray, token_ids) -> None:

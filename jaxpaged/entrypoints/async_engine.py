@@ -32,6 +32,7 @@ from jaxpaged.chat import apply_chat_template
 from jaxpaged.core.pool_view import MAX_CELLS
 from jaxpaged.engine.llm_engine import Engine
 from jaxpaged.engine.output_processor import RequestState
+from jaxpaged.engine.structured_output import GrammarError
 from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import EngineOutput, RequestOutput, SeqDelta
 from jaxpaged.sampling_params import SamplingParams
@@ -53,6 +54,11 @@ class RequestAbortedError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """This request failed inside the engine (its step or its output processing); other requests go on (HTTP 500)."""
+
+
+class RequestGrammarError(ValueError):
+    """This request's structured-output grammar failed while generating: the request's own fault, not the engine's
+    (HTTP 400); other requests go on."""
 
 
 @dataclasses.dataclass
@@ -464,9 +470,13 @@ class AsyncEngine:
         now = time.monotonic()
         for out in outputs:
             if out.error is not None:  # this request failed inside the step; the others went on
-                self.metrics.step_errors.inc()
                 self._token_times.pop(out.request_id, None)
                 self._arrivals.pop(out.request_id, None)
+                kind, _, message = out.error.partition(": ")
+                if kind == GrammarError.__name__:
+                    deliveries.append((out.request_id, RequestGrammarError(message)))
+                    continue
+                self.metrics.step_errors.inc()
                 deliveries.append((out.request_id, EngineStepError(f"internal engine error: {out.error}")))
                 continue
             self._observe(out, now)
@@ -547,7 +557,7 @@ def _private_copy(tokenizer):
 
 
 __all__ = ["AsyncEngine", "EngineOverloadedError", "EngineStepError", "EngineStoppedError", "RequestAbortedError",
-           "RequestStream"]
+           "RequestGrammarError", "RequestStream"]
 
 
 def _merge(old: EngineOutput, new: EngineOutput) -> EngineOutput:

@@ -7,13 +7,18 @@ neutral value, with a 400 that names the field.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jaxpaged import client_json
+from jaxpaged.engine.grammar_guard import GrammarBusyError
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
+
+# A logit_bias key is a token id written as OpenAI writes it: canonical ASCII decimal (no sign, space, "_" or
+# leading zero), so two keys can never name the same token.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 class OpenAIError(Exception):
@@ -98,6 +103,14 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def sets_structured_output(self) -> bool:
+        """Whether `structured_output_request` has a grammar to check (which can take a while: not on the event
+        loop)."""
+        rf = self.response_format
+        return (rf is not None and rf.type != "text") or self.structured_outputs is not None or any(
+            getattr(self, f"guided_{kind}") is not None for kind in ("json", "regex", "choice", "grammar"))
+
     def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The one structured-output constraint the body sets (response_format, structured_outputs or a guided_*
         field) and the field that set it; two at once is a 400."""
@@ -122,19 +135,19 @@ class _SamplingRequest(_Body):
             raise OpenAIError(f"{given[0][0]} and {given[1][0]} both constrain the output; set one",
                               param=given[1][0])
         param, spec = given[0]
-        try:
-            return StructuredOutputsParams(**spec), param
-        except (TypeError, ValueError) as e:
-            raise OpenAIError(f"{param}: {e}", param=param) from e
+        return _structured(spec, param), param
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if structured is None:
             structured = self.structured_output_request()[0]
-        try:
-            bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise OpenAIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        bias = None
+        if self.logit_bias is not None:
+            bad = next((k for k in self.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)), None)
+            if bad is not None:
+                raise OpenAIError(f"logit_bias keys must be token ids written in decimal digits without sign, spaces "
+                                  f"or leading zeros (\"7\", not \"07\"); got {bad[:20]!r}", param="logit_bias")
+            bias = {int(k): v for k, v in self.logit_bias.items()}
         try:
             return SamplingParams(
                 n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
@@ -207,7 +220,8 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
 
-    def as_template_message(self) -> dict:
+    def as_template_message(self, index: int = 0) -> dict:
+        """The message as a chat template reads it; `index` (its place in `messages`) names a bad field."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
         role = "system" if self.role == "developer" else self.role
@@ -219,15 +233,31 @@ class ChatMessage(_Body):
         if self.tool_calls:
             # Templates iterate over the arguments as a mapping (as transformers' own examples pass them).
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name,
+                "arguments": _json_or_text(c.function.arguments, f"messages.{index}.tool_calls.{j}.function.arguments"),
+            }} for j, c in enumerate(self.tool_calls)]
         return message
 
 
-def _json_or_text(text: str):
+def _json_or_text(text: str, param: str):
+    """Tool call arguments as JSON when they are JSON (as vLLM hands them to templates), else the text itself;
+    nested too deeply to hand on safely, a 400 naming the field."""
     try:
-        return json.loads(text)
+        return client_json.loads(text, param)
+    except client_json.TooDeepError as e:
+        raise OpenAIError(str(e), param=param) from None
     except ValueError:
         return text
+
+
+def _structured(spec: dict, param: str, what: str = "") -> StructuredOutputsParams:
+    """The constraint one field sets, checked (limits, then the grammar worker); errors name the field."""
+    try:
+        return StructuredOutputsParams(**spec)
+    except GrammarBusyError as e:
+        raise OpenAIError(str(e), status=429, type="server_overloaded", param=param, code="grammar_busy") from e
+    except (TypeError, ValueError) as e:
+        raise OpenAIError(f"{param}: {what}{e}", param=param) from e
 
 
 class FunctionDefinition(_Body):
@@ -287,6 +317,10 @@ class ChatCompletionRequest(_SamplingRequest):
             return "named"
         return self.tool_choice or "auto"
 
+    @property
+    def sets_structured_output(self) -> bool:
+        return super().sets_structured_output or self.tool_mode in ("required", "named")
+
     def template_tools(self) -> list[dict] | None:
         return [t.as_template_tool() for t in self.tools] if self.tools else None
 
@@ -307,11 +341,7 @@ class ChatCompletionRequest(_SamplingRequest):
             schema = parameters_schema(chosen["function"])
         else:
             schema = required_schema(tools)
-        try:
-            return StructuredOutputsParams(json=schema), "tools"
-        except (TypeError, ValueError) as e:
-            raise OpenAIError(f"tools: a function's parameters are not a valid JSON schema: {e}",
-                              param="tools") from e
+        return _structured({"json": schema}, "tools", "a function's parameters are not a valid JSON schema: "), "tools"
 
     @property
     def requested_max_tokens(self) -> int | None:

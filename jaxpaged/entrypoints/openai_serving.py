@@ -9,19 +9,24 @@ as in OpenAI's API.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+from jaxpaged.engine.grammar_guard import GrammarBusyError
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
     EngineOverloadedError,
     EngineStepError,
     EngineStoppedError,
     RequestAbortedError,
+    RequestGrammarError,
     RequestStream,
 )
 from jaxpaged.entrypoints.openai_protocol import (
@@ -35,6 +40,15 @@ from jaxpaged.entrypoints.openai_protocol import (
 from jaxpaged.entrypoints.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.tool_parsers import ToolCall, calls_from_required, tool_parser
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+# Threads that check and compile structured-output grammars (each waits on a grammar worker process, or compiles
+# a checked grammar with the GIL released), so the event loop and the engine thread never do.
+GRAMMAR_THREADS = 4
+# Structured-output requests queued for those threads (a flood of costly specs waits its turn, up to this many; more
+# are answered 429 at once rather than queued without bound).
+MAX_GRAMMAR_BACKLOG = 64
 
 
 @dataclasses.dataclass
@@ -68,11 +82,16 @@ class OpenAIServing:
         self.prompt_tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len, max_prompt_chars)
         self.created = int(time.time())
         self._token_cache: dict[int, tuple[str, bytes]] = {}
+        self._grammar_threads = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        self._grammar_backlog = 0  # jobs submitted to the grammar threads and not yet finished (even if abandoned)
+        self._grammar_lock = threading.Lock()
+        self._grammar_threads.submit(self._warm_up_grammars)
 
     # ---- models -----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         self.prompt_tokenizer.close()
+        self._grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
@@ -109,7 +128,9 @@ class OpenAIServing:
             else:
                 prompts.append(_Prompt(None, list(p)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
-        ctx = await self._start("cmpl", model, body.n, prompts, body.sampling_params(max_tokens, body.logprobs))
+        structured = await self._structured(body)
+        ctx = await self._start("cmpl", model, body.n, prompts,
+                                body.sampling_params(max_tokens, body.logprobs, structured))
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -132,7 +153,7 @@ class OpenAIServing:
         ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
-        structured, _ = body.structured_output_request()
+        structured = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured))
         if body.stream:
@@ -306,9 +327,52 @@ class OpenAIServing:
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
+    def _warm_up_grammars(self) -> None:
+        grammars = getattr(getattr(self.engine, "engine", None), "grammars", None)
+        if grammars is None or self.engine.tokenizer is None:
+            return
+        try:
+            grammars.warm_up()
+        except Exception as e:  # e.g. a slow tokenizer: structured-output requests will say so themselves
+            logger.warning("structured outputs were not warmed up: %s", str(e)[:200])
+
+    async def _structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        """The body's structured-output constraint, checked and its grammar compiled for the engine on a grammar
+        thread: a large or hostile spec holds up neither the event loop (/health, other streams) nor the engine
+        thread, which then finds the grammar compiled. Errors name the field (400; 429 when the workers are busy)."""
+        if not body.sets_structured_output:
+            return None
+        with self._grammar_lock:
+            if self._grammar_backlog >= MAX_GRAMMAR_BACKLOG:
+                raise OpenAIError(f"{self._grammar_backlog} structured-output requests are waiting for their grammars "
+                                  "to be checked; retry later", status=429, type="server_overloaded",
+                                  code="grammar_busy")
+            self._grammar_backlog += 1
+        return await asyncio.get_running_loop().run_in_executor(self._grammar_threads, self._compile_structured, body)
+
+    def _compile_structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+        try:
+            return self._compile_structured_now(body)
+        finally:
+            with self._grammar_lock:
+                self._grammar_backlog -= 1
+
+    def _compile_structured_now(self, body: CompletionRequest | ChatCompletionRequest
+                                ) -> StructuredOutputsParams | None:
+        structured, param = body.structured_output_request()
+        if structured is None:
+            return None
+        try:
+            self.engine.engine.grammars.prepare(structured.kind, structured.spec)
+        except GrammarBusyError as e:
+            raise OpenAIError(str(e), status=429, type="server_overloaded", param=param, code="grammar_busy") from e
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"{param}: {e}", param=param) from e
+        return structured
+
     async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         tools: list[dict] | None = None) -> list[int]:
-        conversation = [m.as_template_message() for m in messages]
+        conversation = [m.as_template_message(i) for i, m in enumerate(messages)]
         self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
             return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt, tools)
@@ -476,10 +540,14 @@ class _Context:
             finally:
                 for t in tasks:
                     t.cancel()
-        except (EngineStepError, RequestAbortedError, EngineStoppedError) as e:
-            status = 500 if isinstance(e, EngineStepError) else 503
-            raise OpenAIError(str(e), status=status, type="server_error" if status == 500 else "service_unavailable",
-                              code=type(e).__name__) from e
+        except RequestGrammarError as e:  # the request's own grammar: a client error, in its own words
+            raise OpenAIError(str(e), code="grammar_failed") from e
+        except EngineStepError as e:  # the details (state, tracebacks) are in the server log, never in the answer
+            logger.error("request %s failed inside the engine: %s", self.request_id, str(e)[:2000])
+            raise OpenAIError(f"the engine failed while generating request {self.request_id}; the server log has the "
+                              "details", status=500, type="server_error", code="engine_step_error") from e
+        except (RequestAbortedError, EngineStoppedError) as e:
+            raise OpenAIError(str(e), status=503, type="service_unavailable", code=type(e).__name__) from e
         finally:
             await self.aclose()
 

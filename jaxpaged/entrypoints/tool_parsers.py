@@ -44,7 +44,7 @@ class HermesToolParser:
         for m in self._BLOCK.finditer(text):
             try:
                 call = _call(json.loads(m.group(1).strip()), ("arguments", "parameters"))
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a model's output nested thousands deep
                 return text, []
             if call is None:
                 return text, []
@@ -64,9 +64,9 @@ class Llama3JsonToolParser:
         while pos < len(body):
             try:
                 obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
+                call = _call(obj, ("parameters", "arguments"))
+            except (ValueError, RecursionError):
                 return text, []
-            call = _call(obj, ("parameters", "arguments"))
             if call is None:
                 return text, []
             calls.append(call)
@@ -100,5 +100,8 @@ def required_schema(tools: list[dict]) -> dict:
 
 
 def calls_from_required(text: str) -> list[ToolCall]:
-    """The calls of a "required" output (a JSON array, valid by construction)."""
-    return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    """The calls of a "required" output (a JSON array, valid by construction); ValueError if it is cut short."""
+    try:
+        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+    except RecursionError:  # a function without parameters schema lets the model nest as deep as max_tokens
+        raise ValueError("the tool calls are nested too deeply to parse") from None
