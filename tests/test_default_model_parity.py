@@ -121,19 +121,27 @@ def test_beam_search_matches_transformers(llm, hf_model, prompt_ids, prompt_inde
 
 def test_output_kinds(llm):
     """CUMULATIVE: every output holds everything so far; DELTA: only what is new, and the pieces add up to the same
-    text, tokens and log-probs (for each of n=2 samples); FINAL_ONLY: one output, when the request finishes."""
+    text, tokens and log-probs (for each of n=2 samples); FINAL_ONLY: one output, when the request finishes. The
+    engine's token outputs go through the output processor (`RequestState`), as the server and `LLM` do."""
     from jaxpaged import RequestOutputKind
+    from jaxpaged.engine.output_processor import RequestState
 
     engine = llm.engine
     prompt = {"prompt_token_ids": llm.tokenizer.encode(PROMPTS[0])}
+    states = {}
     for kind in RequestOutputKind:
         params = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=12, logprobs=2, ignore_eos=True,
                                 output_kind=kind)
-        engine.add_request(kind.name, prompt, params)
+        req = engine.make_request(kind.name, prompt, params)
+        engine.enqueue(req)
+        states[kind.name] = RequestState(llm.tokenizer, kind.name, None, prompt["prompt_token_ids"], params,
+                                         req.arrival_time)
     seen = {kind.name: [] for kind in RequestOutputKind}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            seen[out.request_id].append(out)
+            result = states[out.request_id].update(out)
+            if result is not None:
+                seen[out.request_id].append(result)
     cumulative, delta, final = (seen[k.name] for k in RequestOutputKind)
     assert len(final) == 1 and final[0].finished and len(cumulative) == len(delta) > 1
     assert not any(o.finished for o in delta[:-1]) and delta[-1].finished

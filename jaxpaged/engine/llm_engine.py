@@ -94,8 +94,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         t0 = time.perf_counter()
-        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(
-            model, config, tuple(sorted(self.eos_token_ids)))
+        self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(model, config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,
                                           self.cache_config.enable_prefix_caching,
                                           num_cpu_blocks=self._num_cpu_blocks(self.cache_config),

@@ -298,7 +298,7 @@ def _placed_as(x, mesh, spec, dtype) -> bool:
                                                                                          x.ndim)
 
 
-def build_runner(model: nnx.Module, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()):
+def build_runner(model: nnx.Module, config: EngineConfig):
     """Splits the model, sizes the pool, validates that a max-length sequence fits, and builds the ModelRunner
     (multi-host: the runner that announces each device op to the other processes first)."""
     model_config = model.config
@@ -361,7 +361,7 @@ def build_runner(model: nnx.Module, config: EngineConfig, eos_token_ids: tuple[i
                           max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                           max_num_batched_tokens=sched.max_num_batched_tokens, attn=attn, cache_dtype=cache_dtype,
                           block_bytes=block_bytes, mesh=mesh, pool_sharding=pool_sharding,
-                          eos_token_ids=eos_token_ids, truncate_tables=config.kv_allocation == "contiguous")
+                          truncate_tables=config.kv_allocation == "contiguous")
     if mesh is not None:
         _log_device_bytes(runner)
     return runner, cache, sched, max_model_len

@@ -166,12 +166,10 @@ class StepRows:
 class InputBatch:
     """The running sequences' rows, and the layout of each step from them (see the module docstring)."""
 
-    def __init__(self, max_rows: int, max_width: int, block_size: int, eos_token_ids: tuple[int, ...] = (),
-                 truncate_tables: bool = False):
+    def __init__(self, max_rows: int, max_width: int, block_size: int, truncate_tables: bool = False):
         self.max_rows = max_rows
         self.max_width = max_width
         self.block_size = block_size
-        self.eos_token_ids = tuple(sorted(eos_token_ids))
         # contiguous allocation (a benchmark's model of pre-paged systems): tables hold blocks past the context
         self.truncate_tables = truncate_tables
         self.row_of: dict[int, int] = {}  # seq_id -> row
@@ -231,9 +229,9 @@ class InputBatch:
         self.temperature[row], self.top_p[row], self.top_k[row], self.min_p[row] = (p.temperature, p.top_p,
                                                                                      p.top_k, p.min_p)
         self.seed_lo[row], self.seed_hi[row] = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-        # Below min_tokens EOS and the stop ids may not be sampled, unless a grammar decides when to end.
-        banned = [] if p.structured_outputs is not None or not p.min_tokens else (
-            ([] if p.ignore_eos else list(self.eos_token_ids)) + list(p.stop_token_ids))
+        # Below min_tokens the tokens that would end it (EOS, stop ids) may not be sampled, unless a grammar decides
+        # when to end.
+        banned = [] if p.structured_outputs is not None or not p.min_tokens else sorted(seq.stop_ids)
         self.min_tokens[row] = p.min_tokens
         self.banned[row] = -1
         self.banned[row, :len(banned)] = banned[:MAX_BANNED]

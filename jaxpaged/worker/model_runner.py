@@ -83,8 +83,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, config: ModelSpec, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attn: AttentionBackend, cache_dtype, block_bytes: int, mesh: Mesh | None = None,
-                 pool_sharding: NamedSharding | None = None, eos_token_ids: tuple[int, ...] = (),
-                 truncate_tables: bool = False):
+                 pool_sharding: NamedSharding | None = None, truncate_tables: bool = False):
         self.config = config
         self.graphdef = graphdef
         self.params = state
@@ -115,7 +114,7 @@ class ModelRunner:
         self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
         # The most sequence rows of any step: the sampled tokens come back padded to this, a fixed shape.
         self.max_rows = max(self.decode_buckets[-1], max(self._prefill_seqs(t) for t in self.prefill_buckets))
-        self.input_batch = InputBatch(max_num_seqs, max_width, block_size, eos_token_ids, truncate_tables)
+        self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
         self._step_fn = jit_step(graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh,
                                  leaf_shardings, native_matmul_rows(mesh))
@@ -132,9 +131,11 @@ class ModelRunner:
         # The mesh spans other processes' devices (multi-host): host arrays become global (replicated) arrays, and
         # the swap-out read gathers the pool's heads from every process in a collective.
         self.multihost = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
-        self._device = self.pool_format.sharding if self.pool_format is not None else None
+        # where host inputs go: replicated over the mesh, the pool format's device (TPU), else the default device
         if mesh is not None:
             self._device = NamedSharding(mesh, P())
+        else:
+            self._device = self.pool_format.sharding if self.pool_format is not None else None
         if self.multihost:
             self._read_fn = jax.jit(lambda pool, idx: (pool.k[:, idx], pool.v[:, idx]),
                                     out_shardings=(self._device, self._device))

@@ -64,8 +64,8 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple, *,
-          layout: StepLayout, treedef, graphdef: nnx.GraphDef, attn: AttentionBackend, max_rows: int,
+def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
+          layout: StepLayout, *, treedef, graphdef: nnx.GraphDef, attn: AttentionBackend, max_rows: int,
           mesh: Mesh | None = None, native_matmul_rows: int = 0) -> tuple[jax.Array, SamplerOutput, KVPool]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each.
@@ -118,13 +118,13 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
                              native_matmul_rows=native_rows)
     if mesh is not None:
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
-        return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,),
+        return jax.jit(step, static_argnums=(5,), donate_argnums=(1,),
                        in_shardings=(leaf_shardings, pool, rep, rep, rep), out_shardings=(rep, rep, pool))
     if fmt is None:
-        return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,))
+        return jax.jit(step, static_argnums=(5,), donate_argnums=(1,))
     device = fmt.sharding
     pool = KVPool(fmt, fmt)
-    return jax.jit(step, static_argnames=("layout",), donate_argnums=(1,),
+    return jax.jit(step, static_argnums=(5,), donate_argnums=(1,),
                    in_shardings=(device, pool, device, device, device), out_shardings=(device, device, pool))
 
 
@@ -156,4 +156,4 @@ def lower_step(step_fn, param_leaves, kv_pool: KVPool, prev_tokens, layout: Step
     set for this trace only (`step_matmul_precision`), not process-wide."""
     buf = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     with jax.default_matmul_precision(step_matmul_precision(param_leaves)):
-        return step_fn.lower(param_leaves, kv_pool, prev_tokens, buf, extras, layout=layout)
+        return step_fn.lower(param_leaves, kv_pool, prev_tokens, buf, extras, layout)
