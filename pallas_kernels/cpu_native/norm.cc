@@ -21,7 +21,9 @@
 // (benchmarks/step_anatomy.py's per-operation profile). A row here is one pass to sum, one to scale. Rows are split
 // over XLA's intra-op pool only when there are many (a prefill); a decode step's few rows run on the calling thread.
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <cmath>
