@@ -341,6 +341,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
+    if jax.default_backend() == "cpu":
+        _log_native_kernels(attn.name, dtype, mesh)
     if mesh is not None:
         from jaxpaged.parallel.tensor_parallel import ShardedAttention
 
@@ -353,6 +355,20 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     if mesh is not None:
         _log_device_bytes(runner)
     return runner, cache, sched, max_model_len
+
+
+def _log_native_kernels(attention: str, dtype, mesh) -> None:
+    """One INFO line: which native CPU kernels (pallas_kernels/cpu_native) this engine's steps run, which are built
+    but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax
+    where the layer matmuls run natively (`native_matmul_rows`), and those matmuls, the norms and rope with a
+    bfloat16 model."""
+    from jaxpaged.worker.model_runner import native_matmul_rows
+    from pallas_kernels import cpu_native
+
+    in_use = ["attention"] if attention in ("native", "native_else_reference") else []
+    if native_matmul_rows(mesh) > 0:
+        in_use += ["argmax"] + (["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else [])
+    logger.info("%s", cpu_native.describe(in_use))
 
 
 def _log_device_bytes(runner: ModelRunner) -> None:
