@@ -101,3 +101,36 @@ def test_engine_on_the_portable_kernels_gives_the_reference_backend_s_tokens(por
     (line,) = child["native_line"]
     assert line.startswith("native CPU kernels in use: attention;"), line
     assert "built, not used by this engine: norm, rope, argmax" in line and "unavailable: matmul (" in line, line
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
+                    reason="no aarch64 cross compiler (Debian's g++-aarch64-linux-gnu)")
+def test_portable_kernels_compile_for_arm(monkeypatch, tmp_path):
+    """The same sources compile for a 64-bit Arm CPU (plain C++ that g++ vectorises with NEON; at -O0 here, to
+    keep the test short: what fails on Arm is an x86 intrinsic or instruction, which every level rejects); the
+    matmul is refused before compiling, naming the instruction sets it lacks. This machine cannot run them."""
+    import concurrent.futures
+
+    import jax
+
+    from pallas_kernels.cpu_native import build
+
+    def compile_for_arm(name: str) -> str:
+        out = str(tmp_path / f"{name}.o")
+        cmd = ["aarch64-linux-gnu-g++", "-std=c++17", "-O0", "-march=armv8-a", "-fPIC", "-c", "-I",
+               jax.ffi.include_dir(), "-I", build.HERE, *(os.path.join(build.HERE, s)
+                                                          for s in build.KERNELS[name].sources), "-o", out]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{name}: {result.stderr[-4000:]}"
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        objects = list(pool.map(compile_for_arm, PORTABLE))
+    for path in objects:
+        with open(path, "rb") as f:
+            header = f.read(20)
+        assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183, path  # EM_AARCH64
+    monkeypatch.setenv("JAXPAGED_CXX", "aarch64-linux-gnu-g++")
+    monkeypatch.setenv("JAXPAGED_NATIVE_MARCH", "armv8-a")
+    with pytest.raises(build.UnsupportedTarget, match="needs AVX512F, AVX512BF16, which aarch64-linux-gnu-g"):
+        build.build_library(build.KERNELS["matmul"])
