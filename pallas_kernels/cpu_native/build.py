@@ -75,24 +75,30 @@ def target_name(symbol: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class KernelStatus:
     """A kernel's state in this process: ok (built and registered) with its library's path, or the reason why not;
-    unsupported: not built because the compiler does not target an instruction set it needs (expected on such a
-    CPU, not a failure). built_seconds: how long this process spent compiling it (0.0: cached, or not built)."""
+    skipped: not built for an expected reason (the compiler does not target an instruction set it needs, or
+    JAXPAGED_NATIVE=0), not a failure. built_seconds: how long this process spent compiling it (0.0: cached, or not
+    built)."""
 
     name: str
     ok: bool
     reason: str = ""
     path: str = ""
     built_seconds: float = 0.0
-    unsupported: bool = False
+    skipped: bool = False
 
 
-class UnsupportedTarget(RuntimeError):
+class Skipped(RuntimeError):
+    """An expected reason not to build a kernel (logged at INFO, not as a failure)."""
+
+
+class UnsupportedTarget(Skipped):
     """The compiler's target lacks an instruction set the kernel needs."""
 
 
 _status: dict[str, KernelStatus] = {}
 _libraries: dict[str, ctypes.CDLL] = {}  # kept loaded while the process runs
 _registered: set[str] = set()
+_warned: set[str] = set()  # failure reasons already logged as warnings
 _locks = {name: threading.Lock() for name in KERNELS}
 
 
@@ -214,7 +220,7 @@ def build_library(kernel: Kernel) -> tuple[str, float]:
 
 def _load(kernel: Kernel) -> KernelStatus:
     if os.environ.get("JAXPAGED_NATIVE", "1") == "0":
-        raise RuntimeError("disabled by JAXPAGED_NATIVE=0")
+        raise Skipped("disabled by JAXPAGED_NATIVE=0")
     if platform.system() not in ("Linux", "Darwin"):
         raise RuntimeError(f"unsupported OS {platform.system()}")
     import jax
@@ -240,12 +246,14 @@ def status(name: str) -> KernelStatus:
             try:
                 _status[name] = _load(kernel)
             except Exception as e:  # noqa: BLE001 - any failure means: this kernel is not used
-                reason = f"{type(e).__name__}: {e}"
-                unsupported = isinstance(e, UnsupportedTarget)
-                _status[name] = KernelStatus(name, False, reason=reason, unsupported=unsupported)
-                # an instruction set this CPU lacks is expected; a build that fails is not
-                (logger.info if unsupported else logger.warning)(
+                skipped = isinstance(e, Skipped)
+                reason = str(e) if skipped else f"{type(e).__name__}: {e}"
+                _status[name] = KernelStatus(name, False, reason=reason, skipped=skipped)
+                # an instruction set this CPU lacks is expected (the engine's start-up line says it); a build that
+                # fails is not, and is told once per reason (no compiler: once, not once per kernel)
+                (logger.debug if skipped or reason in _warned else logger.warning)(
                     "native CPU kernel %r unavailable (%s); its pure-JAX / XLA path is used", name, reason)
+                _warned.add(reason)
         return _status[name]
 
 
@@ -285,6 +293,9 @@ def describe(in_use: tuple[str, ...] | list[str]) -> str:
     all_status = statuses()
     used = [n for n in KERNELS if n in in_use and all_status[n].ok]
     idle = [n for n in KERNELS if n not in in_use and all_status[n].ok]
+    reasons = {s.reason for s in all_status.values() if not s.ok}
+    if not used and not idle and len(reasons) == 1:  # all off for one reason (JAXPAGED_NATIVE=0, no compiler)
+        return f"native CPU kernels in use: none ({reasons.pop().splitlines()[0]})"
     missing = [f"{n} ({s.reason.splitlines()[0]})" for n, s in all_status.items() if not s.ok]
     parts = [f"native CPU kernels in use: {', '.join(used) or 'none'}"]
     if idle:
