@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_native import native
+from pallas_kernels.cpu_native import build, native
 from pallas_kernels.reference import ragged_paged_attention_reference
 from tests.attention_cases import GEMMA3_HEADS, build_case, decode_case, dense_attention_np, prefill_case, tolerance
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason=f"native CPU kernel unavailable: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not native.available("attention"),
+                                reason=f"native CPU kernel unavailable: {native.unavailable_reason('attention')}")
+TARGET = "jaxpaged_paged_attention"  # the FFI target of paged_attention.cc's attention handler
 
 
 def run_native(case, **extra):
@@ -149,7 +150,7 @@ def test_jitted_inside_fori_loop_over_layers_and_no_pool_copy():
             want[start:start + 1] = dense_attention_np(q[start:start + 1], kd * (1 + i / 2), vd + i, scale=c.scale)
         np.testing.assert_allclose(out[i], want, **tolerance(c.dtype))
     hlo = all_layers.lower(*args).compile().as_text()
-    assert native.TARGET in hlo
+    assert TARGET in hlo
     pool = ",".join(map(str, k.shape))
     assert f"f32[{pool}]" in hlo
     assert not re.search(rf"f32\[{pool}\]\S* copy\(", hlo), "the pool is copied around the custom call"
@@ -219,15 +220,15 @@ def test_auto_dispatch_uses_native_for_every_batch_and_reference_for_float16():
     np.testing.assert_allclose(np.asarray(out)[case.valid_tokens], case.expected()[case.valid_tokens],
                                **tolerance(case.dtype))
     jaxpr = str(jax.make_jaxpr(functools.partial(fn, **case.kwargs()))(*case.args))
-    assert native.TARGET in jaxpr
+    assert TARGET in jaxpr
     dec = decode_case([5, 17])
     jaxpr = str(jax.make_jaxpr(functools.partial(fn, **dec.kwargs(decode_blocks=dec.decode_blocks)))(*dec.args))
-    assert native.TARGET in jaxpr
+    assert TARGET in jaxpr
     half = decode_case([5, 17], dtype=jnp.float16)
     out = fn(*half.args, **half.kwargs(decode_blocks=half.decode_blocks))
     np.testing.assert_allclose(np.asarray(out, np.float32), half.expected(), rtol=2e-2, atol=2e-2)
     jaxpr = str(jax.make_jaxpr(functools.partial(fn, **half.kwargs(decode_blocks=half.decode_blocks)))(*half.args))
-    assert native.TARGET not in jaxpr
+    assert TARGET not in jaxpr
 
 
 @pytest.mark.parametrize("change, message", [
@@ -271,8 +272,8 @@ def test_engine_native_backend_gives_the_reference_tokens():
 def test_unavailable_kernel_falls_back_on_auto_and_names_the_reason_on_native(monkeypatch):
     from jaxpaged.worker.attention import attention_backend
 
-    monkeypatch.setitem(native._state, "ok", False)
-    monkeypatch.setitem(native._state, "reason", "RuntimeError: no C++ compiler (test)")
+    monkeypatch.setitem(build._status, "attention",
+                        build.KernelStatus("attention", False, reason="RuntimeError: no C++ compiler (test)"))
     assert attention_backend("auto").kernel is ragged_paged_attention_reference
     with pytest.raises(ValueError, match="native.*unavailable: RuntimeError: no C\\+\\+ compiler"):
         attention_backend("native")
@@ -282,7 +283,12 @@ def test_build_failure_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXPAGED_CXX", "no-such-compiler-jaxpaged")
     monkeypatch.setenv("JAXPAGED_NATIVE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-compiler-jaxpaged"):
-        native._build()
+        build.build_library(build.KERNELS["argmax"])
+    # through status() (on a copy of this process's statuses): the failed kernel is reported with its reason, and
+    # the others stay as they were
+    monkeypatch.setattr(build, "_status", {k: v for k, v in build._status.items() if k != "argmax"})
+    assert not build.available("argmax") and "no-such-compiler-jaxpaged" in build.unavailable_reason("argmax")
+    assert build.available("attention")
 
 
 # ---- the native K/V row write and block write ---------------------------------------------------------------------

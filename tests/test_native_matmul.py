@@ -17,7 +17,9 @@ from jaxpaged.models.matmul import ACTIVATIONS, layer_glu, layer_matmul, matmul,
 from jaxpaged.worker import step as step_module
 from pallas_kernels import cpu_native
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="the native CPU kernels could not be built")
+pytestmark = pytest.mark.skipif(not cpu_native.available("matmul"),
+                                reason=f"native matmul unavailable: {cpu_native.unavailable_reason('matmul')}")
+MATMUL_TARGET, GLU_TARGET = "jaxpaged_matmul", "jaxpaged_matmul_glu"  # the FFI targets of matmul.cc's handlers
 fast = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
 
 
@@ -100,10 +102,10 @@ def test_layer_matmul_uses_the_kernel_only_inside_native_matmul_and_up_to_its_ro
                 return layer_matmul(x, w, 1)
         return fn
 
-    assert cpu_native.native.MATMUL_TARGET in targets(under(8), x, w)
-    assert cpu_native.native.MATMUL_TARGET not in targets(under(7), x, w)  # more rows than allowed: XLA's dot
-    assert cpu_native.native.MATMUL_TARGET not in targets(lambda x, w: layer_matmul(x, w, 1), x, w)
-    assert cpu_native.native.MATMUL_TARGET not in targets(under(8), x.astype(jnp.float32), w.astype(jnp.float32))
+    assert MATMUL_TARGET in targets(under(8), x, w)
+    assert MATMUL_TARGET not in targets(under(7), x, w)  # more rows than allowed: XLA's dot
+    assert MATMUL_TARGET not in targets(lambda x, w: layer_matmul(x, w, 1), x, w)
+    assert MATMUL_TARGET not in targets(under(8), x.astype(jnp.float32), w.astype(jnp.float32))
     np.testing.assert_array_equal(np.asarray(under(8)(x, w), np.float32), np.asarray(matmul(x, w[1]), np.float32))
 
 
@@ -221,7 +223,7 @@ def test_a_prepacked_lm_head_runs_natively_on_its_live_rows_in_float32():
             return head_matmul(h, packed)
 
     hlo = jax.jit(native).lower(h, packed, jnp.int32(4)).as_text(dialect="hlo")
-    assert cpu_native.native.MATMUL_TARGET in hlo
+    assert MATMUL_TARGET in hlo
     got = np.asarray(jax.jit(native)(h, packed, jnp.int32(4)))
     assert got.dtype == np.float32
     np.testing.assert_allclose(got[:4], want[:4], rtol=1e-5, atol=1e-5)
@@ -240,8 +242,8 @@ def test_layer_glu_is_native_only_inside_native_matmul():
         return fn
 
     hlo = jax.jit(glu(8)).lower(x, w).as_text(dialect="hlo")
-    assert cpu_native.native.GLU_TARGET in hlo
-    assert cpu_native.native.GLU_TARGET not in jax.jit(glu(0)).lower(x, w).as_text(dialect="hlo")
+    assert GLU_TARGET in hlo
+    assert GLU_TARGET not in jax.jit(glu(0)).lower(x, w).as_text(dialect="hlo")
     np.testing.assert_array_equal(np.asarray(glu(8)(x, w), np.float32), np.asarray(glu(0)(x, w), np.float32))
 
 
@@ -275,8 +277,8 @@ def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(mo
     xla_outs, xla_hlo = run(False, monkeypatch)
     # the native run's layer matrices and LM head were prepacked at load (4-D), XLA's kept as stored
     assert {x.ndim for x in PARAMS_SEEN[True]} == {4} and {x.ndim for x in PARAMS_SEEN[False]} == {2, 3}
-    assert cpu_native.native.MATMUL_TARGET in native_hlo and cpu_native.native.MATMUL_TARGET not in xla_hlo
-    assert cpu_native.native.GLU_TARGET in native_hlo and cpu_native.native.GLU_TARGET not in xla_hlo
+    assert MATMUL_TARGET in native_hlo and MATMUL_TARGET not in xla_hlo
+    assert GLU_TARGET in native_hlo and GLU_TARGET not in xla_hlo
     for a, b in zip(native_outs, xla_outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):

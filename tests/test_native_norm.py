@@ -15,7 +15,9 @@ from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_ad
 from jaxpaged.models.rope import rope, rope_qk
 from pallas_kernels import cpu_native
 
-pytestmark = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
+pytestmark = pytest.mark.skipif(not (cpu_native.available("norm") and cpu_native.available("rope")),
+                                reason=f"native norm / rope unavailable: {cpu_native.unavailable_reason('norm')} "
+                                       f"{cpu_native.unavailable_reason('rope')}")
 
 
 def bf16(rng, *shape, scale=1.0, offset=0.0):

@@ -155,7 +155,7 @@ def test_stop_string_is_cut_and_held_back_while_streaming():
 def native_kernels() -> bool:
     from pallas_kernels import cpu_native
 
-    return cpu_native.available()
+    return cpu_native.available("argmax")
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(

@@ -347,24 +347,40 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
-    pool_sharding = None
+    if jax.default_backend() == "cpu":
+        _log_native_kernels(attn.name, dtype, mesh)
+    sharding = None
     runner_class = ModelRunner
     if mesh is not None:
         from jaxpaged.parallel import multihost
         from jaxpaged.parallel.tensor_parallel import ShardedAttention, pool_sharding
 
         attn = ShardedAttention(attn, mesh)
-        pool_sharding = pool_sharding(mesh)
+        sharding = pool_sharding(mesh)
         if any(d.process_index != jax.process_index() for d in mesh.devices.flat):
             runner_class = multihost.MultihostRunner
     runner = runner_class(graphdef, state, model_config, num_blocks=num_blocks, block_size=cache.block_size,
                           max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                           max_num_batched_tokens=sched.max_num_batched_tokens, attn=attn, cache_dtype=cache_dtype,
-                          block_bytes=block_bytes, mesh=mesh, pool_sharding=pool_sharding,
+                          block_bytes=block_bytes, mesh=mesh, pool_sharding=sharding,
                           truncate_tables=config.kv_allocation == "contiguous")
     if mesh is not None:
         _log_device_bytes(runner)
     return runner, cache, sched, max_model_len
+
+
+def _log_native_kernels(attention: str, dtype, mesh) -> None:
+    """One INFO line: which native CPU kernels (pallas_kernels/cpu_native) this engine's steps run, which are built
+    but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax
+    where the layer matmuls run natively (`native_matmul_rows`), and those matmuls, the norms and rope with a
+    bfloat16 model."""
+    from jaxpaged.worker.model_runner import native_matmul_rows
+    from pallas_kernels import cpu_native
+
+    in_use = ["attention"] if attention in ("native", "native_else_reference") else []
+    if native_matmul_rows(mesh) > 0:
+        in_use += ["argmax"] + (["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else [])
+    logger.info("%s", cpu_native.describe(in_use))
 
 
 def _log_device_bytes(runner: ModelRunner) -> None:

@@ -60,12 +60,17 @@ def _live_rows(x: jax.Array) -> jax.Array | None:
     return live[1] if live is not None and x.shape[0] == live[0] else None
 
 
-def uses_native(x: jax.Array, w: jax.Array) -> bool:
-    """Whether this trace runs x's product with w (or its norm, jaxpaged/models/norm.py) natively: inside
-    `native_matmul`, x bfloat16 [M, K] with M <= its max_rows and K even, w bfloat16."""
+def uses_native(x: jax.Array, w: jax.Array, kernel: str = "matmul") -> bool:
+    """Whether this trace runs x's product with w (or its norm or rope: `kernel` "norm", "rope") natively: inside
+    `native_matmul`, x bfloat16 [M, K] with M <= its max_rows and K even, w bfloat16, and that native kernel built
+    here (each is its own library: one that failed to build leaves the others native)."""
     rows = _NATIVE_ROWS.get()
-    return bool(rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
-                and w.dtype == jnp.bfloat16)
+    if not (rows and x.ndim == 2 and x.shape[0] <= rows and x.shape[1] % 2 == 0 and x.dtype == jnp.bfloat16
+            and w.dtype == jnp.bfloat16):
+        return False
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available(kernel)
 
 
 def _layer(w: jax.Array, layer: jax.Array | int) -> jax.Array:

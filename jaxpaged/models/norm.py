@@ -32,7 +32,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def layer_rms_norm(h: jax.Array, weight: jax.Array, layer: jax.Array | int, eps: float) -> jax.Array:
     """rms_norm(h [T, H], weight[layer], eps) for weight [L, H] stacked over layers."""
-    if uses_native(h, weight):
+    if uses_native(h, weight, "norm"):
         from pallas_kernels.cpu_native import rms_norm_native
 
         return rms_norm_native(h, weight, layer, eps)[1]
@@ -42,7 +42,7 @@ def layer_rms_norm(h: jax.Array, weight: jax.Array, layer: jax.Array | int, eps:
 def layer_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, layer: jax.Array | int,
                        eps: float) -> tuple[jax.Array, jax.Array]:
     """(s, rms_norm(s, weight[layer], eps)) with s = h + delta [T, H] (float32 natively, else h's dtype)."""
-    if uses_native(h, weight) and delta.dtype == h.dtype:
+    if uses_native(h, weight, "norm") and delta.dtype == h.dtype:
         from pallas_kernels.cpu_native import rms_norm_native
 
         return rms_norm_native(h, weight, layer, eps, delta=delta)
@@ -53,7 +53,7 @@ def layer_add_rms_norm(h: jax.Array, delta: jax.Array, weight: jax.Array, layer:
 def residual_add(s: jax.Array, delta: jax.Array) -> jax.Array:
     """s + delta in delta's dtype, for the s of `layer_add_rms_norm` (natively a float32 s, rounded to bfloat16
     first, as XLA's step rounds the residual)."""
-    if s.dtype == jnp.float32 and uses_native(delta, delta):
+    if s.dtype == jnp.float32 and uses_native(delta, delta, "norm"):
         from pallas_kernels.cpu_native import add_round_native
 
         return add_round_native(s, delta)

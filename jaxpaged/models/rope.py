@@ -24,7 +24,7 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def rope_qk(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(rope(q), rope(k)) for q [T, Hq, D] and k [T, Hk, D]."""
-    if uses_native(q.reshape(q.shape[0], -1), k) and q.dtype == k.dtype:
+    if uses_native(q.reshape(q.shape[0], -1), k, "rope") and q.dtype == k.dtype:
         from pallas_kernels.cpu_native import rope_native
 
         return rope_native(q, k, cos, sin)

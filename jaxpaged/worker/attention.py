@@ -170,15 +170,17 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
     if backend in ("auto", "native") and platform == "cpu":
         from pallas_kernels import cpu_native
 
-        if cpu_native.available():
+        if cpu_native.available("attention"):
             strict = backend == "native"
             return PagedAttention("native" if strict else "native_else_reference",
                                   functools.partial(cpu_native.native_else_reference, strict=strict),
                                   reads_flat_blocks=False, mixes_steps=True, kv_write=cpu_native.write_kv_native,
                                   block_write=cpu_native.set_blocks_native)
         if backend == "native":
-            raise ValueError(f"attention_backend='native' is unavailable: {cpu_native.unavailable_reason()}")
-        logger.info("native CPU attention unavailable (%s); using the reference", cpu_native.unavailable_reason())
+            raise ValueError(f"attention_backend='native' is unavailable: "
+                             f"{cpu_native.unavailable_reason('attention')}")
+        logger.info("native CPU attention unavailable (%s); using the reference",
+                    cpu_native.unavailable_reason("attention"))
         backend = "reference"
     if backend == "native":
         raise ValueError(f"attention_backend='native' is the CPU kernel; the platform is {platform!r}")

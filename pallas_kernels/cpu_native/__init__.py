@@ -1,8 +1,11 @@
-"""Native CPU kernels (XLA FFI custom calls built with g++ on first use): ragged paged attention and its pool writes
-(paged_attention.cc), and a bf16 matmul reading a stacked layer weight in place, plain or as a gated MLP's
-act(x @ w_gate) * (x @ w_up) (matmul.cc), from a weight as stored or prepacked in its panel layout; a bf16
-model's RMSNorm and residual adds (norm.cc) and rotary embedding (rope.cc); the sampler's argmax (argmax.cc)."""
+"""Native CPU kernels: C++ called through XLA's FFI (not Pallas), each built with g++ on first use into its own
+library (build.py): ragged paged attention and its pool writes (paged_attention.cc), and a bf16 matmul reading a
+stacked layer weight in place, plain or as a gated MLP's act(x @ w_gate) * (x @ w_up) (matmul.cc, AVX512_BF16 only),
+from a weight as stored or prepacked in its panel layout; a bf16 model's RMSNorm and residual adds (norm.cc) and
+rotary embedding (rope.cc); the sampler's argmax (argmax.cc). `available(kernel)` says which ones run here;
+`python -m pallas_kernels.cpu_native --build` prebuilds them (README.md)."""
 
+from pallas_kernels.cpu_native.build import KERNELS, KernelStatus, describe, statuses
 from pallas_kernels.cpu_native.native import (
     PANEL,
     add_round_native,
@@ -22,6 +25,7 @@ from pallas_kernels.cpu_native.native import (
     write_kv_native,
 )
 
-__all__ = ["PANEL", "add_round_native", "argmax_native", "available", "matmul_glu_native", "matmul_is_fast",
-           "matmul_native", "native_else_reference", "paged_attention_native", "prepack_weight", "rms_norm_native",
-           "rope_native", "set_blocks_native", "unavailable_reason", "unpack_weight", "write_kv_native"]
+__all__ = ["KERNELS", "KernelStatus", "PANEL", "add_round_native", "argmax_native", "available", "describe",
+           "matmul_glu_native", "matmul_is_fast", "matmul_native", "native_else_reference", "paged_attention_native",
+           "prepack_weight", "rms_norm_native", "rope_native", "set_blocks_native", "statuses", "unavailable_reason",
+           "unpack_weight", "write_kv_native"]

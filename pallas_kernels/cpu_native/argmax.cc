@@ -11,7 +11,9 @@
 // (maximum, index) pairs, kept by a strict > so that each lane holds its first maximum, then the pairs and the lanes
 // merged by value and, among equal values, by the smaller index. Rows are split over XLA's intra-op pool.
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <cstdint>

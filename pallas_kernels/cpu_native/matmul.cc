@@ -32,7 +32,9 @@
 // Without AVX512_BF16 the kernel is a plain loop (correct, slow): native.py asks `JaxpagedMatmulIsFast` and does
 // not pick this kernel then.
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -52,11 +54,13 @@
 
 namespace ffi = xla::ffi;
 using jaxpaged_native::Bf16ToFloat;
-using jaxpaged_native::Exp16;
 using jaxpaged_native::FloatToBf16;
 using jaxpaged_native::RunOnPool;
-using jaxpaged_native::Tanh16;
 using jaxpaged_native::WorkQueue;
+#if defined(__AVX512F__)
+using jaxpaged_native::Exp16;
+using jaxpaged_native::Tanh16;
+#endif
 
 namespace {
 

@@ -1,6 +1,7 @@
-"""Native CPU kernels as XLA FFI custom calls, built with g++ on first use: ragged paged attention and its pool
-writes (paged_attention.cc), and a bf16 matmul that reads a stacked layer weight in place (matmul.cc,
-`matmul_native`).
+"""The native CPU kernels' Python entry points (XLA FFI custom calls; build.py builds each kernel's library on first
+use): ragged paged attention and its pool writes (paged_attention.cc), a bf16 matmul that reads a stacked layer
+weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc) and
+the sampler's argmax (argmax.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None)
@@ -11,159 +12,35 @@ ignored: each query token reads exactly the blocks its sequence holds up to its 
 float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passed whole with the layer index, so no
 per-layer slice is copied, and the call works inside jit and lax.fori_loop.
 
-The build: `g++ -std=c++17 -O3 -march=native -fno-math-errno -fPIC -shared` against `jax.ffi.include_dir()`,
-into `$JAXPAGED_NATIVE_CACHE` (default ~/.cache/jaxpaged/native) as `jaxpaged_native-<hash>.so`, the hash covering
-the sources, the compiler and its version, the flags, the jaxlib version, `platform.machine()` and the CPU's flags
-(-march=native code must not move to an older CPU). It is written to a temporary file and renamed into place, so
-concurrent builds are safe. `$JAXPAGED_CXX` picks the compiler; `JAXPAGED_NATIVE=0` disables the kernel. If the
-build fails, `available()` is False and `unavailable_reason()` says why (logged once).
+Each function checks its arguments (ValueError naming the field), then that its kernel is available
+(`available(kernel)`; RuntimeError with the reason if not).
 """
 
 from __future__ import annotations
-
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cpu_native.build import KERNELS, available, cache_dir, library, target_name, unavailable_reason
 from pallas_kernels.validation import KERNEL_DTYPES
 
-logger = logging.getLogger(__name__)
-
-SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc", "argmax.cc"))
-HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
-SYMBOL = "JaxpagedPagedAttention"
-TARGET = "jaxpaged_paged_attention"
-WRITE_SYMBOL = "JaxpagedKvWrite"
-WRITE_TARGET = "jaxpaged_kv_write"
-BLOCKS_SYMBOL = "JaxpagedSetBlocks"
-BLOCKS_TARGET = "jaxpaged_set_blocks"
-MATMUL_SYMBOL = "JaxpagedMatmul"
-MATMUL_TARGET = "jaxpaged_matmul"
-GLU_SYMBOL = "JaxpagedMatmulGlu"
-GLU_TARGET = "jaxpaged_matmul_glu"
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # matmul.cc's Activation
-NORM_SYMBOL = "JaxpagedRmsNorm"
-NORM_TARGET = "jaxpaged_rms_norm"
-ADD_SYMBOL = "JaxpagedAddRound"
-ADD_TARGET = "jaxpaged_add_round"
-ROPE_SYMBOL = "JaxpagedRope"
-ROPE_TARGET = "jaxpaged_rope"
-ARGMAX_SYMBOL = "JaxpagedArgmax"
-ARGMAX_TARGET = "jaxpaged_argmax"
-FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
-
-_lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "reason": str, "path": str
+_KERNEL_OF = {symbol: kernel.name for kernel in KERNELS.values() for symbol in kernel.symbols}
 
 
-def cache_dir() -> str:
-    return os.environ.get("JAXPAGED_NATIVE_CACHE") or os.path.expanduser("~/.cache/jaxpaged/native")
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _build() -> str:
-    """Returns the path of the built library, building it if the cache lacks it. Raises RuntimeError on failure."""
-    compiler = os.environ.get("JAXPAGED_CXX") or "g++"
-    compiler_path = shutil.which(compiler)
-    if compiler_path is None:
-        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set JAXPAGED_CXX)")
-    version = subprocess.run([compiler_path, "--version"], capture_output=True, text=True, timeout=60).stdout
-    include = jax.ffi.include_dir()
-    sources = []
-    for name in (*SOURCES, *HEADERS):  # the key covers what the build reads
-        with open(name, "rb") as f:
-            sources.append(f.read())
-    import jaxlib
-
-    key = hashlib.sha256()
-    for part in (*sources, compiler_path.encode(), version.encode(), " ".join(FLAGS).encode(),
-                 jaxlib.__version__.encode(), platform.machine().encode(), _cpu_flags().encode()):
-        key.update(part)
-        key.update(b"\0")
-    directory = cache_dir()
-    path = os.path.join(directory, f"jaxpaged_native-{key.hexdigest()[:24]}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".jaxpaged_native-", suffix=".so", dir=directory)
-    os.close(fd)
-    try:
-        cmd = [compiler_path, *FLAGS, "-I", include, *SOURCES, "-o", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
-        os.replace(tmp, path)  # atomic: a concurrent build of the same key writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("built the native CPU kernels: %s", path)
-    return path
-
-
-def _load() -> None:
-    if os.environ.get("JAXPAGED_NATIVE", "1") == "0":
-        raise RuntimeError("disabled by JAXPAGED_NATIVE=0")
-    if platform.system() != "Linux" and platform.system() != "Darwin":
-        raise RuntimeError(f"unsupported OS {platform.system()}")
-    path = _build()
-    lib = ctypes.CDLL(path)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(getattr(lib, WRITE_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(BLOCKS_TARGET, jax.ffi.pycapsule(getattr(lib, BLOCKS_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, MATMUL_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(GLU_TARGET, jax.ffi.pycapsule(getattr(lib, GLU_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(getattr(lib, NORM_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(getattr(lib, ADD_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(getattr(lib, ROPE_SYMBOL)), platform="cpu")
-    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(getattr(lib, ARGMAX_SYMBOL)), platform="cpu")
-    _state["lib"] = lib  # keep it loaded
-    _state["path"] = path
-
-
-def available() -> bool:
-    """Whether the kernel is built and registered (builds it on the first call; False with a logged reason)."""
-    with _lock:
-        if "ok" not in _state:
-            try:
-                _load()
-                _state["ok"], _state["reason"] = True, ""
-            except Exception as e:  # noqa: BLE001 - any failure means: use the reference
-                _state["ok"], _state["reason"] = False, f"{type(e).__name__}: {e}"
-                logger.warning("native CPU paged attention unavailable, using the pure-JAX reference: %s",
-                               _state["reason"])
-        return _state["ok"]
+def _ffi_call(symbol: str, result_shape_dtypes, **kwargs):
+    """jax.ffi.ffi_call of the handler `symbol` (its kernel built and registered first; RuntimeError if it cannot
+    be)."""
+    kernel = _KERNEL_OF[symbol]
+    if not available(kernel):
+        raise RuntimeError(f"the native CPU kernel {kernel!r} is unavailable: {unavailable_reason(kernel)}")
+    return jax.ffi.ffi_call(target_name(symbol), result_shape_dtypes, **kwargs)
 
 
 def matmul_is_fast() -> bool:
-    """Whether `matmul_native` has its AVX512_BF16 path on this CPU (else it is a plain loop: correct, slow)."""
-    return available() and bool(_state["lib"].JaxpagedMatmulIsFast())
-
-
-def unavailable_reason() -> str:
-    """Why `available()` is False ('' when it is True)."""
-    available()
-    return _state["reason"]
+    """Whether `matmul_native` runs here, on its AVX512_BF16 path (the matmul kernel is built only for CPUs with it)."""
+    return available("matmul") and bool(library("matmul").JaxpagedMatmulIsFast())
 
 
 def _int32(name: str, x, ndim: int) -> jax.Array:
@@ -221,9 +98,7 @@ def paged_attention_native(
         raise ValueError(f"sliding_window={sliding_window} must be positive or None")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap={soft_cap} must be positive or None")
-    if not available():
-        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = _ffi_call("JaxpagedPagedAttention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                 scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
@@ -241,10 +116,8 @@ def write_kv_native(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | i
     slot_mapping = _int32("slot_mapping", slot_mapping, 1)
     if slot_mapping.shape != k_new.shape[:1]:
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] for k_new {k_new.shape}")
-    if not available():
-        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
     pool = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    call = jax.ffi.ffi_call(WRITE_TARGET, (pool, pool), input_output_aliases={0: 0, 1: 1})
+    call = _ffi_call("JaxpagedKvWrite", (pool, pool), input_output_aliases={0: 0, 1: 1})
     k, v = call(k_cache, v_cache, _int32("layer", layer, 0), k_new.astype(k_cache.dtype),
                 v_new.astype(v_cache.dtype), slot_mapping)
     return k, v
@@ -261,10 +134,8 @@ def set_blocks_native(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_
     if k_blocks.shape != expected or v_blocks.shape != expected:
         raise ValueError(f"k_blocks {k_blocks.shape} and v_blocks {v_blocks.shape} must be {expected} for dst "
                          f"{dst.shape} and the pool {k_cache.shape}")
-    if not available():
-        raise RuntimeError(f"native CPU paged attention is unavailable: {unavailable_reason()}")
     pool = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
-    call = jax.ffi.ffi_call(BLOCKS_TARGET, (pool, pool), input_output_aliases={0: 0, 1: 1})
+    call = _ffi_call("JaxpagedSetBlocks", (pool, pool), input_output_aliases={0: 0, 1: 1})
     return call(k_cache, v_cache, _int32("dst", dst, 1), jnp.asarray(k_blocks, k_cache.dtype),
                 jnp.asarray(v_blocks, v_cache.dtype))
 
@@ -296,11 +167,6 @@ def unpack_weight(w):
     return w.reshape(*lead, 2 * pairs, panels * PANEL)
 
 
-def _require_kernels() -> None:
-    if not available():
-        raise RuntimeError(f"the native CPU kernels are unavailable: {unavailable_reason()}")
-
-
 def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
     """The native matmuls' arguments: x [M, K] and w [K, N], [L, K, N] or prepacked [L, N/32, K/2, 64]
     (`prepack_weight`), both bfloat16, K even; the kernels built."""
@@ -312,7 +178,6 @@ def _check_matmul(x: jax.Array, w: jax.Array, name: str) -> None:
         raise ValueError(f"x and {name} must be bfloat16, got {x.dtype} and {w.dtype}")
     if x.shape[1] % 2:
         raise ValueError(f"K = {x.shape[1]} must be even")
-    _require_kernels()
 
 
 def _columns(w: jax.Array) -> int:
@@ -331,7 +196,7 @@ def matmul_native(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, out_dt
     _check_matmul(x, w, "w")
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         raise ValueError(f"out_dtype must be bfloat16 or float32, got {out_dtype}")
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], _columns(w)), out_dtype))
+    call = _ffi_call("JaxpagedMatmul", jax.ShapeDtypeStruct((x.shape[0], _columns(w)), out_dtype))
     return call(x, w, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0))
 
 
@@ -348,7 +213,7 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
         raise ValueError(f"w_gate and w_up must have one shape and dtype, got {w_gate.shape} {w_gate.dtype} and "
                          f"{w_up.shape} {w_up.dtype}")
     _check_matmul(x, w_gate, "w_gate")
-    call = jax.ffi.ffi_call(GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], _columns(w_gate)), jnp.bfloat16))
+    call = _ffi_call("JaxpagedMatmulGlu", jax.ShapeDtypeStruct((x.shape[0], _columns(w_gate)), jnp.bfloat16))
     return call(x, w_gate, w_up, _int32("layer", layer, 0), _int32("rows", x.shape[0] if rows is None else rows, 0),
                 act=np.int64(GLU_ACTIVATIONS[activation]))
 
@@ -367,9 +232,8 @@ def rms_norm_native(x: jax.Array, weight: jax.Array, layer: jax.Array | int, eps
                          f"{None if delta is None else delta.dtype}")
     if delta is not None and delta.shape != x.shape:
         raise ValueError(f"delta {delta.shape} must be x's shape {x.shape}")
-    _require_kernels()
     sum_shape = x.shape if delta is not None else (0,)
-    call = jax.ffi.ffi_call(NORM_TARGET, (jax.ShapeDtypeStruct(sum_shape, jnp.float32),
+    call = _ffi_call("JaxpagedRmsNorm", (jax.ShapeDtypeStruct(sum_shape, jnp.float32),
                                           jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)))
     s, out = call(x, jnp.zeros((0,), x.dtype) if delta is None else delta, weight, _int32("layer", layer, 0),
                   eps=np.float32(eps))
@@ -382,8 +246,7 @@ def add_round_native(s: jax.Array, delta: jax.Array) -> jax.Array:
     if s.dtype != jnp.float32 or delta.dtype != jnp.bfloat16 or s.shape != delta.shape:
         raise ValueError(f"s must be float32 and delta bfloat16 of one shape, got {s.dtype}{s.shape} and "
                          f"{delta.dtype}{delta.shape}")
-    _require_kernels()
-    return jax.ffi.ffi_call(ADD_TARGET, jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))(s, delta)
+    return _ffi_call("JaxpagedAddRound", jax.ShapeDtypeStruct(s.shape, jnp.bfloat16))(s, delta)
 
 
 def rope_native(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -398,8 +261,7 @@ def rope_native(q: jax.Array, k: jax.Array, cos: jax.Array, sin: jax.Array) -> t
     half = q.shape[0] * q.shape[2] // 2
     if cos.size != half or sin.size != half:
         raise ValueError(f"cos {cos.shape} and sin {sin.shape} must have T * D/2 = {half} elements")
-    _require_kernels()
-    call = jax.ffi.ffi_call(ROPE_TARGET, (jax.ShapeDtypeStruct(q.shape, q.dtype),
+    call = _ffi_call("JaxpagedRope", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                           jax.ShapeDtypeStruct(k.shape, k.dtype)))
     return call(q, k, cos.astype(jnp.float32), sin.astype(jnp.float32))
 
@@ -410,8 +272,7 @@ def argmax_native(x: jax.Array) -> jax.Array:
     gives 0)."""
     if x.ndim != 2 or x.dtype != jnp.float32:
         raise ValueError(f"x must be [S, V] float32, got {x.dtype}{list(x.shape)}")
-    _require_kernels()
-    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
+    return _ffi_call("JaxpagedArgmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
 
 
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:

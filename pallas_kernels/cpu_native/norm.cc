@@ -21,7 +21,9 @@
 // (benchmarks/step_anatomy.py's per-operation profile). A row here is one pass to sum, one to scale. Rows are split
 // over XLA's intra-op pool only when there are many (a prefill); a decode step's few rows run on the calling thread.
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -77,6 +79,17 @@ float SumRow(const uint16_t* x, const uint16_t* d, float* s, int64_t H) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   total = _mm512_reduce_add_ps(acc);
+#else
+  // The portable path: 16 partial sums written out lane by lane, so g++ -O3 vectorizes them without -ffast-math
+  // (SSE, AVX2, NEON), then the lanes in order.
+  float lanes[16] = {};
+  for (; j + 16 <= H; j += 16) {
+    for (int l = 0; l < 16; ++l) s[j + l] = Bf16ToFloat(x[j + l]);
+    if (d)
+      for (int l = 0; l < 16; ++l) s[j + l] += Bf16ToFloat(d[j + l]);
+    for (int l = 0; l < 16; ++l) lanes[l] += s[j + l] * s[j + l];
+  }
+  for (int l = 0; l < 16; ++l) total += lanes[l];
 #endif
   for (; j < H; ++j) {
     s[j] = Bf16ToFloat(x[j]) + (d ? Bf16ToFloat(d[j]) : 0.0f);

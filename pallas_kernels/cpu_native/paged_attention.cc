@@ -39,7 +39,9 @@
 // vectorisable polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf
 // propagate.
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -58,7 +60,9 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+#if defined(__AVX512F__)
 using jaxpaged_native::Exp16NonPositive;
+#endif
 using jaxpaged_native::RunOnPool;
 using jaxpaged_native::WorkQueue;
 

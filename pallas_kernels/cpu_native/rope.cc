@@ -13,7 +13,9 @@
 // that as one fusion per tensor; this is one call for both, with the same numbers. Tokens are split over XLA's
 // intra-op pool only when there are many (a prefill).
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
+#endif
 
 #include <algorithm>
 #include <cmath>

@@ -1,8 +1,11 @@
-// Vectorised float32 math on 16 AVX-512 lanes and scalar bfloat16 conversions, shared by the native kernels.
+// Vectorised float32 math on 16 AVX-512 lanes (only where the compiler targets AVX-512F) and scalar bfloat16
+// conversions (everywhere), shared by the native kernels.
 #ifndef JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 #define JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>

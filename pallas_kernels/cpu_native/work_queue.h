@@ -10,7 +10,9 @@
 #ifndef JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
 #define JAXPAGED_CPU_NATIVE_WORK_QUEUE_H_
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -24,6 +26,15 @@
 namespace jaxpaged_native {
 
 constexpr int kSpinBeforeWait = 5000;  // pause instructions: ~100 microseconds at most
+
+// A spin-wait hint to the core (x86 PAUSE, Arm YIELD); nothing elsewhere.
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
 
 struct WorkQueue {
   int64_t total = 0;
@@ -54,7 +65,7 @@ void RunOnPool(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& state) 
   // The helpers' last items usually end within microseconds: spin on them a while before sleeping (a futex wait and
   // its wake-up cost more than that).
   for (int spin = 0; spin < kSpinBeforeWait && work.done.load(std::memory_order_acquire) != work.total; ++spin)
-    _mm_pause();
+    CpuRelax();
   std::unique_lock<std::mutex> lock(work.mu);
   work.cv.wait(lock, [&] { return work.done.load() == work.total; });
 }
