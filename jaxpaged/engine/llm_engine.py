@@ -28,6 +28,7 @@ from jaxpaged.engine.structured_output import GrammarCache, ban, bitmask_words, 
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.worker.kv_quant import kv_stats
 from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -518,6 +519,7 @@ class Engine:
         return {
             **dataclasses.asdict(b),
             "block_size": bs,
+            **kv_stats(self.runner),  # kv_cache_dtype, kv_bytes_per_token
             # token slots holding real tokens / slots in allocated blocks (shared tokens count once per holder, so
             # with sharing this can pass 1: the pool holds more tokens than it has slots)
             "kv_utilization": tokens_held / slots_allocated if slots_allocated else 0.0,

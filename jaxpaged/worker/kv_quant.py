@@ -1,0 +1,138 @@
+"""The K/V pool's format: the `kv_cache_dtype` names, fp8 pools and their per-layer scales, bytes per token.
+
+`kv_cache_dtype` takes vLLM's names: "auto", a float dtype ("float32", "bfloat16", "float16"), or an 8-bit float,
+"fp8" / "fp8_e4m3" (float8_e4m3fn: 3 mantissa bits, finite range +-448) or "fp8_e5m2" (2 mantissa bits, +-57344).
+An fp8 pool holds K / k_scale and V / v_scale per layer, saturated and rounded as they are written, and every
+attention kernel reads it back times the scale (pallas_kernels/fp8.py states the rule). The scales are vLLM's
+per-tensor ones: one float32 for K and one for V per layer, 1.0 unless given (vLLM's default without a calibrated
+checkpoint). A scale of 1.0 is safe for the shipped models: over 1,500 tokens of `pydoc_data.topics`, SmolLM2-135M's
+largest |K| is 22 and |V| 15, Gemma 3 270M's |K| 108 and |V| 157, inside e4m3's 448; anything larger saturates
+(never NaN), and `benchmarks/quality.py` measures what the format costs in perplexity.
+
+The scales are fixed when the engine is built, so they are constants of the compiled step (not arguments), and the
+pool is the same pytree in every format: swap, copy-on-write, prefix caching and tensor parallelism move fp8 blocks as
+they move any others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES
+from pallas_kernels.fp8 import FP8_NAMES, fp8_max, is_fp8
+
+
+def pool_dtype_of(name: str) -> np.dtype:
+    """The pool dtype a `kv_cache_dtype` name (not "auto") stands for."""
+    if name in FP8_NAMES:
+        return np.dtype(FP8_NAMES[name])
+    if name in SUPPORTED_DTYPES:
+        return np.dtype(jnp.dtype(name))
+    raise ValueError(f"kv_cache_dtype={name!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def check_kv_cache_dtype(name: str, platform: str | None = None, device_kind: str | None = None,
+                         compute_capability: str | None = None) -> None:
+    """Raises ValueError naming kv_cache_dtype when the option is unknown, or names an fp8 format the platform's
+    attention kernel cannot read: the Pallas GPU kernel is compiled by Triton, whose float8_e4m3fn needs compute
+    capability 8.9 (Ada, Hopper) or later. Called when the options are checked, before any model is loaded."""
+    if name != "auto":
+        pool_dtype_of(name)
+    if name not in FP8_NAMES or platform not in ("gpu", "cuda") or compute_capability is None:
+        return
+    if FP8_NAMES[name] == jnp.dtype(jnp.float8_e4m3fn) and _version(compute_capability) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={name!r} (float8_e4m3fn) needs a GPU of compute capability 8.9 or later "
+                         f"for the Pallas (Triton) kernel; {device_kind or 'this GPU'} has {compute_capability}: use "
+                         "kv_cache_dtype='fp8_e5m2', or a 16-bit cache")
+
+
+def check_for_this_platform(name: str) -> None:
+    """`check_kv_cache_dtype` for the default device (it initialises the JAX backend, which loading does anyway)."""
+    if name not in FP8_NAMES:
+        if name != "auto":
+            pool_dtype_of(name)
+        return
+    device = jax.devices()[0]
+    check_kv_cache_dtype(name, device.platform, getattr(device, "device_kind", None),
+                         getattr(device, "compute_capability", None))
+
+
+def _version(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(text).split("."))
+    except ValueError:
+        return (0,)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVScales:
+    """An fp8 pool's per-layer scales: the pool holds K / k[layer] and V / v[layer]. Hashable: a static part of the
+    attention backend, so the scales are constants of the compiled step."""
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+
+    def __post_init__(self):
+        if len(self.k) != len(self.v) or not self.k:
+            raise ValueError(f"KVScales needs one k and one v scale per layer, got {len(self.k)} and {len(self.v)}")
+        for value in (*self.k, *self.v):
+            if not (np.isfinite(value) and value > 0):
+                raise ValueError(f"fp8 K/V scales must be finite and positive, got {value}")
+
+    @classmethod
+    def uniform(cls, num_layers: int, k: float = 1.0, v: float = 1.0) -> KVScales:
+        return cls((float(k),) * num_layers, (float(v),) * num_layers)
+
+    def at(self, layer) -> tuple[float | jax.Array, float | jax.Array]:
+        """(k_scale, v_scale) of `layer` (an int or a traced int32): Python floats when every layer shares them
+        (folded into the program), else float32 scalars gathered from a constant per-layer table."""
+        def pick(scales: tuple[float, ...]):
+            if len(set(scales)) == 1:
+                return scales[0]
+            return jnp.asarray(scales, jnp.float32)[layer]
+
+        return pick(self.k), pick(self.v)
+
+
+def with_scales(attn, pool_dtype, num_layers: int, scales: KVScales | None = None):
+    """The attention backend (a `PagedAttention`) with an fp8 pool's scales (default: 1.0 for every layer, vLLM's
+    without calibration); unchanged for other pools."""
+    if not is_fp8(pool_dtype):
+        return attn
+    scales = scales or KVScales.uniform(num_layers)
+    if len(scales.k) != num_layers:
+        raise ValueError(f"KVScales has {len(scales.k)} layers, the model {num_layers}")
+    return dataclasses.replace(attn, kv_scales=scales)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of K and V one token takes in the pool, all layers (logical: no device tile padding)."""
+    return 2 * num_layers * num_kv_heads * head_dim * np.dtype(dtype).itemsize
+
+
+def describe(dtype, scales: KVScales | None) -> str:
+    """The pool's format for the start-up log, e.g. "float8_e4m3fn (scales k 1, v 1; saturates at +-448)"."""
+    name = np.dtype(dtype).name
+    if not is_fp8(dtype) or scales is None:
+        return name
+
+    def span(values):
+        lo, hi = min(values), max(values)
+        return f"{lo:g}" if lo == hi else f"{lo:g}-{hi:g}"
+
+    return f"{name} (scales k {span(scales.k)}, v {span(scales.v)}; saturates at +-{fp8_max(dtype):g})"
+
+
+def kv_stats(runner) -> dict:
+    """What `Engine.stats()` reports of the pool's format: its dtype and the bytes one token takes in one device's
+    pool (the unit `kv_cache_memory` is divided by; TPU tile padding included)."""
+    return {"kv_cache_dtype": np.dtype(runner.kv_pool.dtype).name,
+            "kv_bytes_per_token": runner.block_bytes // runner.block_size}
+
+
+__all__ = ["KVScales", "KV_CACHE_DTYPES", "check_for_this_platform", "check_kv_cache_dtype", "describe",
+           "kv_bytes_per_token", "kv_stats", "pool_dtype_of", "with_scales"]
