@@ -29,8 +29,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.worker.kv_quant import rotate
 from pallas_kernels.fp8 import is_fp8, to_pool_dtype
 from pallas_kernels.reference import write_kv_reference
 
@@ -150,6 +152,8 @@ class PagedAttention:
         if self.kv_scales is not None and is_fp8(kv_pool.dtype):
             k_scale, v_scale = self.kv_scales.at(layer)
             scales = dict(k_scale=k_scale, v_scale=v_scale)
+            if self.kv_scales.rotate_keys:  # the pool holds H k, so the kernel gets H q (jaxpaged/worker/kv_quant.py)
+                q, k = rotate(q), rotate(k, jnp.float32)
         kv_pool = kv_pool.write(layer, k, v, md.slot_mapping, self.kv_write, **scales)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = self.kernel(q, kv_pool.k, kv_pool.v, layer, md.block_tables, md.context_lens, md.query_start_loc,
