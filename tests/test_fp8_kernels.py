@@ -211,3 +211,56 @@ def test_native_kernel_refuses_a_pool_of_another_dtype_than_q_unless_fp8():
     with pytest.raises(ValueError, match="one dtype"):
         native.paged_attention_native(case.q, case.k_cache.astype(E4M3), case.v_cache.astype(E5M2),
                                       *case.args[3:], scale=0.1)
+
+
+# ---- the Pallas kernels over fp8 pools: interpreted here, lowered for their devices --------------------------------
+
+@pytest.mark.parametrize("dtype", FP8, ids=fp8_id)
+@pytest.mark.parametrize("impl", ["pallas_interpret", "pallas_tpu_interpret"], ids=["gpu", "tpu"])
+def test_pallas_kernels_read_fp8_pools(impl, dtype):
+    from pallas_kernels.attention import paged_attention
+
+    extra = {"chunk_tokens": 32} if impl == "pallas_tpu_interpret" else {}
+    fn = jax.jit(functools.partial(paged_attention, implementation=impl, **extra), static_argnames=STATIC)
+    kw = dict(num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=jnp.bfloat16, kv_dtype=dtype,
+              k_scale=0.5, v_scale=2.0)
+    dec = decode_case([1, 16, 17, 40], num_padding_seqs=1, seed=5, **kw)
+    check(dec, fn(*dec.args, **dec.kwargs(decode_blocks=dec.decode_blocks)))
+    pre = prefill_case([(20, 20), (41, 17)], seed=6, **{**kw, **GEMMA3_HEADS})
+    check(pre, fn(*pre.args, **pre.kwargs()))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=fp8_id)
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 1, 256)], ids=["smollm2", "gemma3"])
+def test_pallas_kernels_lower_for_cuda_and_tpu_with_fp8_pools(heads, dtype):
+    """jax.export runs the Pallas -> Triton and Pallas -> Mosaic TPU lowerings on fp8 pools (the fp8 loads and their
+    conversion to bfloat16 in the kernel); the device compile itself needs the device."""
+    import warnings
+
+    from jax import export
+
+    from pallas_kernels.attention import paged_attention
+    from tests.test_kernel_gpu import TRITON_CALL_TARGETS
+
+    hq, hkv, d = heads
+    sds = jax.ShapeDtypeStruct
+    pool = sds((2, 64, 16, hkv, d), dtype)
+    args = (sds((32, hq, d), jnp.bfloat16), pool, pool, sds((), jnp.int32), sds((32, 8), jnp.int32),
+            sds((32,), jnp.int32), sds((33,), jnp.int32), sds((32,), jnp.int32), sds((), jnp.float32),
+            sds((), jnp.float32))
+
+    def fn(implementation):
+        def call(q, k, v, layer, tables, lens, qsl, pos, k_scale, v_scale):
+            return paged_attention(q, k, v, layer, tables, lens, qsl, pos, scale=d ** -0.5, decode_blocks=64,
+                                   k_scale=k_scale, v_scale=v_scale, implementation=implementation)
+        return jax.jit(call)
+
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cuda = export.export(fn("pallas_gpu"), platforms=["cuda"], disabled_checks=checks)(*args)
+    assert "f8E" in cuda.mlir_module()  # the kernel takes the fp8 pool as it is
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        tpu_exported = export.export(fn("pallas_tpu"), platforms=["tpu"])(*args)
+    assert tpu_exported.mlir_module().count("@tpu_custom_call(") == 1
