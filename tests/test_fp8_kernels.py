@@ -264,3 +264,48 @@ def test_pallas_kernels_lower_for_cuda_and_tpu_with_fp8_pools(heads, dtype):
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         tpu_exported = export.export(fn("pallas_tpu"), platforms=["tpu"])(*args)
     assert tpu_exported.mlir_module().count("@tpu_custom_call(") == 1
+
+
+# ---- TPU, compile only (libtpu's compile-only client; skipped without the libtpu package) ------------------------
+
+@pytest.fixture(scope="module")
+def v5e():
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices[0]
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=fp8_id)
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_tpu_step_with_an_fp8_pool_compiles_without_copying_it(v5e, shape, dtype):
+    """The engine's whole step (the scaled, key-rotating fp8 write by XLA's scatter, the Pallas TPU kernel reading
+    fp8) compiled by libtpu for a v5e with the row-major pool: one kernel launch, no copy of the pool."""
+    from flax import nnx
+
+    from jaxpaged.models import families
+    from jaxpaged.worker.attention import KVPool, PagedAttention
+    from jaxpaged.worker.kv_quant import KVScales
+    from jaxpaged.worker.model_runner import dummy_batch, jit_step, lower_step, pool_format
+    from pallas_kernels.attention import paged_attention
+    from tests.hlo_checks import pool_copies
+    from tests.test_tpu_pool_layout import BLOCK_SIZE, NUM_BLOCKS, STEP_SHAPES, TINY, TPU_KERNEL
+    from tests.tiny import random_params, tiny_config
+
+    config = tiny_config(**TINY)
+    sharding = jax.sharding.SingleDeviceSharding(v5e)
+    fmt = pool_format(v5e)
+    graphdef, state = nnx.split(families.from_params(config, random_params(config)))
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == np.float32 else x.dtype,
+                                                        sharding=sharding), state)
+    pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+    pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=fmt)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         dummy_batch(*STEP_SHAPES[shape]))
+    attn = PagedAttention("pallas_tpu", functools.partial(paged_attention, implementation="pallas_tpu"),
+                          kv_scales=KVScales((0.5, 2.0), (1.0, 4.0)))  # per-layer scales: a traced gather
+    hlo = lower_step(jit_step(graphdef, attn, fmt), state, KVPool(pool, pool), batch).compile().as_text()
+    assert hlo.count(TPU_KERNEL) == 1
+    assert pool_copies(hlo, pool_shape) == []
+    dims = ",".join(map(str, pool_shape))  # nor converts the whole pool around the write (XLA CPU's fp8 scatter does)
+    assert not [line for line in hlo.splitlines() if f"[{dims}]" in line and " convert(" in line]

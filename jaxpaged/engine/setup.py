@@ -337,7 +337,9 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
     device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \
         else model_config
-    block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
+    fmt = pool_format(jax.devices()[0])
+    block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, fmt)
+    kv_quant.warn_without_saving(device_spec, cache.block_size, cache_dtype, block_bytes, fmt)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:

@@ -26,6 +26,7 @@ parallelism move fp8 blocks as they move any others.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,8 @@ import numpy as np
 
 from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES
 from pallas_kernels.fp8 import FP8_NAMES, fp8_max, is_fp8
+
+logger = logging.getLogger(__name__)
 
 
 def pool_dtype_of(name: str) -> np.dtype:
@@ -159,6 +162,22 @@ def describe(dtype, scales: KVScales | None) -> str:
     return f"{name} (scales k {span(scales.k)}, v {span(scales.v)}{rotated}; saturates at +-{fp8_max(dtype):g})"
 
 
+def warn_without_saving(spec, block_size: int, pool_dtype, block_bytes: int, fmt) -> None:
+    """Logs a warning when an fp8 pool's block takes as many device bytes as a bfloat16 one: on TPU the row-major
+    pool's (Hkv, D) tile is padded, more for 8-bit types ((4, 128) against bfloat16's (2, 128)), so a model with one
+    kv head of 256 (Gemma 3 270M) gains nothing on a v5e (SmolLM2's (3, 64) and (8, 128) do halve: measured with
+    libtpu's compile-only client)."""
+    if not is_fp8(pool_dtype) or fmt is None:
+        return
+    from jaxpaged.worker.model_runner import pool_block_bytes
+
+    bf16 = pool_block_bytes(spec, block_size, jnp.bfloat16, fmt)
+    if block_bytes >= bf16:
+        logger.warning("kv_cache_dtype %s: a block takes %d bytes on this device, as many as bfloat16's (%d): the "
+                       "device pads the pool's (kv heads, head_dim) tile more for 8-bit types; fp8 saves no memory "
+                       "here", np.dtype(pool_dtype).name, block_bytes, bf16)
+
+
 def kv_stats(runner) -> dict:
     """What `Engine.stats()` reports of the pool's format: its dtype and the bytes one token takes in one device's
     pool (the unit `kv_cache_memory` is divided by; TPU tile padding included)."""
@@ -167,4 +186,5 @@ def kv_stats(runner) -> dict:
 
 
 __all__ = ["KVScales", "KV_CACHE_DTYPES", "check_for_this_platform", "check_kv_cache_dtype", "describe",
-           "hadamard", "kv_bytes_per_token", "kv_stats", "pool_dtype_of", "rotate", "with_scales"]
+           "hadamard", "kv_bytes_per_token", "kv_stats", "pool_dtype_of", "rotate", "warn_without_saving",
+           "with_scales"]
