@@ -162,8 +162,11 @@ class PagedAttention:
         return out, kv_pool
 
     def refusal(self, head_dim: int, *dtypes) -> str | None:
-        """Why the kernel cannot run a model of `head_dim` with `dtypes` (the model's, the pool's); None if it can."""
+        """Why the kernel cannot run a model of `head_dim` with `dtypes` (the model's, the pool's); None if it can.
+        Every kernel reads fp8 pools (pallas_kernels/fp8.py)."""
         for dtype in dtypes:
+            if is_fp8(dtype):
+                continue
             if self.dtypes is not None and np.dtype(dtype) not in self.dtypes:
                 return (f"attention backend {self.name!r} takes {', '.join(d.name for d in self.dtypes)}, "
                         f"not {np.dtype(dtype).name}")
@@ -205,7 +208,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
 
         return PagedAttention("reference", ragged_paged_attention_reference)
     from pallas_kernels.attention import paged_attention
-    from pallas_kernels.validation import POOL_DTYPES
+    from pallas_kernels.validation import KERNEL_DTYPES
 
     implementation = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform,
                                                                                           "pallas_interpret")
@@ -214,7 +217,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
     else:
         from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
     return PagedAttention(implementation, functools.partial(paged_attention, implementation=implementation),
-                          POOL_DTYPES, SUPPORTED_HEAD_DIMS, reads_flat_blocks=implementation != "pallas_tpu")
+                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, reads_flat_blocks=implementation != "pallas_tpu")
 
 
 __all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "PagedAttention",
