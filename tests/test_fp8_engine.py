@@ -193,3 +193,30 @@ def test_the_cli_flag_offers_the_fp8_names():
     assert parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "fp4"])
+
+
+# ---- the format's choices ------------------------------------------------------------------------------------------
+
+def test_key_rotation_is_orthogonal_and_chosen_per_model():
+    """H is orthogonal, so (H q) . (H k) = q . k; keys are rotated for models whose keys are not RMS-normalised per
+    head, and where head_dim is a power of two (kv_quant's docstring has the measurements)."""
+    from dataclasses import replace
+
+    from jaxpaged.worker.attention import attention_backend
+
+    h = kv_quant.hadamard(64)
+    np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-6)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 3, 64)), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(1).standard_normal((5, 3, 64)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jnp.sum(kv_quant.rotate(x) * kv_quant.rotate(y), -1)),
+                               np.asarray(jnp.sum(x * y, -1)), rtol=1e-5, atol=1e-5)
+    attn = attention_backend("reference")
+    fp8 = jnp.float8_e4m3fn
+    assert kv_quant.with_scales(attn, fp8, 2, 64).kv_scales.rotate_keys
+    assert not kv_quant.with_scales(attn, fp8, 2, 64, keys_normalized=True).kv_scales.rotate_keys
+    assert not kv_quant.with_scales(attn, fp8, 2, 80).kv_scales.rotate_keys  # not a power of two
+    assert kv_quant.with_scales(attn, jnp.bfloat16, 2, 64).kv_scales is None  # only fp8 pools are scaled
+    assert kv_quant.keys_normalized(replace(CONFIG, architecture="gemma3"))
+    assert kv_quant.keys_normalized(replace(CONFIG, qk_norm=True)) and not kv_quant.keys_normalized(CONFIG)
+    with pytest.raises(ValueError, match="finite and positive"):
+        kv_quant.KVScales((1.0, 0.0), (1.0, 1.0))

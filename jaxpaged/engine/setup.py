@@ -332,7 +332,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
     attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
-    attn = kv_quant.with_scales(attn, cache_dtype, model_config.num_layers, model_config.head_dim)  # fp8 scales
+    attn = kv_quant.with_scales(attn, cache_dtype, model_config.num_layers, model_config.head_dim,  # fp8 scales
+                                keys_normalized=kv_quant.keys_normalized(model_config))
     # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
     # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
     device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \

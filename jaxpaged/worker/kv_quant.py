@@ -9,14 +9,18 @@ checkpoint). A scale of 1.0 is safe for the shipped models: over 1,500 tokens of
 largest |K| is 22 and |V| 15, Gemma 3 270M's |K| 108 and |V| 157, inside e4m3's 448; anything larger saturates
 (never NaN), and `benchmarks/quality.py` measures what the format costs in perplexity.
 
-Keys are rotated before they are quantized (where head_dim is a power of two): the pool holds fp8(H k / k_scale)
+Keys are rotated before they are quantized (where head_dim is a power of two and the model does not normalise its
+keys, see below): the pool holds fp8(H k / k_scale)
 and the kernel is given H q, H the normalised Hadamard matrix of head_dim (orthogonal, so (H q) . (H k) = q . k:
 the attention is unchanged but for rounding; values are not rotated). fp8 rounds each element to 3 mantissa bits
 (e4m3), so a score's error is about sum_c q_c k_c eps_c, large where q and k put their weight on the same few
 channels, as SmolLM2's do (over half of its keys' energy is a per-channel offset); the rotation spreads every
 vector over all channels. Measured with benchmarks/quality.py's scoring on 4,096 tokens of SmolLM2 (K and V in
-e4m3, scale 1): perplexity +1.6% over bfloat16 without it, +0.97% with it (e5m2: +7.4%, +2.7%). vLLM stores keys
-unrotated; QuaRot-style rotations are what its rotated checkpoints do for the same reason.
+e4m3, scale 1): perplexity +1.6% over bfloat16 without it, +0.97% with it (e5m2: +7.4%, +2.7%); on 16,384 tokens
++0.65% with it. A model whose keys pass an RMSNorm per head (Gemma 3's k_norm, Qwen3's) has no such offsets, and
+there the rotation measured worse: Gemma 3 270M on 16,384 tokens, +0.85% without, +1.07% with; so those models
+store their keys as they are. vLLM stores keys unrotated; QuaRot-style rotations are what its rotated checkpoints
+do for the same reason.
 
 The scales and the rotation are fixed when the engine is built, so they are constants of the compiled step (not
 arguments), and the pool is the same pytree in every format: swap, copy-on-write, prefix caching and tensor
@@ -129,18 +133,25 @@ def rotate(x: jax.Array, out_dtype=None) -> jax.Array:
     return y.astype(out_dtype or x.dtype)
 
 
-def with_scales(attn, pool_dtype, num_layers: int, head_dim: int | None = None, scales: KVScales | None = None):
+def with_scales(attn, pool_dtype, num_layers: int, head_dim: int | None = None, scales: KVScales | None = None,
+                keys_normalized: bool = False):
     """The attention backend (a `PagedAttention`) with an fp8 pool's scales (default: 1.0 for every layer, vLLM's
-    without calibration, and keys rotated where head_dim is a power of two); unchanged for other pools."""
+    without calibration, and keys rotated where head_dim is a power of two and the model does not RMS-normalise
+    its keys: module docstring); unchanged for other pools."""
     if not is_fp8(pool_dtype):
         return attn
     pow2 = head_dim is not None and head_dim > 0 and not head_dim & (head_dim - 1)
-    scales = scales or KVScales.uniform(num_layers, rotate_keys=pow2)
+    scales = scales or KVScales.uniform(num_layers, rotate_keys=pow2 and not keys_normalized)
     if scales.rotate_keys and not pow2:
         raise ValueError(f"KVScales.rotate_keys needs a power-of-two head_dim, got {head_dim}")
     if len(scales.k) != num_layers:
         raise ValueError(f"KVScales has {len(scales.k)} layers, the model {num_layers}")
     return dataclasses.replace(attn, kv_scales=scales)
+
+
+def keys_normalized(config) -> bool:
+    """Whether a model RMS-normalises each key head before attention (Qwen3's qk_norm, Gemma 3's k_norm)."""
+    return bool(getattr(config, "qk_norm", False)) or getattr(config, "architecture", "") == "gemma3"
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
@@ -186,5 +197,6 @@ def kv_stats(runner) -> dict:
 
 
 __all__ = ["KVScales", "KV_CACHE_DTYPES", "check_for_this_platform", "check_kv_cache_dtype", "describe",
-           "hadamard", "kv_bytes_per_token", "kv_stats", "pool_dtype_of", "rotate", "warn_without_saving",
+           "hadamard", "keys_normalized", "kv_bytes_per_token", "kv_stats", "pool_dtype_of", "rotate",
+           "warn_without_saving",
            "with_scales"]
