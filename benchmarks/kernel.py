@@ -19,6 +19,8 @@ and does no 1/sqrt(d) scaling inside, so its q is pre-scaled (inside the timed c
     python benchmarks/kernel.py --cpu           # CPU decode and prefill: the reference against the native
                                                 # kernel (pallas_kernels/cpu_native), SmolLM2's shapes, --dtype
                                                 # -> benchmarks/results/kernel_cpu.json
+    python benchmarks/kernel.py --cpu --kv-dtype fp8    # the same with an fp8 pool (float8_e4m3fn; fp8_e5m2),
+                                                # q in --dtype -> benchmarks/results/kernel_cpu_fp8.json
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from common import print_table, write_json
 
+from pallas_kernels.fp8 import FP8_NAMES, to_pool_dtype
 from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
@@ -59,7 +62,7 @@ SMOKE = dict(batches=(2, 4), contexts=(32, 64), block_size=16, q_heads=4, kv_hea
 
 
 def make_batch(seqs: list[tuple[int, int]], *, tile: int, block_size: int, q_heads: int, kv_heads: int,
-               head_dim: int, dtype, seed: int = 0, layers: int = 1) -> dict:
+               head_dim: int, dtype, seed: int = 0, layers: int = 1, kv_dtype=None) -> dict:
     """A ragged batch over a pool of exactly the blocks it uses (in each of `layers` layers), assigned in shuffled
     order.
 
@@ -80,9 +83,14 @@ def make_batch(seqs: list[tuple[int, int]], *, tile: int, block_size: int, q_hea
         qsl.append(qsl[-1] + length)
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     pool_shape = (layers, num_blocks, block_size, kv_heads, head_dim)  # [L, NB, BS, Hkv, D]
+
+    def pool(key):  # an fp8 pool: normal values saturated and rounded (pallas_kernels/fp8.py)
+        if kv_dtype is None or kv_dtype == dtype:
+            return jax.random.normal(key, pool_shape, dtype)
+        return to_pool_dtype(jax.random.normal(key, pool_shape, jnp.float32), kv_dtype)
+
     return dict(
-        q=jax.random.normal(kq, (len(positions), q_heads, head_dim), dtype),
-        k_cache=jax.random.normal(kk, pool_shape, dtype), v_cache=jax.random.normal(kv, pool_shape, dtype),
+        q=jax.random.normal(kq, (len(positions), q_heads, head_dim), dtype), k_cache=pool(kk), v_cache=pool(kv),
         block_tables=jnp.asarray(tables), context_lens=jnp.asarray([c for c, _ in seqs], jnp.int32),
         query_start_loc=jnp.asarray(qsl, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
         tile=tile, decode_blocks=sum(per_seq), scale=1.0 / math.sqrt(head_dim))
@@ -205,6 +213,7 @@ def main():
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kv-dtype", default=None, choices=list(FP8_NAMES), help="an fp8 pool (default: --dtype)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -219,8 +228,9 @@ def main():
     timing = dict(warmup=1, samples=3, reps=1) if args.smoke else dict(warmup=args.warmup, samples=args.samples,
                                                                        reps=args.reps)
     dtype = jnp.dtype(args.dtype)
+    kv_dtype = FP8_NAMES[args.kv_dtype] if args.kv_dtype else dtype
     shape = dict(block_size=cfg["block_size"], q_heads=cfg["q_heads"], kv_heads=cfg["kv_heads"],
-                 head_dim=cfg["head_dim"], dtype=dtype)
+                 head_dim=cfg["head_dim"], dtype=dtype, kv_dtype=kv_dtype)
     copy_bw = copy_bandwidth((1 << 30) if on_gpu else (1 << 28) if args.cpu else (1 << 24), **timing)
     logger.info("device %s: copy bandwidth %.0f GB/s", device.device_kind, copy_bw / 1e9)
 
@@ -253,14 +263,16 @@ def main():
         del mixed
 
     print(f"\n{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; {cfg['q_heads']} q / {cfg['kv_heads']} "
-          f"kv heads, head_dim {cfg['head_dim']}, block {cfg['block_size']}, {dtype.name}"
+          f"kv heads, head_dim {cfg['head_dim']}, block {cfg['block_size']}, {dtype.name}, pool {kv_dtype.name}"
           + (" (smoke: interpret mode, timings meaningless)" if args.smoke else ""))
     print_table(rows, [("case", "case", ""), ("impl", "implementation", ""), ("us", "us/call", ".1f"),
                        ("gb_s", "GB/s", ".0f"), ("of_copy", "of copy bw", ".0%"), ("max_err", "max |diff| vs ref",
                                                                                       ".2e"), ("error", "error", "")])
-    out = args.out or f"benchmarks/results/kernel{'_smoke' if args.smoke else '_cpu' if args.cpu else ''}.json"
+    out = args.out or (f"benchmarks/results/kernel{'_smoke' if args.smoke else '_cpu' if args.cpu else ''}"
+                       f"{'_' + args.kv_dtype if args.kv_dtype else ''}.json")
     write_json(out, {"machine": f"{device.device_kind} ({device.platform}), jax {jax.__version__}",
-                     "smoke": args.smoke, "dtype": dtype.name, "config": cfg, "copy_bandwidth_gb_s": copy_bw / 1e9,
+                     "smoke": args.smoke, "dtype": dtype.name, "kv_dtype": kv_dtype.name, "config": cfg,
+                     "copy_bandwidth_gb_s": copy_bw / 1e9,
                      "timing": timing, "rows": rows})
 
 

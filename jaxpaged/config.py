@@ -12,6 +12,10 @@ from typing import Any
 # Model and pool dtype option names. The Pallas and native kernels take a subset (pallas_kernels.validation.
 # KERNEL_DTYPES), checked when the engine picks its attention backend.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# The pool's also takes vLLM's 8-bit float names: "fp8" (= "fp8_e4m3", float8_e4m3fn) and "fp8_e5m2"
+# (jaxpaged/worker/kv_quant.py).
+# the pool: a model dtype, or float8 under vLLM's names (pallas_kernels.fp8 maps them to dtypes)
+KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
@@ -118,7 +122,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB of host memory for swapped-out blocks; 0 disables swapping
     preemption_mode: str = "recompute"  # "recompute" | "swap"
-    cache_dtype: str = "auto"  # "auto": the model dtype, but float32 on CPU for 16-bit models (engine_setup)
+    cache_dtype: str = "auto"  # "auto": the model dtype, but float32 on CPU for 16-bit models; or fp8 (kv_quant)
 
     def __post_init__(self):
         from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES  # the kernels' list (they import JAX)
@@ -136,9 +140,9 @@ class CacheConfig:
             raise ValueError(f"swap_space={self.swap_space} must be >= 0 (GiB)")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
-        if self.cache_dtype != "auto" and self.cache_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported; use auto or one of "
-                             f"{', '.join(SUPPORTED_DTYPES)}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.cache_dtype!r} is not supported; use one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of host memory)")
 

@@ -24,7 +24,9 @@ JAX removes the Triton backend this kernel moves to `plgpu.kernel`; the wrapper,
 
 Shapes (T tokens, S sequences, W block-table width, L layers, NB pool blocks, BS block size, Hq/Hkv heads, D dim):
   q               [T, Hq, D]             bf16 or f32
-  k_cache/v_cache [L, NB, BS, Hkv, D]    bf16 or f32 (cast to q's dtype in the kernel)
+  k_cache/v_cache [L, NB, BS, Hkv, D]    bf16, f32, or fp8 (e4m3fn / e5m2), cast to q's dtype in the kernel
+  k_scale/v_scale float or f32 scalar    the pool's values are k_cache * k_scale, v_cache * v_scale (fp8.py);
+                                         folded: scores are scaled by scale * k_scale, the output by v_scale
   layer           int32 scalar           layer of the pool to read
   block_tables    [S, W] int32
   context_lens    [S] int32
@@ -44,6 +46,7 @@ Inside the kernel every array is a flat view (free reshapes, no copy), so that o
   tile_seq_ref             [NT]                      sequence of each query tile
   tile_lo_ref, tile_hi_ref [NT]                      first / one-past-last K/V chunk the tile can see
   layer_ref                [1]
+  scales_ref               [2] float32               (k_scale, v_scale)
 
 Grid: (NT, Hkv, K), NT = T / tq query tiles of tq consecutive tokens, K = num_kv_splits. tq is the largest power
 of two dividing `tile_size` with tq * Gp <= 128 (Gp = the GQA group Hq / Hkv rounded up to a power of two), so a
@@ -172,6 +175,7 @@ def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq
 def _paged_attention_kernel(
     # inputs
     layer_ref,  # [1] int32
+    scales_ref,  # [2] float32: k_scale, v_scale
     tile_seq_ref,  # [NT] int32
     tile_lo_ref,  # [NT] int32
     tile_hi_ref,  # [NT] int32
@@ -210,6 +214,9 @@ def _paged_attention_kernel(
     seq = tile_seq_ref[tile]
     context_len = context_lens_ref[seq]
     layer = layer_ref[0]
+    # The pool's scales, folded (fp8.py): q . (k * k_scale) = (q . k) * k_scale, and v_scale on the output.
+    score_scale = scale * scales_ref[0]
+    v_scale = scales_ref[1]
 
     # Query rows: r = (token r // Gp of the tile, query head r % Gp of this kv head's group).
     r = jnp.arange(rows, dtype=jnp.int32)
@@ -236,12 +243,13 @@ def _paged_attention_kernel(
         kv_rows = ((layer * num_blocks + physical) * block_size + kv_pos % block_size) * num_kv_heads + kv_head
         kv_mask = jnp.broadcast_to(kv_ok[:, None], (chunk, head_dim))
         # Unused slots may hold garbage (NaN): they are not loaded, the mask fills them with 0 (0 x NaN = NaN).
-        k = plgpu.load(k_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
-        v = plgpu.load(v_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0).astype(q.dtype)  # [C, D]
+        # An fp8 pool is upcast here, in registers, to q's dtype (exact for bfloat16 and float32).
+        k = plgpu.load(k_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0.0).astype(q.dtype)  # [C, D]
+        v = plgpu.load(v_ref.at[kv_rows[:, None], cols], mask=kv_mask, other=0.0).astype(q.dtype)  # [C, D]
 
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                 preferred_element_type=jnp.float32)  # [M, C]
-        s = s * scale
+        s = s * score_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])  # [M, C]
@@ -266,7 +274,7 @@ def _paged_attention_kernel(
     split_hi = jnp.minimum(split_lo + per_split, hi)
     m, denom, acc = jax.lax.fori_loop(split_lo, split_hi, body, init)
     seen = denom > 0.0
-    out = acc / jnp.where(seen, denom, 1.0)[:, None]  # rows that saw nothing (padding, an empty split) give 0
+    out = acc * (v_scale / jnp.where(seen, denom, 1.0))[:, None]  # rows that saw nothing (padding, splits) give 0
     if num_splits == 1:
         plgpu.store(o_ref.at[q_rows[:, None], cols], out.astype(o_ref.dtype), mask=row_mask)
     else:
@@ -293,6 +301,8 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     decode_blocks: int | None = None,
     num_kv_splits: int | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     interpret: bool = False,
     num_warps: int | None = None,
     num_stages: int = 2,
@@ -352,9 +362,11 @@ def ragged_paged_attention_gpu(
         interpret=interpret,
         name="ragged_paged_attention",
     )(
-        jnp.asarray(layer, jnp.int32).reshape(1), tile_seq, tile_lo, tile_hi, block_tables.reshape(num_seqs * width),
-        context_lens, positions, q.reshape(num_tokens * num_q_heads, head_dim),
-        k_cache.reshape(kv_rows, head_dim), v_cache.reshape(kv_rows, head_dim),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)]), tile_seq, tile_lo,
+        tile_hi, block_tables.reshape(num_seqs * width), context_lens, positions,
+        q.reshape(num_tokens * num_q_heads, head_dim), k_cache.reshape(kv_rows, head_dim),
+        v_cache.reshape(kv_rows, head_dim),
     )
     if num_kv_splits > 1:
         out = merge_splits(out[0].reshape(num_kv_splits, q_rows, head_dim), out[1].reshape(num_kv_splits, q_rows))

@@ -13,11 +13,13 @@ Layouts (the pool layout is chosen once, here, for every backend):
                                              padding
   positions       [T] int32                  absolute position of each token in its sequence; -1 marks padding
                                              tokens (inside a segment's tail or past qsl[S])
+  k_scale/v_scale float or f32 scalar        the pool's values are k_cache * k_scale, v_cache * v_scale (fp8
+                                             pools, fp8.py; 1 for the others); may be traced (a per-layer scale)
 Output            [T, Hq, D]                 q's dtype; 0 on padding tokens.
 
 Query head h reads kv head h // (Hq // Hkv) (GQA/MQA). Token t of sequence s sees the cached positions
 p < context_lens[s] with p <= positions[t] (causal), and p > positions[t] - sliding_window when a window is set.
-Softmax runs in float32 whatever the input dtype.
+Softmax runs in float32 whatever the input dtype; K and V are upcast (and scaled) to float32 where they are read.
 
 `tile_size` groups consecutive tokens into tiles that share one gather of their sequence's K/V: 16 for prefill
 batches, whose segments the host then starts at multiples of 16. Cost is (T / tile_size) gathers of W * BS
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.fp8 import dequantize, to_pool_dtype
 
 NEG_INF = -1e30
 # The reference computes in float32, multiplied in float32: XLA's default on GPU (TF32) and TPU (bfloat16 passes)
@@ -56,11 +60,14 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_blocks: int | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
 ) -> jax.Array:
     if decode_blocks is not None:
         return _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc,
                                    positions, scale=scale, num_blocks=decode_blocks,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                                   v_scale=v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     width = block_tables.shape[1]
@@ -92,7 +99,8 @@ def ragged_paged_attention_reference(
         mask &= kv_pos[None, None, :] > pos[:, :, None] - sliding_window
 
     qt = q.reshape(num_tiles, tile_size, num_kv_heads, group, head_dim)
-    scores = jnp.einsum("ntkgd,nckd->nkgtc", qt.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
+    scores = jnp.einsum("ntkgd,nckd->nkgtc", qt.astype(jnp.float32), dequantize(k, k_scale),
+                        precision=HIGHEST) * scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
@@ -101,12 +109,12 @@ def ragged_paged_attention_reference(
     p = jnp.where(mask[:, None, None, :, :], p, 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom == 0.0, 1.0, denom)  # fully masked rows (padding) give 0
-    out = jnp.einsum("nkgtc,nckd->ntkgd", p, v.astype(jnp.float32), precision=HIGHEST)
+    out = jnp.einsum("nkgtc,nckd->ntkgd", p, dequantize(v, v_scale), precision=HIGHEST)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 def _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions, *,
-                        scale, num_blocks, sliding_window, soft_cap):
+                        scale, num_blocks, sliding_window, soft_cap, k_scale, v_scale):
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, width = block_tables.shape
@@ -132,14 +140,14 @@ def _decode_flat_blocks(q, k_cache, v_cache, layer, block_tables, context_lens, 
         mask &= kv_pos > q_pos[:, None] - sliding_window
 
     # Multiply-and-reduce rather than a batched dot: XLA fuses the gather into it, so no gathered copy is written.
-    scores = jnp.sum(qb[:, None] * k.astype(jnp.float32)[:, :, :, None, :], axis=-1) * scale  # [NBF, BS, Hkv, G]
+    scores = jnp.sum(qb[:, None] * dequantize(k, k_scale)[:, :, :, None, :], axis=-1) * scale  # [NBF, BS, Hkv, G]
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[:, :, None, None], scores, NEG_INF)
     seq_max = jax.ops.segment_max(scores.max(axis=1), seq, num_segments=num_seqs)  # [S, Hkv, G]
     p = jnp.where(mask[:, :, None, None], jnp.exp(scores - seq_max[seq][:, None]), 0.0)
     denom = jax.ops.segment_sum(p.sum(axis=1), seq, num_segments=num_seqs)  # [S, Hkv, G]
-    v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)  # unused slots may hold NaN
+    v = jnp.where(mask[:, :, None, None], dequantize(v, v_scale), 0.0)  # unused slots may hold NaN
     partial = jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)  # [NBF, Hkv, G, D]
     out = jax.ops.segment_sum(partial, seq, num_segments=num_seqs)
     out = out / jnp.where(denom == 0.0, 1.0, denom)[..., None]  # [S, Hkv, G, D]
@@ -162,13 +170,14 @@ def write_kv_reference(
     """Writes the step's new K/V into the pool; in place when the pool is donated / carried in a loop.
 
     k_new, v_new  [T, Hkv, D]; slot_mapping [T] int32, flat slot = block * BS + offset. Padding tokens point at
-    the null block 0, which no sequence ever reads as real context.
+    the null block 0, which no sequence ever reads as real context. The rows are cast to the pool's dtype (an fp8
+    pool saturates: `fp8.to_pool_dtype`; the caller divides by the pool's scale first, as `KVPool.write` does).
     """
     block_size = k_cache.shape[2]
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    k_cache = k_cache.at[layer, blocks, offsets].set(k_new.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, blocks, offsets].set(v_new.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, blocks, offsets].set(to_pool_dtype(k_new, k_cache.dtype))
+    v_cache = v_cache.at[layer, blocks, offsets].set(to_pool_dtype(v_new, v_cache.dtype))
     return k_cache, v_cache
 
 

@@ -7,20 +7,24 @@ which stays in HBM and is read block by block through the block table.
 Arguments (T tokens, S sequences, W block-table width, L layers, NB pool blocks, BS block size, Hq/Hkv heads,
 D head_dim, G = Hq // Hkv):
   q               [T, Hq, D]             float32 or bfloat16
-  k_cache/v_cache [L, NB, BS, Hkv, D]    float32 or bfloat16 (cast to q's dtype in the kernel), left in HBM
+  k_cache/v_cache [L, NB, BS, Hkv, D]    float32, bfloat16 or fp8 (e4m3fn / e5m2), cast to q's dtype in the
+                                         kernel, left in HBM
+  k_scale/v_scale float or f32 scalar    the pool's values are k_cache * k_scale, v_cache * v_scale (fp8.py);
+                                         folded: scores are scaled by scale * k_scale, the output by v_scale
   layer           int32 scalar           layer of the pool to read
   block_tables    [S, W] int32           ids are clipped to [0, NB) (a DMA must never leave the pool)
   context_lens    [S] int32
   query_start_loc [S + 1] int32          segments start at multiples of `tile_size` (the host's promise)
   positions       [T] int32              -1 on padding tokens
   output          [T, Hq, D]             q.dtype; 0 on padding tokens
-Supported: head_dim 64, 128 or 256 (Gemma 3), block_size 8, 16 or 32, float32 or bfloat16, any Hq that is a multiple
-of Hkv (SmolLM2's 9 q / 3 kv heads included), tile_size >= 1 dividing T. Anything else raises ValueError naming the
-field.
+Supported: head_dim 64, 128 or 256 (Gemma 3), block_size 8, 16 or 32, q float32 or bfloat16 (the pool also fp8),
+any Hq that is a multiple of Hkv (SmolLM2's 9 q / 3 kv heads included), tile_size >= 1 dividing T. Anything else
+raises ValueError naming the field.
 
 What the kernel sees (built by cheap XLA ops on q and the integer metadata; the pool is never copied or reshaped):
   scalar prefetch (SMEM)
     layer_ref      [1]        layer
+    scales_ref     [2] f32    (k_scale, v_scale)
     tables_ref     [S * W]    block_tables, row-major, flattened (1-D: SMEM pads 2-D arrays)
     tile_seq_ref   [NT]       sequence of each query tile
     tile_ctx_ref   [NT]       context_lens of that sequence
@@ -183,6 +187,7 @@ def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq
 def _paged_attention_kernel(
     # scalar prefetch (SMEM)
     layer_ref,  # [1] int32
+    scales_ref,  # [2] float32: k_scale, v_scale
     tables_ref,  # [S * W] int32
     tile_seq_ref,  # [NT] int32
     tile_ctx_ref,  # [NT] int32
@@ -215,6 +220,9 @@ def _paged_attention_kernel(
     _, blocks_per_chunk, block_size, _, _ = k_buf.shape
     chunk = blocks_per_chunk * block_size
     layer = layer_ref[0]
+    # The pool's scales, folded (fp8.py): q . (k * k_scale) = (q . k) * k_scale, and v_scale on the output.
+    score_scale = scale * scales_ref[0]
+    v_scale = scales_ref[1]
 
     def num_chunks(t):
         return pl.cdiv(tile_hi_ref[t] - tile_lo_ref[t], blocks_per_chunk)
@@ -293,9 +301,10 @@ def _paged_attention_kernel(
 
         for h in range(num_kv_heads):
             q = q_ref[h]  # [M, D]
+            # An fp8 pool is upcast here, in VMEM, to q's dtype (exact for bfloat16 and float32).
             k = k_buf[slot, :, :, h, :].reshape(chunk, head_dim).astype(compute_dtype)  # [C, D]
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                    preferred_element_type=jnp.float32) * scale  # [M, C]
+                                    preferred_element_type=jnp.float32) * score_scale  # [M, C]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask, s, NEG_INF)
@@ -322,7 +331,7 @@ def _paged_attention_kernel(
 
     for h in range(num_kv_heads):
         denom = l_ref[h]
-        out = acc_ref[h] / jnp.where(denom == 0.0, 1.0, denom)  # rows that saw nothing (padding) give 0
+        out = acc_ref[h] * (v_scale / jnp.where(denom == 0.0, 1.0, denom))  # rows that saw nothing give 0
         o_ref[h] = out.astype(o_ref.dtype)
 
 
@@ -343,6 +352,8 @@ def ragged_paged_attention_tpu(
     decode_blocks: int | None = None,
     interpret: bool | pltpu.InterpretParams = False,
     chunk_tokens: int = CHUNK_TOKENS,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
 ) -> jax.Array:
     """Ragged paged attention over the stacked pool; arguments and result as the reference's (module docstring).
 
@@ -381,7 +392,7 @@ def ragged_paged_attention_tpu(
         soft_cap=None if soft_cap is None else float(soft_cap))
     buf = pltpu.VMEM((2, blocks_per_chunk, block_size, num_kv_heads, head_dim), k_cache.dtype)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=7,
         grid=(num_tiles,),
         in_specs=[
             pl.BlockSpec((None, num_kv_heads, rows, head_dim), lambda i, *_: (i, 0, 0, 0)),
@@ -409,8 +420,10 @@ def ragged_paged_attention_tpu(
         interpret=interpret,
         name="ragged_paged_attention_tpu",
     )(
-        jnp.asarray(layer, jnp.int32).reshape(1), block_tables.reshape(num_seqs * width), tile_seq, tile_ctx,
-        tile_lo, tile_hi, q_tiles, row_pos, k_cache, v_cache,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)]),
+        block_tables.reshape(num_seqs * width), tile_seq, tile_ctx, tile_lo, tile_hi, q_tiles, row_pos, k_cache,
+        v_cache,
     )
     # [NT, Hkv, M, D] -> [T, Hq, D]
     out = out[:, :, :tq * group].reshape(num_tiles, num_kv_heads, tq, group, head_dim).transpose(0, 2, 1, 3, 4)

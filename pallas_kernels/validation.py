@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.fp8 import FP8_DTYPES
+
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)  # the one list: the engine's block_size option is checked against it
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # q and pool dtypes the kernels take
+POOL_DTYPES = KERNEL_DTYPES + FP8_DTYPES  # pools may also be fp8 (fp8.py), read with q's dtype or float32
 
 
 def validate_ragged_inputs(kernel: str, q, k_cache, v_cache, block_tables, context_lens, query_start_loc, positions,
@@ -28,9 +31,13 @@ def validate_ragged_inputs(kernel: str, q, k_cache, v_cache, block_tables, conte
                          f"{', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if jnp.dtype(x.dtype) not in KERNEL_DTYPES:
-            raise ValueError(f"{name} dtype {x.dtype} is not supported by the {kernel}; use float32 or bfloat16")
+    if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} is not supported by the {kernel}; use float32 or bfloat16")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) need one dtype")
+    if jnp.dtype(k_cache.dtype) not in POOL_DTYPES:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} is not supported by the {kernel}; use float32, bfloat16, "
+                         "float8_e4m3fn or float8_e5m2")
     if tile_size < 1 or num_tokens % tile_size:
         raise ValueError(f"num_tokens={num_tokens} must be a multiple of tile_size={tile_size} (>= 1)")
     num_seqs = block_tables.shape[0]

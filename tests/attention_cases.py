@@ -11,6 +11,8 @@ never used), each segment of the token axis starts at a multiple of tile_size an
 is padding (position -1), padding sequences have context_len 0, and padding tokens may follow the last segment.
 With poison=True every pool slot no real context uses (other layers, unused blocks, the tail of each sequence's
 last block) is NaN, and the unused block-table entries point at random blocks, other sequences' included.
+With kv_dtype an fp8 dtype the pool holds fp8(x / scale) (pallas_kernels/fp8.py) and the dense copies the values it
+means, fp8 * scale, so `expected()` is attention over the dequantized K/V.
 
 The answer, `case.expected()`, is computed independently in float64 numpy from the per-sequence dense K/V
 (`case.k_dense[i]`, `case.v_dense[i]`, [context_len, Hkv, D]), so it shares no code with any implementation.
@@ -23,6 +25,8 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.fp8 import is_fp8, to_pool_dtype
 
 # Tolerances against the float64 answer (and between implementations), per dtype. bf16 outputs are rounded to 8
 # mantissa bits and kernels may round softmax weights to bf16 before the p @ V dot.
@@ -56,6 +60,8 @@ class AttentionCase:
     token_starts: list[int]  # first token of each real sequence's segment
     k_dense: list[np.ndarray]  # per real sequence [context_len, Hkv, D] float32 (values as stored in the pool)
     v_dense: list[np.ndarray]
+    k_scale: float = 1.0  # an fp8 pool's scales (the pool holds K / k_scale)
+    v_scale: float = 1.0
 
     @property
     def args(self) -> tuple:
@@ -63,7 +69,8 @@ class AttentionCase:
                 self.query_start_loc, self.positions)
 
     def kwargs(self, **extra) -> dict:
-        return dict(scale=self.scale, tile_size=self.tile_size, **extra)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale) if is_fp8(self.k_cache.dtype) else {}
+        return dict(scale=self.scale, tile_size=self.tile_size, **scales, **extra)
 
     @property
     def dtype(self):
@@ -136,8 +143,12 @@ def build_case(
     spare_blocks: int = 3,
     poison: bool = True,
     seed: int = 0,
+    kv_dtype=None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> AttentionCase:
     """A ragged batch of `seqs` ((context_len, q_len) each) over a freshly filled pool; see the module docstring.
+    q is `dtype`, the pool `kv_dtype` (default: dtype; an fp8 dtype stores K / k_scale and V / v_scale).
 
     width defaults to the blocks of the longest context; num_padding_tokens is added after the last segment and
     rounded so the token count is a multiple of tile_size.
@@ -160,8 +171,16 @@ def build_case(
         k_pool[...] = rng.standard_normal(k_pool.shape)
         v_pool[...] = rng.standard_normal(v_pool.shape)
 
-    def as_stored(x):
-        return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    fp8 = is_fp8(kv_dtype)
+
+    def as_stored(x, scale=1.0):
+        """(what the pool holds, the value it means), float32."""
+        if not fp8:
+            held = np.asarray(jnp.asarray(x, kv_dtype).astype(jnp.float32))
+            return held, held
+        held = np.asarray(to_pool_dtype(jnp.asarray(x, jnp.float32), kv_dtype, scale).astype(jnp.float32))
+        return held, held * np.float32(scale)
 
     physical = rng.permutation(np.arange(1, num_blocks))  # shuffled: sequences' blocks are not contiguous
     num_seqs = len(seqs) + num_padding_seqs
@@ -172,11 +191,11 @@ def build_case(
         ids = physical[used:used + blocks_per_seq[i]]
         used += blocks_per_seq[i]
         tables[i, :len(ids)] = ids
-        k = as_stored(rng.standard_normal((ctx, num_kv_heads, head_dim)))
-        v = as_stored(rng.standard_normal((ctx, num_kv_heads, head_dim)))
+        k_held, k = as_stored(rng.standard_normal((ctx, num_kv_heads, head_dim)), k_scale)
+        v_held, v = as_stored(rng.standard_normal((ctx, num_kv_heads, head_dim)), v_scale)
         pos = np.arange(ctx)
-        k_pool[layer, ids[pos // block_size], pos % block_size] = k
-        v_pool[layer, ids[pos // block_size], pos % block_size] = v
+        k_pool[layer, ids[pos // block_size], pos % block_size] = k_held
+        v_pool[layer, ids[pos // block_size], pos % block_size] = v_held
         k_dense.append(k)
         v_dense.append(v)
 
@@ -195,11 +214,11 @@ def build_case(
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
     context_lens = [ctx for ctx, _ in seqs] + [0] * num_padding_seqs
     return AttentionCase(
-        q=jnp.asarray(q, dtype), k_cache=jnp.asarray(k_pool, dtype), v_cache=jnp.asarray(v_pool, dtype),
+        q=jnp.asarray(q, dtype), k_cache=jnp.asarray(k_pool, kv_dtype), v_cache=jnp.asarray(v_pool, kv_dtype),
         layer=layer, block_tables=jnp.asarray(tables), context_lens=jnp.asarray(context_lens, jnp.int32),
         query_start_loc=jnp.asarray(qsl, jnp.int32), positions=jnp.asarray(positions, jnp.int32),
         tile_size=tile_size, scale=1.0 / math.sqrt(head_dim), seqs=list(seqs), token_starts=starts,
-        k_dense=k_dense, v_dense=v_dense)
+        k_dense=k_dense, v_dense=v_dense, k_scale=k_scale, v_scale=v_scale)
 
 
 def decode_case(context_lens: list[int], **kwargs) -> AttentionCase:

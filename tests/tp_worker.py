@@ -3,6 +3,7 @@ several tensor-parallel sizes and prints, as JSON on its last line, what each si
 steps and arrays look like. Used by tests/test_tensor_parallel.py.
 
     python -m tests.tp_worker tiny8|tiny3|gemma|default|ckpt 1,2,4
+    python -m tests.tp_worker tiny8_fp8 1,2        # any model case with an fp8 K/V pool (kv_cache_dtype="fp8")
 """
 
 from __future__ import annotations
@@ -84,10 +85,14 @@ def inspect(llm: LLM) -> dict:
                                    "max_shard_bytes": max(shard_bytes), "bytes": int(x.nbytes)}
     return {"steps": steps, "params": shardings, "pool_shape": list(runner.kv_pool.shape),
             "pool_spec": str(runner.kv_pool.k.sharding.spec), "local_pool": list(local_pool),
+            "pool_dtype": np.dtype(runner.kv_pool.dtype).name,
             "pool_devices": len(runner.kv_pool.k.sharding.device_set)}
 
 
 def main(case: str, sizes: str) -> None:
+    global ENGINE
+    if case.endswith("_fp8"):
+        case, ENGINE = case.removesuffix("_fp8"), {**ENGINE, "kv_cache_dtype": "fp8"}
     results = {}
     if case == "ckpt":  # an Orbax checkpoint of tiny8, restored into the mesh's shardings
         import tempfile

@@ -35,6 +35,7 @@ from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advanc
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import EngineOutput, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.worker.kv_quant import kv_stats
 from jaxpaged.worker.model_runner import StepHandle, StepResult
 from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 
@@ -667,6 +668,7 @@ class Engine:
         return {
             **dataclasses.asdict(b),
             "block_size": bs,
+            **kv_stats(self.runner),  # kv_cache_dtype, kv_bytes_per_token
             # token slots holding real tokens / slots in allocated blocks (shared tokens count once per holder, so
             # with sharing this can pass 1: the pool holds more tokens than it has slots)
             "kv_utilization": bm.num_device_tokens / slots_allocated if slots_allocated else 0.0,

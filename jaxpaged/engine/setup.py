@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.config import SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
+from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.parallel.multihost import DistributedConfig
+from jaxpaged.worker import kv_quant
 from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
 from jaxpaged.worker.kv_pool import pool_block_bytes, pool_format
 from jaxpaged.worker.model_runner import ModelRunner
@@ -36,8 +37,9 @@ class EngineConfig:
     dtype: str = _option("auto", "weights and activations (matmuls accumulate in float32); auto: bfloat16 on GPU, "
                                  "TPU and CPUs with bfloat16 dot instructions, else float32",
                          ("auto", *SUPPORTED_DTYPES))
-    kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes",
-                                  ("auto", *SUPPORTED_DTYPES))
+    kv_cache_dtype: str = _option("auto", "the K/V pool's dtype; auto: dtype, but float32 on CPU for 16-bit dtypes; "
+                                          "fp8 (= fp8_e4m3) or fp8_e5m2: 8-bit floats with a scale per layer, half "
+                                          "the bytes of bfloat16 per token", KV_CACHE_DTYPES)
     block_size: int = _option(16, "tokens per KV block", SUPPORTED_BLOCK_SIZES)
     kv_cache_memory: int | str | None = _option(None, f"bytes of K+V for the pool on each device, e.g. 2GiB (CPU "
                                                       f"default: {DEFAULT_CPU_KV_MEMORY})")
@@ -99,6 +101,7 @@ class EngineConfig:
         self.distributed_config()
         self.cache_config()
         self.scheduler_config(self.max_model_len)
+        kv_quant.check_for_this_platform(self.kv_cache_dtype)  # an fp8 format this device's kernel cannot read
 
     @property
     def model_dtype(self) -> str:
@@ -179,11 +182,11 @@ def resolve_cache_dtype(requested: str, model_dtype, platform: str, writes_16bit
     model_dtype = jnp.dtype(model_dtype)
     slow_16bit = platform == "cpu" and not writes_16bit
     if requested != "auto":
-        dtype = jnp.dtype(requested)
-        if slow_16bit and dtype.itemsize == 2:
+        dtype = jnp.dtype(kv_quant.pool_dtype_of(requested))
+        if slow_16bit and dtype.itemsize <= 2:
             logger.warning("kv_cache_dtype=%s on CPU without the native kernel: XLA CPU converts the whole pool to "
-                           "float32 and back on every K/V write (very slow); kv_cache_dtype='auto' keeps a float32 "
-                           "pool", requested)
+                           "float32 (float16 for fp8) and back on every K/V write (very slow); kv_cache_dtype='auto' "
+                           "keeps a float32 pool", requested)
         return dtype
     if slow_16bit and model_dtype.itemsize == 2:
         return jnp.dtype(jnp.float32)
@@ -328,11 +331,15 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
     attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
+    attn = kv_quant.with_scales(attn, cache_dtype, model_config.num_layers, model_config.head_dim,  # fp8 scales
+                                keys_normalized=kv_quant.keys_normalized(model_config))
     # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
     # bfloat16); under tensor parallelism its share of the kv heads (the budget is per device, as vLLM's).
     device_spec = dataclasses.replace(model_config, num_kv_heads=model_config.num_kv_heads // tp) if tp > 1 \
         else model_config
-    block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, pool_format(jax.devices()[0]))
+    fmt = pool_format(jax.devices()[0])
+    block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, fmt)
+    kv_quant.warn_without_saving(device_spec, cache.block_size, cache_dtype, block_bytes, fmt)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -347,6 +354,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV pool: %d blocks of %d tokens (%.1f MiB) = %d tokens, %.1f sequences of max_model_len=%d",
                 usable, cache.block_size, num_blocks * block_bytes / 2**20, usable * cache.block_size,
                 usable / blocks_per_seq, max_model_len)
+    logger.info("KV cache format: %s, %d bytes per token (K and V, all layers, on each device)",
+                kv_quant.describe(cache_dtype, getattr(attn, "kv_scales", None)), block_bytes // cache.block_size)
     if jax.default_backend() == "cpu":
         _log_native_kernels(attn.name, dtype, mesh)
     sharding = None

@@ -29,8 +29,11 @@ from collections.abc import Callable
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.worker.kv_quant import rotate
+from pallas_kernels.fp8 import is_fp8, to_pool_dtype
 from pallas_kernels.reference import write_kv_reference
 
 logger = logging.getLogger(__name__)
@@ -42,8 +45,8 @@ ATTENTION_BACKENDS = ("auto", "reference", "pallas", "native")
 @dataclasses.dataclass
 class KVPool:
     """The paged K/V cache of every layer, allocated once: k, v [L, NB, BS, Hkv, D] (layer, block, offset in the
-    block, kv head, dim). Block 0 is the null block padding tokens write into. Passed into the jitted step donated
-    and returned from it, so XLA updates it in place."""
+    block, kv head, dim), float32, 16-bit or fp8 (jaxpaged/worker/kv_quant.py). Block 0 is the null block padding
+    tokens write into. Passed into the jitted step donated and returned from it, so XLA updates it in place."""
 
     k: jax.Array
     v: jax.Array
@@ -57,10 +60,14 @@ class KVPool:
         return self.k.dtype
 
     def write(self, layer: jax.Array | int, k_new: jax.Array, v_new: jax.Array, slot_mapping: jax.Array,
-              writer: Callable | None = None) -> KVPool:
+              writer: Callable | None = None, k_scale: float | jax.Array = 1.0,
+              v_scale: float | jax.Array = 1.0) -> KVPool:
         """The pool with k_new, v_new [T, Hkv, D] written at the flat slots [T] of `layer` (in place when the pool is
         carried through the layer loop of a donated step), by `writer` (`write_kv_reference`'s contract; default
-        that: XLA's scatter)."""
+        that: XLA's scatter). An fp8 pool gets k_new / k_scale and v_new / v_scale, saturated and rounded here, as
+        they are written (`pallas_kernels.fp8.to_pool_dtype`)."""
+        if is_fp8(self.dtype):
+            k_new, v_new = to_pool_dtype(k_new, self.dtype, k_scale), to_pool_dtype(v_new, self.dtype, v_scale)
         k, v = (writer or write_kv_reference)(self.k, self.v, layer, k_new, v_new, slot_mapping)
         return KVPool(k, v)
 
@@ -130,24 +137,36 @@ class PagedAttention:
     # Whole-block writes for copy-on-write and swap-in, (k, v, dst [N], k_blocks, v_blocks [L, N, BS, Hkv, D]) ->
     # (k, v); None: XLA's scatter (same 16-bit caveat on CPU).
     block_write: Callable | None = None
+    # An fp8 pool's per-layer scales (`kv_quant.KVScales`, set by the engine for an fp8 kv_cache_dtype): K and V are
+    # divided by them as they are written and the kernel multiplies them back. None: no scales (not fp8, or 1.0).
+    kv_scales: object | None = None
 
     @property
     def writes_16bit(self) -> bool:
-        """Whether a 16-bit pool is written in place at the cost of the rows written on this platform."""
+        """Whether a 16-bit (or fp8) pool is written in place at the cost of the rows written on this platform."""
         return self.kv_write is not None or jax.default_backend() != "cpu"
 
     def __call__(self, q, k, v, kv_pool: KVPool, layer, md: AttentionMetadata, *, scale=None, sliding_window=None,
                  soft_cap=None):
-        kv_pool = kv_pool.write(layer, k, v, md.slot_mapping, self.kv_write)
+        scales = {}
+        if self.kv_scales is not None and is_fp8(kv_pool.dtype):
+            k_scale, v_scale = self.kv_scales.at(layer)
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
+            if self.kv_scales.rotate_keys:  # the pool holds H k, so the kernel gets H q (jaxpaged/worker/kv_quant.py)
+                q, k = rotate(q), rotate(k, jnp.float32)
+        kv_pool = kv_pool.write(layer, k, v, md.slot_mapping, self.kv_write, **scales)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = self.kernel(q, kv_pool.k, kv_pool.v, layer, md.block_tables, md.context_lens, md.query_start_loc,
                           md.positions, scale=scale, tile_size=md.tile_size, sliding_window=sliding_window,
-                          soft_cap=soft_cap, decode_blocks=md.decode_blocks)
+                          soft_cap=soft_cap, decode_blocks=md.decode_blocks, **scales)
         return out, kv_pool
 
     def refusal(self, head_dim: int, *dtypes) -> str | None:
-        """Why the kernel cannot run a model of `head_dim` with `dtypes` (the model's, the pool's); None if it can."""
+        """Why the kernel cannot run a model of `head_dim` with `dtypes` (the model's, the pool's); None if it can.
+        Every kernel reads fp8 pools (pallas_kernels/fp8.py)."""
         for dtype in dtypes:
+            if is_fp8(dtype):
+                continue
             if self.dtypes is not None and np.dtype(dtype) not in self.dtypes:
                 return (f"attention backend {self.name!r} takes {', '.join(d.name for d in self.dtypes)}, "
                         f"not {np.dtype(dtype).name}")

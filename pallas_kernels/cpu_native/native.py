@@ -9,7 +9,8 @@ the sampler's argmax (argmax.cc).
 Arguments and result are those of `ragged_paged_attention_reference` (reference.py states every layout), for any
 batch: decodes, prefill chunks, or both. tile_size and decode_blocks are accepted for the contract's sake and
 ignored: each query token reads exactly the blocks its sequence holds up to its own position. q and the pools are
-float32 or bfloat16 (softmax and p @ V accumulate in float32); the pool is passed whole with the layer index, so no
+float32 or bfloat16 (softmax and p @ V accumulate in float32), or the pools fp8 (float8_e4m3fn / float8_e5m2, with
+q either, read with k_scale / v_scale: pallas_kernels/fp8.py); the pool is passed whole with the layer index, so no
 per-layer slice is copied, and the call works inside jit and lax.fori_loop.
 
 Each function checks its arguments (ValueError naming the field), then that its kernel is available
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cpu_native.build import KERNELS, available, cache_dir, library, target_name, unavailable_reason
+from pallas_kernels.fp8 import is_fp8, to_pool_dtype
 from pallas_kernels.validation import KERNEL_DTYPES
 
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # matmul.cc's Activation
@@ -67,6 +69,8 @@ def paged_attention_native(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_blocks: int | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
 ) -> jax.Array:
     """Ragged paged attention on the CPU by the native kernel; see the module docstring."""
     del tile_size, decode_blocks  # the kernel walks each token's own blocks, whatever the batch's layout
@@ -76,8 +80,9 @@ def paged_attention_native(
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} differ")
     if np.dtype(q.dtype) not in KERNEL_DTYPES:
         raise ValueError(f"the native kernel takes float32 or bfloat16, got {q.dtype}; use the reference backend")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        raise ValueError(f"q, k_cache and v_cache need one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or not (k_cache.dtype == q.dtype or is_fp8(k_cache.dtype)):
+        raise ValueError(f"q, k_cache and v_cache need one dtype (or the pools one fp8 dtype), got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[3]
     if k_cache.shape[4] != head_dim or num_q_heads % num_kv_heads:
@@ -99,7 +104,8 @@ def paged_attention_native(
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap={soft_cap} must be positive or None")
     call = _ffi_call("JaxpagedPagedAttention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
+    kv_scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])  # [2]
+    return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions, kv_scales,
                 scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
 
@@ -108,7 +114,8 @@ def write_kv_native(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | i
                     v_new: jax.Array, slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`write_kv_reference`'s contract (k_new, v_new [T, Hkv, D] into the flat slots [T] of `layer` of the pools
     [L, NB, BS, Hkv, D]) by the native kernel, in place through input/output aliasing, in the pools' dtype: XLA
-    CPU's scatter converts a 16-bit pool to float32 and back, whole, around every write; this one copies T rows."""
+    CPU's scatter converts a 16-bit or fp8 pool to float16/float32 and back, whole, around every write; this one
+    copies T rows (cast to the pool's dtype first, an fp8 pool saturating: `fp8.to_pool_dtype`)."""
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
         raise ValueError(f"the pools must be one shape [L, NB, BS, Hkv, D], got {k_cache.shape} and {v_cache.shape}")
     if k_new.shape != v_new.shape or k_new.shape[1:] != k_cache.shape[3:]:
@@ -118,8 +125,8 @@ def write_kv_native(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | i
         raise ValueError(f"slot_mapping {slot_mapping.shape} must be [T] for k_new {k_new.shape}")
     pool = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
     call = _ffi_call("JaxpagedKvWrite", (pool, pool), input_output_aliases={0: 0, 1: 1})
-    k, v = call(k_cache, v_cache, _int32("layer", layer, 0), k_new.astype(k_cache.dtype),
-                v_new.astype(v_cache.dtype), slot_mapping)
+    k, v = call(k_cache, v_cache, _int32("layer", layer, 0), to_pool_dtype(k_new, k_cache.dtype),
+                to_pool_dtype(v_new, v_cache.dtype), slot_mapping)
     return k, v
 
 
@@ -279,10 +286,13 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
     strict=False ('auto') falls back to the reference for dtypes the kernel lacks; strict=True ('native') raises.
-    Queries of another dtype than the pool's are cast to it (and the output back)."""
+    Queries of another dtype than the pool's are cast to it (and the output back), except over an fp8 pool, which
+    the kernel reads with float32 or bfloat16 queries as they are."""
     from pallas_kernels.reference import ragged_paged_attention_reference
 
     q, pool = args[0], args[1]
+    if is_fp8(pool.dtype) and (strict or np.dtype(q.dtype) in KERNEL_DTYPES):
+        return paged_attention_native(*args, **kwargs)
     if strict or np.dtype(pool.dtype) in KERNEL_DTYPES:
         # Queries in the pool's dtype (e.g. a bfloat16 model over the engine's float32 CPU pool); with strict, an
         # unsupported dtype is the kernel's ValueError.

@@ -5,12 +5,14 @@
 // which already holds this step's K/V (the engine writes them first). The rules are those of
 // pallas_kernels/reference.py; layouts (row-major, C order):
 //   q               [T, Hq, D]            float32 or bfloat16   queries of the step's tokens
-//   k_cache/v_cache [L, NB, BS, Hkv, D]   q's dtype             the whole stacked pool (no per-layer slice)
+//   k_cache/v_cache [L, NB, BS, Hkv, D]   q's dtype, or fp8     the whole stacked pool (no per-layer slice);
+//                                         (float8_e4m3fn, float8_e5m2: its values are k_cache * k_scale, ...)
 //   layer           [] int32                                    which layer of the pool to read
 //   block_tables    [S, W] int32                                logical -> physical block of each sequence
 //   context_lens    [S] int32                                   cached tokens of sequence s (0: padding sequence)
 //   query_start_loc [S + 1] int32                               sequence s's queries are tokens [qsl[s], qsl[s+1])
 //   positions       [T] int32                                   absolute position of each token (-1: padding)
+//   kv_scales       [2] float32                                 (k_scale, v_scale): 1 for pools that are not fp8
 //   attributes      scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
 //   out             [T, Hq, D]            q's dtype             0 on rows that no real sequence owns
 //
@@ -38,6 +40,11 @@
 // over fixed-width lane arrays so that g++ -O3 vectorises them without -ffast-math; exp(score - max) is a
 // vectorisable polynomial (ExpNonPositive, ~2e-7 relative error), the rescale factors use std::exp, NaN and inf
 // propagate.
+//
+// An fp8 pool (pallas_kernels/fp8.py) is read as it is, a byte per element, and converted where it is used: to
+// float32 by a 256-entry table (AttendItem, AttendTile), or, for the bfloat16 dot-product paths, 32 elements at a
+// time to bfloat16 in registers (Fp8ToBf16x32: every fp8 value is exact in bfloat16). Its scales are folded: the
+// softmax scale is multiplied by k_scale and each output row by v_scale.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>  // the AVX-512 paths below, each under the macros of the instructions it uses
@@ -77,6 +84,52 @@ inline float ToFloat(uint16_t bf16) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+// fp8 pool elements as their raw bits: float8_e4m3fn (4 exponent bits, bias 7, no infinity, NaN = S.1111.111) and
+// float8_e5m2 (5 exponent bits, bias 15, IEEE-like: infinities and NaNs).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
+
+// The value of fp8 bits b with kExp exponent bits and 7 - kExp mantissa bits; kFn: no infinities, only S.1..1.1..1
+// is NaN (e4m3fn).
+template <int kExp, bool kFn>
+float DecodeFp8(uint8_t b) {
+  constexpr int kMan = 7 - kExp, kBias = (1 << (kExp - 1)) - 1, kTop = (1 << kExp) - 1;
+  const int e = (b >> kMan) & kTop, m = b & ((1 << kMan) - 1);
+  const float sign = (b & 0x80) ? -1.0f : 1.0f;
+  if (kFn ? (e == kTop && m == (1 << kMan) - 1) : e == kTop) return !kFn && m == 0 ? sign * INFINITY : NAN;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), 1 - kBias - kMan);  // subnormal
+  return sign * std::ldexp(static_cast<float>((1 << kMan) | m), e - kBias - kMan);
+}
+
+// Every value of one fp8 format: as float32 (the scalar paths) and, for the 128 non-negative bit patterns, as
+// bfloat16 bits (exact; NaN as 0x7FC0), four 64-byte rows for Fp8ToBf16x32's two-register permutes.
+struct Fp8Table {
+  float value[256];
+  alignas(64) uint16_t bf16[128];
+  template <typename Decode>
+  explicit Fp8Table(Decode decode) {
+    for (int b = 0; b < 256; ++b) value[b] = decode(static_cast<uint8_t>(b));
+    for (int b = 0; b < 128; ++b) {
+      uint32_t bits;
+      std::memcpy(&bits, &value[b], sizeof(bits));
+      bf16[b] = std::isnan(value[b]) ? 0x7FC0 : static_cast<uint16_t>(bits >> 16);  // exact: <= 3 mantissa bits
+    }
+  }
+};
+const Fp8Table kE4M3Table(DecodeFp8<4, true>);
+const Fp8Table kE5M2Table(DecodeFp8<5, false>);
+inline const Fp8Table& TableOf(Fp8E4M3) { return kE4M3Table; }
+inline const Fp8Table& TableOf(Fp8E5M2) { return kE5M2Table; }
+
+inline float ToFloat(Fp8E4M3 x) { return kE4M3Table.value[x.bits]; }
+inline float ToFloat(Fp8E5M2 x) { return kE5M2Table.value[x.bits]; }
 
 inline void FromFloat(float x, float* out) { *out = x; }
 inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, NaN stays NaN
@@ -140,7 +193,8 @@ struct Problem {
   const int32_t* context_lens;
   const int32_t* query_start_loc;
   const int32_t* positions;
-  float scale;
+  float scale;             // the softmax scale times k_scale
+  float v_scale;           // each output row is multiplied by it
   int64_t sliding_window;  // 0: none
   float soft_cap;          // 0: none
 
@@ -161,12 +215,13 @@ inline void VisibleRange(const Problem& p, int64_t s, int64_t token, int64_t* lo
 
 // Rows of a pool to prefetch: `rows` rows from `first` on, row_stride elements apart.
 struct Rows {
-  const uint16_t* first = nullptr;
+  const void* first = nullptr;
   int64_t rows = 0;
 };
 
 // The rows an item reads first in `pool`: the offsets of its first block in [lo, hi) of kv heads [kh0, ...).
-inline Rows FirstRows(const Problem& p, const uint16_t* pool, int64_t s, int64_t token, int64_t kh0) {
+template <typename TKV>
+inline Rows FirstRows(const Problem& p, const TKV* pool, int64_t s, int64_t token, int64_t kh0) {
   int64_t lo, hi;
   VisibleRange(p, s, token, &lo, &hi);
   if (hi <= lo) return {};
@@ -184,10 +239,10 @@ struct Scratch {
 
 // One work item: query token `token` of sequence s, kv heads [kh0, kh1) and their query heads [kh0 * G, kh1 * G)
 // (H of them, contiguous in q and out). Writes out[token, kh0 * G : kh1 * G]. Per block, the rows of the item's
-// kv heads are contiguous (a whole block when the item has every kv head).
-template <typename T>
-void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s, int64_t token,
-                int64_t kh0, int64_t kh1, Scratch& scratch) {
+// kv heads are contiguous (a whole block when the item has every kv head). q and out are T, the pool TKV (T, or fp8).
+template <typename T, typename TKV>
+void AttendItem(const Problem& p, const T* q, const TKV* k_cache, const TKV* v_cache, T* out, int64_t s,
+                int64_t token, int64_t kh0, int64_t kh1, Scratch& scratch) {
   const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
   const int64_t G = p.num_q_heads / Hkv;
   const int64_t H = (kh1 - kh0) * G;
@@ -214,14 +269,14 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
   const int64_t row_stride = Hkv * D;  // between offsets of one block
   for (int64_t b = lo / BS; b * BS < hi; ++b) {
     const int64_t block_start = p.BlockStart(s, b, kh0);
-    const T* k_block = k_cache + block_start;
-    const T* v_block = v_cache + block_start;
+    const TKV* k_block = k_cache + block_start;
+    const TKV* v_block = v_cache + block_start;
     const int64_t j0 = std::max<int64_t>(lo - b * BS, 0), j1 = std::min<int64_t>(hi - b * BS, BS);
     const int64_t n = j1 - j0;
 
     // scores[h * BS + j] for j in [0, n), offset j0 + j; query head h reads kv head kh0 + h / G
     for (int64_t j = 0; j < n; ++j) {
-      const T* k_row = k_block + (j0 + j) * row_stride;
+      const TKV* k_row = k_block + (j0 + j) * row_stride;
       for (int64_t h = 0; h < H; ++h) scores[h * BS + j] = Dot(qf + h * D, k_row + (h / G) * D, D) * scale;
     }
     if (soft_cap > 0.0f) {
@@ -247,13 +302,13 @@ void AttendItem(const Problem& p, const T* q, const T* k_cache, const T* v_cache
     }
     // acc[h] += sum_j p[h, j] * V[j]
     for (int64_t j = 0; j < n; ++j) {
-      const T* v_row = v_block + (j0 + j) * row_stride;
+      const TKV* v_row = v_block + (j0 + j) * row_stride;
       for (int64_t h = 0; h < H; ++h) Axpy(acc + h * D, scores[h * BS + j], v_row + (h / G) * D, D);
     }
   }
   T* out_rows = out + (token * p.num_q_heads + kh0 * G) * D;
   for (int64_t h = 0; h < H; ++h) {
-    const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    const float inv = l[h] > 0.0f ? p.v_scale / l[h] : 0.0f;
     for (int64_t d = 0; d < D; ++d) FromFloat(acc[h * D + d] * inv, out_rows + h * D + d);
   }
 }
@@ -292,6 +347,21 @@ alignas(64) constexpr uint16_t kPairPs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20,
 alignas(64) constexpr int32_t kDimOrder[32] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23,
                                                8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
 
+// 32 consecutive pool elements as 32 bfloat16 (one vector): a load for a bfloat16 pool; for an fp8 pool, 32 bytes
+// widened to 16-bit lanes, each lane's magnitude (its low 7 bits) looked up in the format's 128-entry bfloat16 table
+// (two VPERMT2W of 64 entries, picked by bit 6) and its sign bit moved to bit 15. Exact, NaN and infinity included.
+inline __m512i LoadBf16x32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+template <typename F8, std::enable_if_t<kIsFp8<F8>, int> = 0>
+inline __m512i LoadBf16x32(const F8* p) {
+  const uint16_t* table = TableOf(F8{}).bf16;
+  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  // VPERMT2W reads an index's low 6 bits: bit 5 picks the second table register, bits 0-4 the entry.
+  const __m512i low = _mm512_permutex2var_epi16(_mm512_load_si512(table), x, _mm512_load_si512(table + 32));
+  const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 64), x, _mm512_load_si512(table + 96));
+  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), low, high);
+  return _mm512_or_si512(magnitude, _mm512_slli_epi16(_mm512_and_si512(x, _mm512_set1_epi16(0x80)), 8));
+}
+
 // Per-thread scratch of AttendItemFast: H = (kv heads of the item) x G query heads; `span` cache positions.
 struct FastScratch {
   std::vector<float> acc, top, sum, scores;  // [H, D], [H, 16], [H, 16], [H, span + 16]
@@ -304,7 +374,7 @@ struct FastScratch {
 // (the T1 hint): a block's ~200 lines asked into L1 (T0) held the core's few L1 miss buffers, so the prefetches
 // themselves stalled and the loads behind them waited (`perf` put a quarter of the decode kernel's time on the
 // prefetch instructions); into L2 is faster wherever the pool comes from memory (README, "Attention kernels on CPU").
-inline void PrefetchRows(const uint16_t* first, int64_t rows, int64_t stride, int64_t span) {
+inline void PrefetchRows(const void* first, int64_t rows, int64_t stride, int64_t span) {
   const char* base = reinterpret_cast<const char*>(first);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t at = 0; at < span; at += 64) _mm_prefetch(base + r * stride + at, _MM_HINT_T1);
@@ -316,7 +386,7 @@ inline void PrefetchRows(const uint16_t* first, int64_t rows, int64_t stride, in
 class SpreadPrefetch {
  public:
   // Rows [0, rows) at `first`, bytes [0, span) of each, `stride` bytes apart, spread over `pieces` Step()s.
-  void Start(const uint16_t* first, int64_t rows, int64_t stride, int64_t span, int64_t pieces) {
+  void Start(const void* first, int64_t rows, int64_t stride, int64_t span, int64_t pieces) {
     base_ = reinterpret_cast<const char*>(first), rows_ = rows, stride_ = stride, span_ = span, row_ = at_ = 0;
     per_step_ = (rows * ((span + 63) / 64) + pieces - 1) / std::max<int64_t>(pieces, 1);
   }
@@ -384,11 +454,13 @@ inline bool PairsPVIfFits(int64_t G, const int32_t* vp, int npairs, const int32_
 // (VDPBF16PS: V's two rows interleaved per dimension, each weight as the sum of two bfloat16 so that it keeps
 // float32's precision). Against an online softmax this does no rescaling and no horizontal reduction per chunk of
 // keys. In each pass the rows of the block two ahead are prefetched while one block is worked on (the pool is far
-// larger than the caches, and block tables jump around in it).
-template <int DC>
-void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+// larger than the caches, and block tables jump around in it). The pool is bfloat16 or fp8 (TKV): K and V rows are
+// loaded 32 elements at a time as bfloat16 (LoadBf16x32), so an fp8 pool is converted in registers.
+template <int DC, typename TKV>
+void AttendItemFast(const Problem& p, const uint16_t* q, const TKV* k_cache, const TKV* v_cache,
                     uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, Rows next,
                     FastScratch& scratch) {
+  constexpr int64_t kBytes = sizeof(TKV);
   constexpr int64_t D = 16 * DC;
   constexpr int QC = DC / 2;  // 32-element chunks of a head's bf16 row
   const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
@@ -412,7 +484,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   auto block_start = [&](int64_t b) { return p.BlockStart(s, b, kh0); };
   // Both passes walk the same chunks: up to 16 offsets [j, j + n) of block b, in range [lo, hi). While the last
   // block is worked on, `then` is prefetched: what the next pass (or the thread's next item) reads first.
-  auto for_each_chunk = [&](const uint16_t* pool, Rows then, auto work) {
+  auto for_each_chunk = [&](const TKV* pool, Rows then, auto work) {
     SpreadPrefetch prefetch;
     for (int64_t b = first; b <= last; ++b) {
       const int64_t start = block_start(b);
@@ -422,11 +494,12 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
       // first is asked for at once.
       auto rows_of = [&](int64_t c) { return std::min<int64_t>(BS, hi - c * BS); };
       if (b == first && b + 1 <= last)
-        PrefetchRows(pool + block_start(b + 1), rows_of(b + 1), row_stride * 2, (kh1 - kh0) * D * 2);
+        PrefetchRows(pool + block_start(b + 1), rows_of(b + 1), row_stride * kBytes, (kh1 - kh0) * D * kBytes);
       if (b + 2 <= last) {
-        prefetch.Start(pool + block_start(b + 2), rows_of(b + 2), row_stride * 2, (kh1 - kh0) * D * 2, steps);
+        prefetch.Start(pool + block_start(b + 2), rows_of(b + 2), row_stride * kBytes, (kh1 - kh0) * D * kBytes,
+                       steps);
       } else if (b == last && then.rows > 0) {
-        prefetch.Start(then.first, then.rows, row_stride * 2, (kh1 - kh0) * D * 2, steps);
+        prefetch.Start(then.first, then.rows, row_stride * kBytes, (kh1 - kh0) * D * kBytes, steps);
       } else {
         prefetch.Stop();
       }
@@ -438,10 +511,10 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   };
 
   // Pass 1: scores[g, i] = scale * q_g . k_i (or its soft cap), -inf past the chunk's n; top[g] their lane maxima.
-  for_each_chunk(k_cache, FirstRows(p, v_cache, s, token, kh0), [&](const uint16_t* rows, int n, __mmask16 valid,
+  for_each_chunk(k_cache, FirstRows(p, v_cache, s, token, kh0), [&](const TKV* rows, int n, __mmask16 valid,
                                                                       int64_t i, SpreadPrefetch& pf) {
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
-      const uint16_t* k_rows = rows + kh * D;
+      const TKV* k_rows = rows + kh * D;
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {
         __m512bh qv[QC];
         for (int c = 0; c < QC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q_rows + g * D + 32 * c);
@@ -450,7 +523,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
           __m512 d = _mm512_setzero_ps();
           if (t < n)
             for (int c = 0; c < QC; ++c)
-              d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)_mm512_loadu_si512(k_rows + t * row_stride + 32 * c));
+              d = _mm512_dpbf16_ps(d, qv[c], (__m512bh)LoadBf16x32(k_rows + t * row_stride + 32 * c));
           dots[t] = d;
         }
         __m512 x = _mm512_mul_ps(LaneSums16(dots), scale);
@@ -470,10 +543,10 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   for (int64_t g = 0; g < H; ++g) _mm512_storeu_ps(top + g * 16, _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(top + g * 16))));
 
   // Pass 2: e = exp(score - max) (0 past n), sum[g] += e, acc[g] += sum_t e_t V_t.
-  for_each_chunk(v_cache, next, [&](const uint16_t* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
+  for_each_chunk(v_cache, next, [&](const TKV* rows, int n, __mmask16 valid, int64_t i, SpreadPrefetch& pf) {
     const int npairs = (n + 1) / 2;
     for (int64_t kh = 0; kh < kh1 - kh0; ++kh) {
-      const uint16_t* v_rows = rows + kh * D;
+      const TKV* v_rows = rows + kh * D;
       for (int64_t g = kh * G; g < (kh + 1) * G; ++g) {  // the weights of keys (2i, 2i + 1) as bf16 pairs, hi and lo
         const __m512 e = _mm512_maskz_mov_ps(
             valid, Exp16NonPositive(_mm512_sub_ps(_mm512_loadu_ps(scores + g * span + i), _mm512_loadu_ps(top + g * 16))));
@@ -484,10 +557,10 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + (g - kh * G) * 16 + 8), (__m256i)_mm512_cvtneps_pbh(rest));
       }
       for (int t = 0; t < npairs; ++t) {  // V's rows (2t, 2t + 1) interleaved; an odd n's last key pairs with itself
-        const uint16_t* r0 = v_rows + 2 * t * row_stride;
-        const uint16_t* r1 = 2 * t + 1 < n ? r0 + row_stride : r0;
+        const TKV* r0 = v_rows + 2 * t * row_stride;
+        const TKV* r1 = 2 * t + 1 < n ? r0 + row_stride : r0;
         for (int c = 0; c < QC; ++c) {  // dimensions in kDimOrder (one-cycle unpacks; undone at the end)
-          const __m512i a = _mm512_loadu_si512(r0 + 32 * c), b = _mm512_loadu_si512(r1 + 32 * c);
+          const __m512i a = LoadBf16x32(r0 + 32 * c), b = LoadBf16x32(r1 + 32 * c);
           _mm512_storeu_si512(vp + t * D + 32 * c, _mm512_unpacklo_epi16(a, b));
           _mm512_storeu_si512(vp + t * D + 32 * c + 16, _mm512_unpackhi_epi16(a, b));
         }
@@ -514,7 +587,7 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   const __m512i order[2] = {_mm512_load_si512(kDimOrder), _mm512_load_si512(kDimOrder + 16)};
   for (int64_t g = 0; g < H; ++g) {
     const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sum + g * 16));
-    const __m512 inv = _mm512_set1_ps(l > 0.0f ? 1.0f / l : 0.0f);
+    const __m512 inv = _mm512_set1_ps(l > 0.0f ? p.v_scale / l : 0.0f);
     for (int c = 0; c < DC; c += 2) {  // acc's 32 dimensions of chunk c / 2 back in order
       const __m512 a = _mm512_loadu_ps(acc + g * D + 16 * c), b = _mm512_loadu_ps(acc + g * D + 16 * c + 16);
       for (int m = 0; m < 2; ++m)
@@ -524,8 +597,10 @@ void AttendItemFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   }
 }
 
-// The fast item where it applies (bfloat16, head_dim 64, 128 or 256); false: use AttendItem.
-inline bool AttendItemFastIfAny(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+// The fast item where it applies (bfloat16 queries, a bfloat16 or fp8 pool, head_dim 64, 128 or 256); false: use
+// AttendItem.
+template <typename TKV>
+inline bool AttendItemFastIfAny(const Problem& p, const uint16_t* q, const TKV* k, const TKV* v,
                                 uint16_t* out, int64_t s, int64_t token, int64_t kh0, int64_t kh1, Rows next,
                                 std::unique_ptr<FastScratch>& scratch) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
@@ -537,7 +612,8 @@ inline bool AttendItemFastIfAny(const Problem& p, const uint16_t* q, const uint1
 }
 #else
 struct FastScratch {};
-inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+template <typename TKV>
+inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const TKV*, const TKV*, uint16_t*, int64_t,
                                 int64_t, int64_t, int64_t, Rows, std::unique_ptr<FastScratch>&) {
   return false;
 }
@@ -671,8 +747,8 @@ inline bool TileRanges(const Problem& p, int64_t s, const int32_t* toks, int64_t
 // values converted (vf [BS, D]); then every (token, query head) row of that kv head gets its scores as a
 // vector over the block's offsets (s[j] = sum_d q[d] kt[d, j]), its online-softmax update and acc += p @ vf.
 // Rows keep the rules of AttendItem: token r sees [lo_r, hi_r) of the cache, masked offsets weigh exactly 0.
-template <typename T>
-void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t s,
+template <typename T, typename TKV>
+void AttendTile(const Problem& p, const T* q, const TKV* k_cache, const TKV* v_cache, T* out, int64_t s,
                 const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1, TileScratch& sc) {
   const int64_t D = p.head_dim, BS = p.block_size, Hkv = p.num_kv_heads;
   const int64_t G = p.num_q_heads / Hkv;
@@ -706,8 +782,8 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
       // Offsets nobody sees are zeros here (the pool may hold anything there, NaN included).
       for (int64_t j = 0; j < BS; ++j) {
         const bool live = j >= jlo && j < jhi;
-        const T* k_row = k_cache + base + j * row_stride;
-        const T* v_row = v_cache + base + j * row_stride;
+        const TKV* k_row = k_cache + base + j * row_stride;
+        const TKV* v_row = v_cache + base + j * row_stride;
         for (int64_t d = 0; d < D; ++d) {
           kt[d * BS + j] = live ? ToFloat(k_row[d]) : 0.0f;
           vf[j * D + d] = live ? ToFloat(v_row[d]) : 0.0f;
@@ -742,7 +818,7 @@ void AttendTile(const Problem& p, const T* q, const T* k_cache, const T* v_cache
     T* out_rows = out + (toks[r] * p.num_q_heads + kh0 * G) * D;
     for (int64_t h = 0; h < H; ++h) {
       const int64_t row = r * H + h;
-      const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+      const float inv = l[row] > 0.0f ? p.v_scale / l[row] : 0.0f;
       for (int64_t d = 0; d < D; ++d) FromFloat(acc[row * D + d] * inv, out_rows + h * D + d);
     }
   }
@@ -766,10 +842,19 @@ struct TileFastScratch {
   std::vector<float> acc, m, l, p, alpha;  // [D, rows] (rows in lanes), [rows], [rows], [16, rows], [rows]
   std::vector<int32_t> qt;                 // one kv head's queries, transposed: [D/2, rows of the kv head]
   std::vector<int32_t> vp, pp;             // a chunk's V row pairs [8, D] and weight pairs [8, rows], bf16 x 2
+  std::vector<uint16_t> kc, vc;            // an fp8 pool's chunk of K and V rows as bfloat16, [16, D] each
   TileFastScratch(int64_t rows, int64_t head_dim)
       : acc(rows * head_dim), m(rows), l(rows), p(16 * rows), alpha(rows), qt(head_dim / 2 * rows),
-        vp(8 * head_dim), pp(8 * rows) {}
+        vp(8 * head_dim), pp(8 * rows), kc(16 * head_dim), vc(16 * head_dim) {}
 };
+
+// n rows of D pool elements, `stride` elements apart, as bfloat16 rows [n, D] (dst): an fp8 pool's chunk, converted
+// once per tile and kv head (each key is then read by every row of the tile).
+template <typename TKV>
+inline void RowsToBf16(const TKV* src, int64_t stride, int n, int64_t D, uint16_t* dst) {
+  for (int t = 0; t < n; ++t)
+    for (int64_t c = 0; c < D; c += 32) _mm512_storeu_si512(dst + t * D + c, LoadBf16x32(src + t * stride + c));
+}
 
 // acc[d] = alpha * acc[d] + sum_j pp[j] . vp[j][d] for every head dimension d, each a vector of the NV x 16 rows
 // (acc [D, NV * 16]): pp [npairs, NV] holds the rows' weights of keys (2j, 2j + 1) as bfloat16 pairs per lane, vp
@@ -910,11 +995,12 @@ void WithVectors(int64_t nv, F f) { WithVectorsUpTo<kMaxRowVectors>(nv, f); }
 // AttendTile for a bfloat16 pool, head_dim D = 16 * DC: per kv head of the item, its G query heads x the tile's
 // tokens are the rows (48 for G = 3: three vectors of 16; at most kMaxRowVectors), walked over the sequence's blocks in chunks of
 // 16 offsets (ChunkRowsT). AttendTile's rules and results up to float32 summation order and the exponential's
-// approximation.
-template <int DC>
-void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+// approximation. An fp8 pool's chunks are converted to bfloat16 rows first (RowsToBf16).
+template <int DC, typename TKV>
+void AttendTileFast(const Problem& p, const uint16_t* q, const TKV* k_cache, const TKV* v_cache,
                     uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
                     TileFastScratch& sc) {
+  constexpr int64_t kBytes = sizeof(TKV);
   constexpr int64_t D = 16 * DC, DP = D / 2;
   const int64_t BS = p.block_size, Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv;
   int64_t lo[kTile], hi[kTile], first, last;
@@ -945,23 +1031,31 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
       const int64_t start = block_start(b);
       if ((b + 1) * BS < last) {  // as in AttendItemFast: the next block's rows of this kv head, while this one runs
         const int64_t next = block_start(b + 1);
-        PrefetchRows(k_cache + next, BS, row_stride * 2, D * 2);
-        PrefetchRows(v_cache + next, BS, row_stride * 2, D * 2);
+        PrefetchRows(k_cache + next, BS, row_stride * kBytes, D * kBytes);
+        PrefetchRows(v_cache + next, BS, row_stride * kBytes, D * kBytes);
       }
       const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
       for (int64_t j = jlo; j < jhi; j += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
-        const uint16_t* k_rows = k_cache + start + j * row_stride;
-        const uint16_t* v_rows = v_cache + start + j * row_stride;
+        const uint16_t *k_rows, *v_rows;
+        int64_t stride = row_stride;
+        if constexpr (std::is_same_v<TKV, uint16_t>) {
+          k_rows = k_cache + start + j * row_stride;
+          v_rows = v_cache + start + j * row_stride;
+        } else {
+          RowsToBf16(k_cache + start + j * row_stride, row_stride, n, D, sc.kc.data());
+          RowsToBf16(v_cache + start + j * row_stride, row_stride, n, D, sc.vc.data());
+          k_rows = sc.kc.data(), v_rows = sc.vc.data(), stride = D;
+        }
         WithVectors(nv, [&](auto v) {
-          ChunkRowsT<v, DC>(p, k_rows, v_rows, row_stride, n, b * BS + j, qt, row_lo, row_hi, nrows, sc);
+          ChunkRowsT<v, DC>(p, k_rows, v_rows, stride, n, b * BS + j, qt, row_lo, row_hi, nrows, sc);
         });
       }
     }
     alignas(64) float row[D];
     for (int64_t i = 0; i < nrows; ++i) {
       const float sum = l[i];
-      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
+      const __m512 inv = _mm512_set1_ps(sum > 0.0f ? p.v_scale / sum : 0.0f);
       for (int64_t d = 0; d < D; ++d) row[d] = acc[d * 16 * nv + i];
       uint16_t* o = out + (toks[i / G] * p.num_q_heads + kh * G + i % G) * D;
       for (int c = 0; c < DC; ++c)
@@ -971,8 +1065,10 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const uint16_t* k_cache
   }
 }
 
-// The fast tile where it applies (bfloat16, head_dim 64, 128 or 256); false: use AttendTile.
-inline bool AttendTileFastIfAny(const Problem& p, const uint16_t* q, const uint16_t* k, const uint16_t* v,
+// The fast tile where it applies (bfloat16 queries, a bfloat16 or fp8 pool, head_dim 64, 128 or 256); false: use
+// AttendTile.
+template <typename TKV>
+inline bool AttendTileFastIfAny(const Problem& p, const uint16_t* q, const TKV* k, const TKV* v,
                                 uint16_t* out, int64_t s, const int32_t* toks, int64_t nt, int64_t kh0, int64_t kh1,
                                 std::unique_ptr<TileFastScratch>& scratch) {
   if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) return false;
@@ -985,7 +1081,8 @@ inline bool AttendTileFastIfAny(const Problem& p, const uint16_t* q, const uint1
 }
 #else
 struct TileFastScratch {};
-inline bool AttendTileFastIfAny(const Problem&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+template <typename TKV>
+inline bool AttendTileFastIfAny(const Problem&, const uint16_t*, const TKV*, const TKV*, uint16_t*, int64_t,
                                 const int32_t*, int64_t, int64_t, int64_t, std::unique_ptr<TileFastScratch>&) {
   return false;
 }
@@ -997,11 +1094,14 @@ struct Unit {
   int32_t seq, start, count;
 };
 
-// One call's work (work_queue.h): every item is a unit's range of kv heads.
-template <typename T>
+// One call's work (work_queue.h): every item is a unit's range of kv heads. q and out are T, the pool TKV.
+template <typename T, typename TKV>
 struct ParallelAttention {
+  // bfloat16 queries over a bfloat16 or fp8 pool: the AVX512_BF16 items where the CPU has them
+  static constexpr bool kBf16Dots = std::is_same_v<T, uint16_t> && (std::is_same_v<TKV, uint16_t> || kIsFp8<TKV>);
   Problem p;
-  const T *q, *k, *v;
+  const T* q;
+  const TKV *k, *v;
   T* out;
   std::vector<int32_t> tokens;  // the real query tokens, grouped by sequence, in order
   std::vector<Unit> units;
@@ -1028,7 +1128,7 @@ struct ParallelAttention {
       const Unit& u = units[items[i].unit];
       if (u.count == 1) {
         bool done_fast = false;
-        if constexpr (std::is_same_v<T, uint16_t>) {
+        if constexpr (kBf16Dots) {
           Rows next;
           if (next_item < work.total && units[items[next_item].unit].count == 1) {
             const Unit& n = units[items[next_item].unit];
@@ -1039,7 +1139,7 @@ struct ParallelAttention {
         if (!done_fast) AttendItem(p, q, k, v, out, u.seq, tokens[u.start], kh0, kh1, scratch);
       } else {
         bool done_fast = false;
-        if constexpr (std::is_same_v<T, uint16_t>)
+        if constexpr (kBf16Dots)
           done_fast = AttendTileFastIfAny(p, q, k, v, out, u.seq, tokens.data() + u.start, u.count, kh0, kh1,
                                           fast_tile);
         if (!done_fast) {
@@ -1053,13 +1153,13 @@ struct ParallelAttention {
   }
 };
 
-template <typename T>
-ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const T* k, const T* v, T* out) {
+template <typename T, typename TKV>
+ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k, const TKV* v, T* out) {
   std::memset(out, 0, sizeof(T) * p.num_tokens * p.num_q_heads * p.head_dim);
   if (p.num_seqs == 0) return ffi::Error::Success();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
 
-  auto state = std::make_shared<ParallelAttention<T>>();
+  auto state = std::make_shared<ParallelAttention<T, TKV>>();
   state->p = p;
   state->q = q;
   state->k = k;
@@ -1115,8 +1215,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
                                     ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
-                                    float scale, int64_t sliding_window, float soft_cap,
-                                    ffi::Result<ffi::AnyBuffer> out) {
+                                    ffi::Buffer<ffi::F32> kv_scales, float scale, int64_t sliding_window,
+                                    float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   auto td = block_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 5 || vd.size() != 5 || td.size() != 2)
@@ -1138,12 +1238,16 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
     return ffi::Error::InvalidArgument("paged_attention: head_dim or head counts do not match");
   if (context_lens.element_count() != static_cast<size_t>(p.num_seqs) ||
       query_start_loc.element_count() != static_cast<size_t>(p.num_seqs + 1) ||
-      positions.element_count() != static_cast<size_t>(p.num_tokens) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("paged_attention: context_lens, query_start_loc or positions has the "
-                                       "wrong length");
-  if (q.element_type() != k_cache.element_type() || q.element_type() != v_cache.element_type() ||
-      q.element_type() != out->element_type())
-    return ffi::Error::InvalidArgument("paged_attention: q, the pools and the output need one dtype");
+      positions.element_count() != static_cast<size_t>(p.num_tokens) || layer.element_count() != 1 ||
+      kv_scales.element_count() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: context_lens, query_start_loc, positions or kv_scales has "
+                                       "the wrong length");
+  const auto pool_type = k_cache.element_type();
+  const bool fp8 = pool_type == ffi::DataType::F8E4M3FN || pool_type == ffi::DataType::F8E5M2;
+  if (q.element_type() != out->element_type() || v_cache.element_type() != pool_type ||
+      (!fp8 && pool_type != q.element_type()))
+    return ffi::Error::InvalidArgument("paged_attention: q and the output need one dtype, and the pools q's or an fp8 "
+                                       "one");
   if (p.num_blocks <= 0 || p.num_layers <= 0)
     return ffi::Error::InvalidArgument("paged_attention: empty pool");
   p.layer = std::clamp<int64_t>(layer.typed_data()[0], 0, p.num_layers - 1);
@@ -1151,20 +1255,32 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.context_lens = context_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
   p.positions = positions.typed_data();
-  p.scale = scale;
+  // fp8 scales, folded: q . (k * k_scale) = (q . k) * k_scale, and v_scale on each output row.
+  p.scale = scale * kv_scales.typed_data()[0];
+  p.v_scale = kv_scales.typed_data()[1];
   p.sliding_window = sliding_window;
   p.soft_cap = soft_cap;
-
+  // bfloat16 and fp8 as their raw bits (ffi.h maps uint16_t to U16, so typed_data<uint16_t> would assert).
+  auto run = [&](auto* q_data, auto* out_data) -> ffi::Error {
+    using T = std::remove_pointer_t<decltype(q_data)>;
+    switch (pool_type) {
+      case ffi::DataType::F8E4M3FN:
+        return Run(pool, p, q_data, k_cache.reinterpret_data<Fp8E4M3>(), v_cache.reinterpret_data<Fp8E4M3>(),
+                   out_data);
+      case ffi::DataType::F8E5M2:
+        return Run(pool, p, q_data, k_cache.reinterpret_data<Fp8E5M2>(), v_cache.reinterpret_data<Fp8E5M2>(),
+                   out_data);
+      default:
+        return Run(pool, p, q_data, k_cache.reinterpret_data<T>(), v_cache.reinterpret_data<T>(), out_data);
+    }
+  };
   switch (q.element_type()) {
     case ffi::DataType::F32:
-      return Run<float>(pool, p, q.typed_data<float>(), k_cache.typed_data<float>(), v_cache.typed_data<float>(),
-                        out->typed_data<float>());
+      return run(q.typed_data<float>(), out->typed_data<float>());
     case ffi::DataType::BF16:
-      // bfloat16 as its raw bits (ffi.h maps uint16_t to U16, so typed_data<uint16_t> would assert).
-      return Run<uint16_t>(pool, p, q.reinterpret_data<uint16_t>(), k_cache.reinterpret_data<uint16_t>(),
-                           v_cache.reinterpret_data<uint16_t>(), out->reinterpret_data<uint16_t>());
+      return run(q.reinterpret_data<uint16_t>(), out->reinterpret_data<uint16_t>());
     default:
-      return ffi::Error::InvalidArgument("paged_attention: dtype must be float32 or bfloat16");
+      return ffi::Error::InvalidArgument("paged_attention: q must be float32 or bfloat16");
   }
 }
 
@@ -1271,6 +1387,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // kv_scales
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
                                   .Attr<float>("soft_cap")
