@@ -198,7 +198,7 @@ def test_native_auto_backend_takes_fp8_pools_natively():
     they are (bfloat16 or float32), not to the reference."""
     case = decode_case([5, 17], dtype=jnp.bfloat16, kv_dtype=E5M2, v_scale=2.0)
     fn = functools.partial(native.native_else_reference, **case.kwargs())
-    assert native.TARGET in str(jax.make_jaxpr(fn)(*case.args))
+    assert native.target_name("JaxpagedPagedAttention") in str(jax.make_jaxpr(fn)(*case.args))
     check(case, jax.jit(fn)(*case.args))
 
 
@@ -285,8 +285,10 @@ def test_tpu_step_with_an_fp8_pool_compiles_without_copying_it(v5e, shape, dtype
 
     from jaxpaged.models import families
     from jaxpaged.worker.attention import KVPool, PagedAttention
+    from jaxpaged.worker.input_batch import StepLayout
+    from jaxpaged.worker.kv_pool import pool_format
     from jaxpaged.worker.kv_quant import KVScales
-    from jaxpaged.worker.model_runner import dummy_batch, jit_step, lower_step, pool_format
+    from jaxpaged.worker.step import jit_step, lower_step
     from pallas_kernels.attention import paged_attention
     from tests.hlo_checks import pool_copies
     from tests.test_tpu_pool_layout import BLOCK_SIZE, NUM_BLOCKS, STEP_SHAPES, TINY, TPU_KERNEL
@@ -296,15 +298,22 @@ def test_tpu_step_with_an_fp8_pool_compiles_without_copying_it(v5e, shape, dtype
     sharding = jax.sharding.SingleDeviceSharding(v5e)
     fmt = pool_format(v5e)
     graphdef, state = nnx.split(families.from_params(config, random_params(config)))
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == np.float32 else x.dtype,
-                                                        sharding=sharding), state)
+    leaves, treedef = jax.tree.flatten(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16 if x.dtype == np.float32 else x.dtype,
+                                       sharding=sharding), state))
     pool_shape = (config.num_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
     pool = jax.ShapeDtypeStruct(pool_shape, dtype, sharding=fmt)
-    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                         dummy_batch(*STEP_SHAPES[shape]))
+    layout = StepLayout(*STEP_SHAPES[shape])
+    s = layout.num_seqs
+
+    def arg(*dims, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(dims, dt, sharding=sharding)
+
+    extras = (arg(s, 3), arg(s, 64), arg(s, 300), arg(s, 300, dt=jnp.float32))
     attn = PagedAttention("pallas_tpu", functools.partial(paged_attention, implementation="pallas_tpu"),
                           kv_scales=KVScales((0.5, 2.0), (1.0, 4.0)))  # per-layer scales: a traced gather
-    hlo = lower_step(jit_step(graphdef, attn, fmt), state, KVPool(pool, pool), batch).compile().as_text()
+    step_fn = jit_step(graphdef, treedef, attn, fmt, max_rows=s)
+    hlo = lower_step(step_fn, tuple(leaves), KVPool(pool, pool), arg(s), layout, extras).compile().as_text()
     assert hlo.count(TPU_KERNEL) == 1
     assert pool_copies(hlo, pool_shape) == []
     dims = ",".join(map(str, pool_shape))  # nor converts the whole pool around the write (XLA CPU's fp8 scatter does)

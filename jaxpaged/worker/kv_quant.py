@@ -180,7 +180,7 @@ def warn_without_saving(spec, block_size: int, pool_dtype, block_bytes: int, fmt
     libtpu's compile-only client)."""
     if not is_fp8(pool_dtype) or fmt is None:
         return
-    from jaxpaged.worker.model_runner import pool_block_bytes
+    from jaxpaged.worker.kv_pool import pool_block_bytes
 
     bf16 = pool_block_bytes(spec, block_size, jnp.bfloat16, fmt)
     if block_bytes >= bf16:

@@ -28,12 +28,8 @@ from flax import nnx
 
 from jaxpaged.models.matmul import native_matmul
 from jaxpaged.worker.attention import AttentionMetadata
-from jaxpaged.worker.model_runner import (
-    native_matmul_rows,
-    step_compiler_options,
-    step_matmul_precision,
-    zeros_pool,
-)
+from jaxpaged.worker.kv_pool import zeros_pool
+from jaxpaged.worker.step import native_matmul_rows, step_compiler_options, step_matmul_precision
 
 
 @dataclasses.dataclass
