@@ -1,0 +1,1 @@
+"""Speculative decoding (issue #31): configuration, proposers and the verification sampler."""
