@@ -112,6 +112,12 @@ def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Ar
     return jax.vmap(one)(seed_lo, seed_hi, step)
 
 
+def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise, one row of `vocab` per key: keys [N] -> [N, V] float32. argmax(logits + noise) draws
+    from softmax(logits); the speculative verifier (jaxpaged.spec_decode.rejection) draws with the same noise."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+
+
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
     """Masks (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor. logits [S, V] float32."""
     vocab = logits.shape[-1]
@@ -133,6 +139,17 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     floor = sorted_logits[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
     threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, floor), threshold)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _scale_and_filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                      min_p: jax.Array) -> jax.Array:
+    """The sampled rows' distribution as logits: divided by the temperature (greedy rows, temperature <= 0, left as
+    they are), then top-k / top-p / min-p, which are skipped when no sampled row asks for them. logits [N, V]
+    float32, the parameters [N]."""
+    greedy = temperature <= 0.0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    needs_filter = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)))
+    return jax.lax.cond(needs_filter, lambda x: _filter(x, top_k, top_p, min_p), lambda x: x, scaled)
 
 
 def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
@@ -181,12 +198,9 @@ def _pick(logits: jax.Array, s: SamplingMetadata, native: bool) -> jax.Array:
     greedy = s.temperature <= 0.0
 
     def draw(x):
-        scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
-        needs_filter = jnp.any(~greedy & ((s.top_k > 0) | (s.top_p < 1.0) | (s.min_p > 0.0)))
-        scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s.top_k, s.top_p, s.min_p), lambda x: x, scaled)
+        scaled = _scale_and_filter(x, s.temperature, s.top_k, s.top_p, s.min_p)
         keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-        return _argmax(scaled + gumbel, native)
+        return _argmax(scaled + _gumbel(keys, x.shape[-1]), native)
 
     sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
     return jnp.where(greedy, _argmax(logits, native), sampled).astype(jnp.int32)
