@@ -1,4 +1,4 @@
-"""The verification sampler (`jaxpaged.spec_decode.rejection`): greedy rows equal argmax decoding, sampled rows emit
+"""The verification sampler (`jaxpaged.worker.rejection_sampler`): greedy rows equal argmax decoding, sampled rows emit
 the target's distribution at every position (chi-square over many seeded rows on an 8-token vocabulary, with a draft
 distribution far from the target's and with an n-gram-style one-hot draft), rows with no proposals equal the plain
 sampler token for token, and seeded rows are reproducible and batch-invariant."""
@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged.spec_decode.rejection import rejection_sample
+from jaxpaged.worker.rejection_sampler import rejection_sample
 from jaxpaged.worker.sampler import SamplingMetadata, sample
 
 

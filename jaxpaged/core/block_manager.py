@@ -314,6 +314,28 @@ class BlockManager:
         if hashes is not None:
             del hashes[num_written_tokens // self.block_size:]
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Speculative decoding's rollback: the sequence keeps slots for its first `num_tokens` tokens only; blocks
+        past them (they held rejected proposals, or slots allocated ahead for a draft) go back to the pool. No hash
+        is lost: hashes are only ever registered for blocks full of tokens known and computed before them."""
+        table = self.tables.get(seq_id)
+        have = self.seq_tokens.get(seq_id, 0)
+        if table is None or num_tokens >= have:
+            return
+        keep = max(_cdiv(num_tokens, self.block_size), _cdiv(self.reserve_tokens, self.block_size))
+        dropped = table[keep:]
+        del table[keep:]
+        for block in reversed(dropped):
+            self._unref(block)
+        self.seq_tokens[seq_id] = num_tokens
+        self.num_table_blocks -= len(dropped)
+        self.num_device_tokens -= have - num_tokens
+        if dropped:
+            self.changed_tables.add(seq_id)
+        hashes = self.seq_hashes.get(seq_id)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size:]
+
     def pop_changed_tables(self) -> dict:
         """seq_id -> its device block table, for the sequences whose table changed since the last call (new,
         grown, copied on write, swapped in); a sequence freed or swapped out since then is not in it."""

@@ -60,6 +60,10 @@ class Sequence:
     # Token ids that end it once it has min_tokens outputs: EOS (unless ignore_eos) and stop_token_ids (the engine's)
     stop_ids: frozenset[int] = frozenset()
     num_emitted: int = 0  # output tokens already handed out in the engine's outputs (deltas start after them)
+    # Speculative decoding: tokens proposed to follow the last token, verified by the next step; and the slots past
+    # the step's tokens that the step's draft loop writes into (a draft model's proposals for the step after)
+    spec_tokens: list[int] = dataclasses.field(default_factory=list)
+    spec_lookahead: int = 0
     token_limit: int = 0  # set in __post_init__: the length at which it stops for max_tokens or max_model_len
 
     def __post_init__(self):
@@ -143,6 +147,7 @@ class Request:
     # Its new tokens go out after every step (output kind not FINAL_ONLY, or stop strings for the output processor
     # to look for); else once, when it finishes.
     streams: bool = True
+    speculates: bool = False  # speculative decoding may propose tokens for its sequences
 
     # Each step's input depends on the previous step's token on the host (a grammar's bitmask, bad words of several
     # tokens, penalties' token counts, beam selection): its steps run synchronously. Set once, when it is made.

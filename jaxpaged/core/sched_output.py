@@ -37,6 +37,10 @@ class SchedulerOutput:
     num_new_tokens: list[int] = dataclasses.field(default_factory=list)
     starts: list[int] = dataclasses.field(default_factory=list)
     samples: list[bool] = dataclasses.field(default_factory=list)
+    # speculative decoding: proposed tokens each sequence verifies in this step (its new tokens are its last token
+    # and these), and whether the step's draft loop proposes for it afterwards (slots allocated ahead for that)
+    num_spec: list[int] = dataclasses.field(default_factory=list)
+    drafts: list[bool] = dataclasses.field(default_factory=list)
     # diffs since the previous step
     removed: list[int] = dataclasses.field(default_factory=list)  # seq ids that left the running set
     changed_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # seq id -> its whole table

@@ -28,6 +28,11 @@ its last token arrives); one with a placeholder is never prefilled (a recompute 
 output carries diffs for the runner's persistent rows: sequences that left the running set, block tables that
 changed.
 
+Speculative decoding: a decoding sequence with proposed tokens (`Sequence.spec_tokens`, set by the engine) runs them
+after its last token, as one chunk of 1 + n tokens (fewer when the budget or its length limit runs out), and a step
+holding such a chunk is prefill-shaped; slots for the draft loop's writes are allocated past the chunk
+(`spec_lookahead`), and the engine truncates back to what was accepted.
+
 Host cost: a decode step touches each running sequence once, with an allocation that is a few comparisons unless
 the sequence needs a new block (`BlockManager.allocate_slots`'s fast path); counts the step loop needs (seats
 taken) are kept as they change rather than summed per step.
@@ -177,9 +182,9 @@ class Scheduler:
         self._swap_in(out)
         if self.mixed_steps:
             self._schedule_decodes(out)
-            num_decodes = len(out.seqs)
-            self._schedule_prefills(out, self.config.max_num_batched_tokens - num_decodes)
-            out.is_prefill = len(out.seqs) > num_decodes
+            num_decodes, verifies = len(out.seqs), out.is_prefill and bool(out.seqs)
+            self._schedule_prefills(out, self.config.max_num_batched_tokens - sum(out.num_new_tokens))
+            out.is_prefill = len(out.seqs) > num_decodes or verifies
         else:
             # After a prefill step, running sequences that wait for a token get a decode step before the next
             # prefill, so a long queue of prompts never stalls the streams already running for more than one step.
@@ -199,13 +204,16 @@ class Scheduler:
     def _commit(self, out: SchedulerOutput) -> None:
         """The step is decided: its sequences' computed tokens advance now, and each one it samples for counts a
         placeholder until the token reaches the host; the runner's diffs are handed over."""
-        starts, samples = out.starts, out.samples
+        starts, samples, num_spec, drafts = out.starts, out.samples, out.num_spec, out.drafts
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             starts.append(start)
             seq.num_computed_tokens = start + n
-            sampled = start + n == len(seq.token_ids) + seq.num_placeholders
+            extra = start + n - (len(seq.token_ids) + seq.num_placeholders)  # proposed tokens verified here
+            sampled = extra >= 0
             samples.append(sampled)
+            num_spec.append(max(extra, 0))
+            drafts.append(sampled and seq.spec_lookahead > 0)
             if sampled:
                 seq.num_placeholders += 1
         out.removed, self._removed = self._removed, []
@@ -298,6 +306,8 @@ class Scheduler:
         if num_new <= 0:
             return budget
         num_tokens = seq.num_computed_tokens + num_new
+        if num_tokens == seq.num_tokens:  # the chunk samples: the draft loop may write past it
+            num_tokens = min(num_tokens + seq.spec_lookahead, seq.token_limit)
         if preempt:
             if not self._allocate_or_preempt(seq, num_tokens, out):
                 return budget
@@ -309,14 +319,39 @@ class Scheduler:
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         allocate = self.block_manager.allocate_slots
+        out.is_prefill = False  # until a sequence verifies proposals: then the step is prefill-shaped
+        budget, per_row = self._verify_budget()
         for seq in list(self.running):  # oldest first
             num_tokens = len(seq.token_ids) + seq.num_placeholders
             # `decodable`, inline: this loop runs for every running sequence at every step.
             if (num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens
                     or num_tokens >= seq.token_limit or seq.status is not SequenceStatus.RUNNING):
                 continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
-            if allocate(seq.seq_id, seq.token_ids, num_tokens) or self._allocate_or_preempt(seq, num_tokens, out):
-                out.add(seq, 1)
+            spec = seq.spec_tokens
+            if spec:  # speculative decoding: verify the proposals too, as far as the budget and the length allow
+                keep = max(0, min(len(spec), seq.token_limit - num_tokens - 1, budget, per_row))
+                del spec[keep:]
+                out.is_prefill = out.is_prefill or keep > 0
+            want = num_tokens + len(spec)
+            if seq.spec_lookahead:
+                want = min(want + seq.spec_lookahead, seq.token_limit)
+            if allocate(seq.seq_id, seq.token_ids, want) or self._allocate_or_preempt(seq, want, out):
+                out.add(seq, 1 + len(spec))
+                budget -= len(spec)
+            else:
+                spec.clear()  # preempted: its proposals go with it
+
+    def _verify_budget(self) -> tuple[int, int]:
+        """(proposed tokens a decode step may verify in all, per sequence). Mixed steps lay tokens out one by one:
+        the token budget past one token per running sequence. Separate steps pad every sequence of a prefill-shaped
+        step to a query tile: proposals only when every running sequence's tile fits the budget, and then at most
+        a tile's worth (last token + 15) per sequence."""
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        if self.mixed_steps:
+            return max(budget, 0), budget
+        if len(self.running) * PREFILL_TILE > self.config.max_num_batched_tokens:
+            return 0, 0
+        return (PREFILL_TILE - 1) * len(self.running), PREFILL_TILE - 1
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests until it fits.

@@ -35,6 +35,8 @@ from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advanc
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import EngineOutput, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.spec_decode import ngram
+from jaxpaged.spec_decode.gate import SpeculationGate
 from jaxpaged.worker.kv_quant import kv_stats
 from jaxpaged.worker.model_runner import StepHandle, StepResult
 from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
@@ -103,7 +105,10 @@ class Engine:
                                           else 0)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, self.block_manager,
                                    mixed_steps=getattr(self.runner.attn, "mixes_steps", False))
-        self.async_scheduling = config.async_scheduling
+        # Speculative decoding: proposals need each step's tokens on the host, so the loop is synchronous with it.
+        self.spec = config.speculative()
+        self.spec_gate = SpeculationGate(self.spec, self.scheduler_config.max_num_seqs) if self.spec else None
+        self.async_scheduling = config.async_scheduling and self.spec is None
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
@@ -113,7 +118,8 @@ class Engine:
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-                         "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0}
+                         "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
+                         "spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
         self.startup_times = {"setup_s": time.perf_counter() - t0, "compile_s": 0.0}
         self.step_times = StepTimes()
         if config.precompile:
@@ -157,8 +163,13 @@ class Engine:
                                                        else frozenset(self.eos_token_ids))
         parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
                           fork_pending=params.n - 1, stop_ids=stop_ids)
-        return Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
-                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
+        req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
+                      streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
+        # Speculates unless its logits need processing that depends on the tokens before each position.
+        req.speculates = self.spec is not None and not req.needs_host_tokens and not params.logit_bias
+        if req.speculates and self.runner.draft_layers:
+            parent.spec_lookahead = self.spec.num_speculative_tokens
+        return req
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and
@@ -297,6 +308,8 @@ class Engine:
             outputs += self._complete(self._inflight)
             self._inflight = None
         t0 = time.perf_counter()
+        if self.spec is not None:
+            self._propose()
         out = self.scheduler.schedule()
         times.schedule_s += time.perf_counter() - t0
         launched = self._launch(out, outputs) if out is not None else None
@@ -364,8 +377,9 @@ class Engine:
             return None
         tables = self.block_manager.tables
         try:
-            return out, *self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+            return out, *self._runner_prepare(out, tables, bitmasks)
         except Exception as e:
+            logger.exception("the step could not be laid out; finding the requests whose rows raise")
             first_error = e
         for request_id in dict.fromkeys(s.request_id for s in out.seqs):  # which requests' rows raise on their own
             alone = self._without(out, {r: None for r in self.requests if r != request_id}, None)
@@ -376,7 +390,7 @@ class Engine:
         out = self._without(out, culprits or {s.request_id: first_error for s in out.seqs}, failed)
         if not out.seqs:
             return None
-        return out, *self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+        return out, *self._runner_prepare(out, tables, bitmasks)
 
     def _without(self, out: SchedulerOutput, culprits: dict[str, Exception | None],
                  failed: list[EngineOutput] | None) -> SchedulerOutput:
@@ -393,12 +407,21 @@ class Engine:
                     failed.append(self._fail(self.requests[request_id], e))
         keep = [i for i, s in enumerate(out.seqs) if s.request_id not in culprits]
         return dataclasses.replace(out, **{name: [getattr(out, name)[i] for i in keep]
-                                           for name in ("seqs", "num_new_tokens", "starts", "samples")})
+                                           for name in ("seqs", "num_new_tokens", "starts", "samples", "num_spec",
+                                                        "drafts")})
+
+    def _runner_prepare(self, out: SchedulerOutput, tables: dict, bitmasks: dict):
+        prepared = self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+        if self.spec_gate is not None:  # rows that now hold new sequences start with an empty acceptance window
+            self.spec_gate.reset(np.array(self.runner.input_batch.take_added_rows(), np.int64))
+        return prepared
 
     def _seeds(self, out: SchedulerOutput) -> dict[int, int]:
-        """Seeds of the step's sequences that get a row in the persistent batch."""
-        row_of = self.runner.input_batch.row_of
-        return {s.seq_id: self.requests[s.request_id].seed_of(s) for s in out.seqs if s.seq_id not in row_of}
+        """Seeds of the step's sequences that get a row in the persistent batch (new ones, and those that left the
+        running set and came back in the same step: preempted, then prefilled again)."""
+        row_of, removed = self.runner.input_batch.row_of, set(out.removed)
+        return {s.seq_id: self.requests[s.request_id].seed_of(s) for s in out.seqs
+                if s.seq_id not in row_of or s.seq_id in removed}
 
     def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
@@ -457,6 +480,7 @@ class Engine:
         finished_beams: list[EngineOutput] = []
         requests = self.requests
         tokens = result.tokens.tolist()
+        verifying = result.emitted is not None  # speculative decoding: a row emits one token or more
         generated = 0
         for i, seq in enumerate(out.seqs):
             if not out.samples[i]:
@@ -464,27 +488,30 @@ class Engine:
             if seq.finished or seq.request_id not in requests:  # finished, aborted or failed after this step began
                 continue
             req = requests[seq.request_id]
-            token = tokens[i]
             try:
                 if req.beam is not None:
                     seq.num_placeholders -= 1  # a beam's token becomes a new beam's, chosen with its group
-                    req.beam_results[seq.seq_id] = list(zip(result.top_ids[i].tolist(),
-                                                            result.top_logprobs[i].tolist(), strict=True))
+                    top_ids, top_lps = ((result.top_ids[i, 0], result.top_logprobs[i, 0]) if verifying
+                                        else (result.top_ids[i], result.top_logprobs[i]))
+                    req.beam_results[seq.seq_id] = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
                     if len(req.beam_results) == len(req.seqs):
                         done = self._advance_beams(req)
                         finished_beams += [done] if done is not None else []
                     continue
-                seq.token_ids.append(token)
+                emitted = self._verified(out, result, i, seq) if verifying else [tokens[i]]
                 seq.num_placeholders -= 1
-                generated += 1
-                if seq.params.logprobs is not None:
-                    self._append_logprobs(seq, token, result, i)
-                reason, stop_reason = self._stop(req, seq, token)
-                if reason is not None:
-                    seq.stop_reason = stop_reason
-                    req.matchers.pop(seq.seq_id, None)
-                    self.scheduler.finish(seq, reason)
-                    ended.add(req.request_id)
+                for j, token in enumerate(emitted):
+                    seq.token_ids.append(token)
+                    generated += 1
+                    if seq.params.logprobs is not None:
+                        self._append_logprobs(seq, token, result, (i, j) if verifying else i)
+                    reason, stop_reason = self._stop(req, seq, token)
+                    if reason is not None:
+                        seq.stop_reason = stop_reason
+                        req.matchers.pop(seq.seq_id, None)
+                        self.scheduler.finish(seq, reason)
+                        ended.add(req.request_id)
+                        break  # tokens a verified run emitted past the end are dropped
             except Exception as e:
                 if isinstance(e, GrammarError):  # the request's own grammar, not the engine
                     logger.warning("request %s: %s", req.request_id, e)
@@ -518,7 +545,7 @@ class Engine:
         return None, None
 
     @staticmethod
-    def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int) -> None:
+    def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int | tuple[int, int]) -> None:
         k = seq.params.logprobs
         chosen = float(result.logprobs[row])
         seq.output_logprobs.append(chosen)
@@ -576,6 +603,56 @@ class Engine:
         """The n - 1 other samples the scheduler forked from their parents join their requests."""
         for parent, children in forked:
             self.requests[parent.request_id].seqs += children
+            for child in children:
+                child.spec_lookahead = parent.spec_lookahead
+
+    # ---- speculative decoding -----------------------------------------------------------------------------------
+
+    def _propose(self) -> None:
+        """Before a step is scheduled: each running sequence that may speculate gets its proposals (n-gram, from its
+        tokens; a draft's were set by the step before) and the draft loop's slots; the others get none. The step
+        then verifies them (`Scheduler._schedule_decodes`, `step._verify`)."""
+        spec, gate = self.spec, self.spec_gate
+        running = self.scheduler.running
+        on = gate.batch_enabled(len(running))
+        row_of = self.runner.input_batch.row_of
+        k, draft = spec.num_speculative_tokens, self.runner.draft_layers
+        for seq in running:
+            req = self.requests.get(seq.request_id)
+            row = row_of.get(seq.seq_id)
+            ok = (on and req is not None and req.speculates
+                  and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens
+                  and (row is None or bool(gate.allowed([row])[0])))
+            if draft:
+                seq.spec_lookahead = k if ok else 0
+                if not ok:
+                    seq.spec_tokens.clear()
+                continue
+            seq.spec_tokens.clear()
+            if ok and seq.num_placeholders == 0 and len(seq.token_ids) - seq.num_computed_tokens == 1 and \
+                    len(seq.token_ids) > seq.num_prompt_tokens:
+                seq.spec_tokens += ngram.propose(np.asarray(seq.token_ids, np.int32), k=k,
+                                                 min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max).tolist()
+
+    def _verified(self, out: SchedulerOutput, result: StepResult, i: int, seq: Sequence) -> list[int]:
+        """A verifying step's row i: the tokens it emits (accepted proposals, then the target's), after the
+        rollback of its rejected proposals and of the draft loop's slots; the draft's next proposals kept."""
+        a = int(result.num_accepted[i])
+        n = out.num_spec[i]
+        emit_pos = out.starts[i] + out.num_new_tokens[i] - n  # where the first emitted token sits
+        seq.num_computed_tokens = emit_pos + a  # rejected proposals' K/V are not the sequence's
+        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        if n:
+            self.counters["spec_verify_steps"] += 1
+            self.counters["spec_proposed_tokens"] += n
+            self.counters["spec_accepted_tokens"] += a
+            row = self.runner.input_batch.row_of.get(seq.seq_id)
+            if row is not None:
+                self.spec_gate.record(np.array([row]), np.array([n]), np.array([a]))
+        seq.spec_tokens.clear()
+        if out.drafts[i]:
+            seq.spec_tokens += result.proposals[i].tolist()
+        return result.emitted[i, :a + 1].tolist()
 
     @contextlib.contextmanager
     def _device_guard(self, out: SchedulerOutput, failed: list[EngineOutput]):

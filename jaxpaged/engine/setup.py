@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.parallel.multihost import DistributedConfig
+from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.worker import kv_quant
 from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
 from jaxpaged.worker.kv_pool import pool_block_bytes, pool_format
@@ -78,6 +79,10 @@ class EngineConfig:
     distributed_initialization_timeout: int = _option(
         300, "multi-host: seconds the processes have to find each other at start-up")
     seed: int = _option(0, "seeds the per-request seeds of requests that give none")
+    speculative_config: dict | SpeculativeConfig | None = _option(
+        None, "speculative decoding, vLLM's keys: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+              "\"prompt_lookup_max\": 4} (prompt lookup), or {\"draft_num_layers\": 8, \"num_speculative_tokens\": "
+              "4} (a draft made of the model's own first layers); JSON on the command line")
     async_scheduling: bool = _option(True, "schedule and dispatch each step before reading the previous one's "
                                            "tokens, so the device never waits for the host (requests with grammars, "
                                            "penalties, multi-token bad words or beam search run synchronously)")
@@ -98,6 +103,7 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
+        self.speculative()
         self.distributed_config()
         self.cache_config()
         self.scheduler_config(self.max_model_len)
@@ -107,6 +113,10 @@ class EngineConfig:
     def model_dtype(self) -> str:
         """`dtype` with "auto" resolved for this platform (`resolve_dtype`)."""
         return resolve_dtype(self.dtype)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` as a checked SpeculativeConfig (None: no speculative decoding)."""
+        return SpeculativeConfig.coerce(self.speculative_config)
 
     def distributed_config(self) -> DistributedConfig:
         """The multi-host options, each unset one from its environment variable (jaxpaged.parallel.multihost)."""
@@ -126,7 +136,8 @@ class EngineConfig:
                                max_decode_slowdown=self.max_decode_slowdown, max_model_len=max_model_len)
 
 
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None)}
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None), "dict": dict,
+          "SpeculativeConfig": SpeculativeConfig}
 
 
 def _check_option(name: str, value, annotation: str, choices: tuple | None) -> None:
@@ -319,6 +330,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of "
                          f"{model_config.max_position_embeddings} tokens")
+    spec_width, draft_layers = speculation(config.speculative(), model)
     sched = config.scheduler_config(max_model_len)
     enable_compilation_cache(config.compilation_cache_dir)
 
@@ -372,10 +384,31 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                           max_model_len=max_model_len, max_num_seqs=sched.max_num_seqs,
                           max_num_batched_tokens=sched.max_num_batched_tokens, attn=attn, cache_dtype=cache_dtype,
                           block_bytes=block_bytes, mesh=mesh, pool_sharding=sharding,
-                          truncate_tables=config.kv_allocation == "contiguous")
+                          truncate_tables=config.kv_allocation == "contiguous", spec_width=spec_width,
+                          draft_layers=draft_layers)
     if mesh is not None:
         _log_device_bytes(runner)
     return runner, cache, sched, max_model_len
+
+
+def speculation(spec: SpeculativeConfig | None, model: nnx.Module) -> tuple[int, int]:
+    """(proposals a step may verify per sequence, layers of the self-speculative draft; 0 for none) for the model.
+    The draft of `draft_num_layers` is the model's own first layers (the built-in models' `num_layers=` call): same
+    weights, same KV pool."""
+    if spec is None:
+        return 0, 0
+    if spec.method == "ngram":
+        return spec.num_speculative_tokens, 0
+    from jaxpaged.models import gemma3, llama
+
+    if spec.model is not None:
+        raise ValueError("speculative_config.model: a separate draft model is not supported by this engine yet; "
+                         "use speculative_config.draft_num_layers (the model's own first layers) or method='ngram'")
+    if not isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)):
+        raise ValueError(f"speculative_config.draft_num_layers makes a draft of a built-in model's first layers "
+                         f"(LlamaForCausalLM, Gemma3ForCausalLM), not {type(model).__name__}; use method='ngram'")
+    spec.check_target(model.config.num_layers)
+    return spec.num_speculative_tokens, spec.draft_num_layers
 
 
 def _log_native_kernels(attention: str, dtype, mesh) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -24,10 +25,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help)
             continue
         kind = f.type.split("|")[0].strip()
-        # "int | str" (a size such as 2GiB) reads as a string; EngineConfig parses it
-        parse = {"int": int, "float": float, "str": str}[kind if "str" not in f.type else "str"]
+        # "int | str" (a size such as 2GiB) reads as a string; EngineConfig parses it; a dict is JSON
+        parse = {"int": int, "float": float, "str": str, "dict": _json_object}[kind if "str" not in f.type else "str"]
         group.add_argument(flag, type=parse, default=f.default, choices=choices,
                            help=help if f.default is None else f"{help} (default: {f.default})")
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -234,11 +234,14 @@ class Gemma3ForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(H))(rngs.params(), (H, V), dtype))
 
-    def __call__(self, token_ids: jax.Array, kv_pool, md, attn) -> tuple[jax.Array, object]:
-        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written)."""
+    def __call__(self, token_ids: jax.Array, kv_pool, md, attn,
+                 num_layers: int | None = None) -> tuple[jax.Array, object]:
+        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written).
+        num_layers: run only the first this many layers (a self-speculative draft: the same weights and pool)."""
         c = self.config
+        num_layers = num_layers or c.num_layers
         period = layer_period(c)
-        num_groups = c.num_layers // period
+        num_groups = num_layers // period
         scale = attention_scale(c)
         stacked = self.layers.stacked()  # name -> [L, ...]
         tables = layer_rope_tables(c)  # [L, D/2] numpy, constants of the architecture
@@ -276,7 +279,7 @@ class Gemma3ForCausalLM(nnx.Module):
         carry = (embed({"embed": self.embed[...]}, token_ids, c), kv_pool)
         if num_groups:
             carry = jax.lax.fori_loop(0, num_groups, group, carry)
-        for i in range(num_groups * period, c.num_layers):
+        for i in range(num_groups * period, num_layers):
             carry = run_layer(i, i % period, *carry)
         return carry
 

@@ -167,8 +167,9 @@ class LlamaForCausalLM(nnx.Module):
             self.lm_head = nnx.Param(nnx.initializers.normal(1.0 / math.sqrt(H))(rngs.params(), (H, V), dtype))
 
     def __call__(self, token_ids: jax.Array, kv_pool: KVPool, md: AttentionMetadata,
-                 attn: AttentionBackend) -> tuple[jax.Array, KVPool]:
-        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written)."""
+                 attn: AttentionBackend, num_layers: int | None = None) -> tuple[jax.Array, KVPool]:
+        """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written).
+        num_layers: run only the first this many layers (a self-speculative draft: the same weights and pool)."""
         h = self.embed[...][token_ids]  # [T, H]
         inv_freq = jnp.asarray(rope_inv_freq(self.config))  # [D/2] f32, a constant of the architecture
         angles = jnp.maximum(md.positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nnx.Module):
             h, kv_pool = carry
             return self.layers(h, kv_pool, i, md, attn, cos, sin)
 
-        return jax.lax.fori_loop(0, self.config.num_layers, layer_step, (h, kv_pool))
+        return jax.lax.fori_loop(0, num_layers or self.config.num_layers, layer_step, (h, kv_pool))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""

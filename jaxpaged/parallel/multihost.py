@@ -186,8 +186,8 @@ class Op(enum.IntEnum):
     STOP = 5  # no arrays: the worker loop returns
 
 
-HEADER_LEN = 256  # int32 words: op, payload words, leaf count, META_LEN op integers, then per leaf dtype + shape
-META_LEN = 8
+HEADER_LEN = 256  # int32 words: op, payload words, leaf count, META_LEN words, then per leaf dtype + shape
+META_LEN = 10  # the op's integers, the last word their count
 _FIXED = 3 + META_LEN
 MAX_NDIM = 5
 _LEAF = 3 + MAX_NDIM  # dtype code, ndim, constant (1: one value repeated, sent once), dims
@@ -210,8 +210,8 @@ class Header:
         """[HEADER_LEN] int32."""
         if _FIXED + _LEAF * len(self.leaves) > HEADER_LEN:
             raise ValueError(f"{len(self.leaves)} arrays do not fit a {HEADER_LEN}-word header")
-        if len(self.meta) > META_LEN:
-            raise ValueError(f"{len(self.meta)} op integers do not fit the header's {META_LEN}")
+        if len(self.meta) > META_LEN - 1:
+            raise ValueError(f"{len(self.meta)} op integers do not fit the header's {META_LEN - 1}")
         out = np.zeros(HEADER_LEN, np.int32)
         out[:3] = int(self.op), self.payload_words, len(self.leaves)
         out[3:3 + len(self.meta)] = self.meta
@@ -280,13 +280,13 @@ def step_to_wire(inputs: StepInputs) -> tuple[tuple[int, ...], list[np.ndarray]]
     present = [e.name for e in EXTRAS if e.name in inputs.extras]
     flags = sum(1 << i for i, e in enumerate(EXTRAS) if e.name in inputs.extras)
     meta = (lay.num_tokens, lay.num_seqs, lay.width, lay.tile_size,
-            -1 if lay.decode_blocks is None else lay.decode_blocks, flags, int(inputs.want_logprobs))
+            -1 if lay.decode_blocks is None else lay.decode_blocks, flags, int(inputs.want_logprobs), lay.spec_width)
     return meta, [inputs.buf] + [inputs.extras[name] for name in present]
 
 
 def step_from_wire(meta: tuple[int, ...], arrays: list[np.ndarray]) -> StepInputs:
-    t, s, w, tile, blocks, flags, want_logprobs = meta
-    layout = StepLayout(t, s, w, tile, None if blocks < 0 else blocks)
+    t, s, w, tile, blocks, flags, want_logprobs, spec_width = meta
+    layout = StepLayout(t, s, w, tile, None if blocks < 0 else blocks, spec_width)
     names = [e.name for i, e in enumerate(EXTRAS) if flags >> i & 1]
     return StepInputs(layout, arrays[0], dict(zip(names, arrays[1:], strict=True)), bool(want_logprobs))
 

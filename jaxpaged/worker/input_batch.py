@@ -42,6 +42,11 @@ class StepLayout:
     block_tables [S * W], context_lens, query_start_loc [S + 1], logits_indices, top_k, seed_lo, seed_hi, step,
     output_start, banned [S * MAX_BANNED], flags [3] (want_logprobs, penalized, constrained), then float32 bits:
     temperature, top_p, min_p, presence, frequency, repetition penalties.
+
+    A verifying step (speculative decoding, `spec_width` K > 0) takes logits at K + 1 positions of each sequence
+    (logits_indices [S * (K + 1)]: a row's chunk positions, the last repeated) and four more fields: draft_tokens
+    [S * K] (the proposals it verifies, -1 after its num_draft [S]), emit_pos [S] (the position of the first token
+    the row emits: accepted proposals, then the target's), draft_flag [S] (the draft loop proposes for the row).
     """
 
     num_tokens: int  # T
@@ -49,20 +54,23 @@ class StepLayout:
     width: int  # W
     tile_size: int
     decode_blocks: int | None
+    spec_width: int = 0  # K: proposals a row may verify (0: a plain step)
 
     @property
     def key(self) -> tuple:
-        return self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks
+        return self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks, self.spec_width
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, int]]:
-        t, s = self.num_tokens, self.num_seqs
+        t, s, k = self.num_tokens, self.num_seqs, self.spec_width
         sizes = [("token_ids", t), ("token_src", t), ("positions", t), ("slot_mapping", t),
                  ("block_tables", s * self.width), ("context_lens", s), ("query_start_loc", s + 1),
-                 ("logits_indices", s), ("top_k", s), ("seed_lo", s), ("seed_hi", s), ("step", s),
+                 ("logits_indices", s * (k + 1)), ("top_k", s), ("seed_lo", s), ("seed_hi", s), ("step", s),
                  ("output_start", s), ("banned", s * MAX_BANNED), ("flags", 3),
                  ("temperature", s), ("top_p", s), ("min_p", s), ("presence_penalty", s), ("frequency_penalty", s),
                  ("repetition_penalty", s)]
+        if k:
+            sizes += [("draft_tokens", s * k), ("num_draft", s), ("emit_pos", s), ("draft_flag", s)]
         out, o = {}, 0
         for name, n in sizes:
             out[name] = (o, o + n)
@@ -71,7 +79,7 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self.offsets["repetition_penalty"][1]
+        return max(hi for _, hi in self.offsets.values())
 
     def empty(self) -> np.ndarray:
         """An all-padding buffer [size] int32: every field at its neutral value (no token, greedy, nothing banned)."""
@@ -81,11 +89,24 @@ class StepLayout:
         self.view(buf, "token_src")[:] = -1
         self.view(buf, "top_p", np.float32)[:] = 1.0
         self.view(buf, "repetition_penalty", np.float32)[:] = 1.0
+        if self.spec_width:
+            self.view(buf, "draft_tokens")[:] = -1
         return buf
 
     def view(self, buf: np.ndarray, name: str, dtype=np.int32) -> np.ndarray:
         lo, hi = self.offsets[name]
         return buf[lo:hi].view(dtype) if dtype is not np.int32 else buf[lo:hi]
+
+    def spec_fields(self, buf: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """Inside a verifying step: (draft_tokens [S, K], num_draft [S], emit_pos [S], draft_flag [S] bool)."""
+        s, k = self.num_seqs, self.spec_width
+
+        def field(name):
+            lo, hi = self.offsets[name]
+            return buf[lo:hi]
+
+        return (field("draft_tokens").reshape(s, k), field("num_draft"), field("emit_pos"),
+                field("draft_flag") != 0)
 
     def unpack(self, buf: jax.Array, extras: tuple[jax.Array, ...]
                ) -> tuple[jax.Array, jax.Array, AttentionMetadata, SamplingMetadata]:
@@ -199,6 +220,7 @@ class InputBatch:
         self.bias_ids = np.full((r, MAX_LOGIT_BIAS), -1, np.int32)
         self.bias_values = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
         self._step_id = 0
+        self.added_rows: list[int] = []  # rows given to new sequences since `take_added_rows`
 
     # ---- the diffs ----------------------------------------------------------------------------------------------
 
@@ -219,6 +241,7 @@ class InputBatch:
         if not self._free_rows:
             raise RuntimeError(f"the input batch has no free row (max_rows={self.max_rows})")
         row = self._free_rows.pop()
+        self.added_rows.append(row)
         self.row_of[seq.seq_id] = row
         self.seq_id[row] = seq.seq_id
         self._set_table(row, table)
@@ -244,6 +267,10 @@ class InputBatch:
             self.bias_ids[row, :len(p.logit_bias)] = list(p.logit_bias)
             self.bias_values[row, :len(p.logit_bias)] = list(p.logit_bias.values())
         return row
+
+    def take_added_rows(self) -> list[int]:
+        added, self.added_rows = self.added_rows, []
+        return added
 
     def remove(self, seq_id: int) -> None:
         row = self.row_of.pop(seq_id, None)
@@ -311,8 +338,11 @@ class InputBatch:
         else:
             dense_first = np.cumsum(num_new) - num_new  # index of each row's first token in tok_row order
             for i in np.flatnonzero(~last):
-                s, seq = int(starts[i]), out.seqs[i]
-                token_ids[dense_first[i]:dense_first[i] + num_new[i]] = seq.token_ids[s:s + int(num_new[i])]
+                s, m, seq = int(starts[i]), int(num_new[i]), out.seqs[i]
+                chunk = seq.token_ids[s:s + m]
+                if len(chunk) < m:  # a verifying row: its last token, then the proposals
+                    chunk = chunk + seq.spec_tokens[:m - len(chunk)]
+                token_ids[dense_first[i]:dense_first[i] + m] = chunk
             li = np.flatnonzero(last)
             token_ids[dense_first[li]] = self.last_token[rows[li]]
             token_src[dense_first[li]] = self.inflight[rows[li]]
@@ -331,9 +361,22 @@ class InputBatch:
         qsl = layout.view(buf, "query_start_loc")
         qsl[:n + 1] = seg_start
         qsl[n + 1:] = seg_start[-1]
-        put("logits_indices", seg_start[:-1] + num_new - 1)
-        # sampling: each row's parameters; the token being sampled is output number `step`
-        step = ctx - self.num_prompt[rows]
+        num_spec = np.asarray(out.num_spec, np.int32) if layout.spec_width else np.zeros(n, np.int32)
+        last_row = seg_start[:-1] + num_new - 1
+        if layout.spec_width:  # K + 1 logits rows per sequence: its verified positions, then its last one repeated
+            k = layout.spec_width
+            first = last_row - num_spec  # the row's last token, where its first new token is sampled
+            put("logits_indices", np.minimum(first[:, None] + np.arange(k + 1)[None, :], last_row[:, None]).ravel())
+            drafts = layout.view(buf, "draft_tokens").reshape(layout.num_seqs, k)
+            for i in np.flatnonzero(num_spec):
+                drafts[i, :num_spec[i]] = out.seqs[i].spec_tokens[:num_spec[i]]
+            put("num_draft", num_spec)
+            put("emit_pos", ctx - num_spec)
+            put("draft_flag", np.asarray(out.drafts, np.int32))
+        else:
+            put("logits_indices", last_row)
+        # sampling: each row's parameters; the token being sampled (the first, verifying rows) is output `step`
+        step = ctx - num_spec - self.num_prompt[rows]
         put("top_k", self.top_k[rows])
         put("seed_lo", self.seed_lo[rows].view(np.int32))
         put("seed_hi", self.seed_hi[rows].view(np.int32))

@@ -39,6 +39,7 @@ from jaxpaged.worker.kv_pool import (
 )
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step import (
+    VerifiedOutput,
     batch_buckets,
     jit_step,
     lower_step,
@@ -57,21 +58,26 @@ class StepHandle:
 
     rows: StepRows
     tokens: jax.Array  # [max_rows] int32
-    logprobs: jax.Array | None  # [S] float32, when a row asked for log-probs
-    top_ids: jax.Array | None  # [S, MAX_LOGPROBS] int32
-    top_logprobs: jax.Array | None  # [S, MAX_LOGPROBS] float32
+    logprobs: jax.Array | None  # [S] float32 ([S, K + 1] verifying), when a row asked for log-probs
+    top_ids: jax.Array | None  # [S, MAX_LOGPROBS] int32 ([S, K + 1, MAX_LOGPROBS] verifying)
+    top_logprobs: jax.Array | None  # [S, MAX_LOGPROBS] float32 (likewise)
     layout: StepLayout
     dispatched_at: float
+    verified: VerifiedOutput | None = None  # a verifying step's tokens, counts and proposals
 
 
 @dataclasses.dataclass
 class StepResult:
-    """A step's sampled tokens on the host, one per step row (rows that do not sample hold garbage)."""
+    """A step's sampled tokens on the host, one per step row (rows that do not sample hold garbage). A verifying
+    step (speculative decoding) gives each row num_accepted + 1 tokens, `emitted`, and the draft's proposals."""
 
-    tokens: np.ndarray  # [n] int32
-    logprobs: np.ndarray | None = None  # [n] float32
-    top_ids: np.ndarray | None = None  # [n, MAX_LOGPROBS] int32
-    top_logprobs: np.ndarray | None = None  # [n, MAX_LOGPROBS] float32
+    tokens: np.ndarray  # [n] int32: each row's last sampled token
+    logprobs: np.ndarray | None = None  # [n] float32 ([n, K + 1] verifying)
+    top_ids: np.ndarray | None = None  # [n, MAX_LOGPROBS] int32 ([n, K + 1, MAX_LOGPROBS] verifying)
+    top_logprobs: np.ndarray | None = None  # [n, MAX_LOGPROBS] float32 (likewise)
+    emitted: np.ndarray | None = None  # [n, K + 1] int32 verifying: accepted proposals, the target's token, -1
+    num_accepted: np.ndarray | None = None  # [n] int32
+    proposals: np.ndarray | None = None  # [n, K] int32: the draft loop's, for the next step
 
 
 class ModelRunner:
@@ -83,7 +89,8 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, state: nnx.State, config: ModelSpec, *, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attn: AttentionBackend, cache_dtype, block_bytes: int, mesh: Mesh | None = None,
-                 pool_sharding: NamedSharding | None = None, truncate_tables: bool = False):
+                 pool_sharding: NamedSharding | None = None, truncate_tables: bool = False, spec_width: int = 0,
+                 draft_layers: int = 0):
         self.config = config
         self.graphdef = graphdef
         self.params = state
@@ -112,12 +119,15 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.attn = attn
         self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
+        # speculative decoding: proposals a prefill-shaped step may verify per row (K), and the self-draft's layers
+        self.spec_width = spec_width
+        self.draft_layers = draft_layers
         # The most sequence rows of any step: the sampled tokens come back padded to this, a fixed shape.
         self.max_rows = max(self.decode_buckets[-1], max(self._prefill_seqs(t) for t in self.prefill_buckets))
         self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
         self._step_fn = jit_step(graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh,
-                                 leaf_shardings, native_matmul_rows(mesh))
+                                 leaf_shardings, native_matmul_rows(mesh), draft_layers)
         # The backend's native block write where it has one (CPU: XLA's scatter into a 16-bit pool converts it whole);
         # under tensor parallelism XLA's scatter, which works on the sharded pool as it is.
         set_blocks = getattr(attn, "block_write", None) if mesh is None else None
@@ -153,9 +163,9 @@ class ModelRunner:
 
     def all_shapes(self) -> list[tuple]:
         """Every (tokens, seqs, width, tile, decode_blocks) the engine can produce."""
-        shapes = [(s, s, self.max_width, 1, b) for s in self.decode_buckets for b in self.flat_block_buckets(s)]
-        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None) for t in self.prefill_buckets
-                   for w in self.width_buckets]
+        shapes = [(s, s, self.max_width, 1, b, 0) for s in self.decode_buckets for b in self.flat_block_buckets(s)]
+        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, self.spec_width)
+                   for t in self.prefill_buckets for w in self.width_buckets]
         return shapes
 
     def _prefill_seqs(self, num_tokens: int) -> int:
@@ -184,11 +194,14 @@ class ModelRunner:
             tile = self.prefill_tile
             tokens = int((-(-np.asarray(out.num_new_tokens) // tile) * tile).sum())
             num_tokens = self._prefill_bucket(tokens, n)
-            width = pick_bucket(self.width_buckets, int(-(-ends.max() // bs)))
-            return StepLayout(num_tokens, self._prefill_seqs(num_tokens), width, tile, None)
+            k = self.spec_width
+            # a draft loop writes up to K slots past a row's context: the tables cover them
+            widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
+            return StepLayout(num_tokens, self._prefill_seqs(num_tokens), pick_bucket(self.width_buckets, widest),
+                              tile, None, k)
         s = pick_bucket(self.decode_buckets, n)
         blocks = int((-(-ends // bs)).sum())  # the blocks the step's sequences read
-        return StepLayout(s, s, self.max_width, 1, pick_bucket(self.flat_block_buckets(s), blocks))
+        return StepLayout(s, s, self.max_width, 1, pick_bucket(self.flat_block_buckets(s), blocks), 0)
 
     def all_layouts(self) -> list[StepLayout]:
         return [StepLayout(*shape) for shape in self.all_shapes()]
@@ -256,6 +269,10 @@ class ModelRunner:
         self.prev_tokens = tokens
         tokens.copy_to_host_async()
         handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter())
+        if inputs.layout.spec_width:
+            handle.verified = out
+            for x in (out.tokens, out.num_accepted, out.proposals):
+                x.copy_to_host_async()
         if inputs.want_logprobs:
             handle.logprobs, handle.top_ids, handle.top_logprobs = out.logprobs, out.top_ids, out.top_logprobs
             for x in (out.logprobs, out.top_ids, out.top_logprobs):
@@ -270,6 +287,11 @@ class ModelRunner:
             result.logprobs = np.asarray(handle.logprobs)[:n]
             result.top_ids = np.asarray(handle.top_ids)[:n]
             result.top_logprobs = np.asarray(handle.top_logprobs)[:n]
+        if handle.verified is not None:
+            v = handle.verified
+            result.emitted = np.asarray(v.tokens)[:n]
+            result.num_accepted = np.asarray(v.num_accepted)[:n]
+            result.proposals = np.asarray(v.proposals)[:n]
         self.input_batch.tokens_arrived(handle.rows, result.tokens)
         return result
 

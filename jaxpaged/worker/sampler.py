@@ -114,7 +114,7 @@ def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Ar
 
 def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
     """Standard Gumbel noise, one row of `vocab` per key: keys [N] -> [N, V] float32. argmax(logits + noise) draws
-    from softmax(logits); the speculative verifier (jaxpaged.spec_decode.rejection) draws with the same noise."""
+    from softmax(logits); the speculative verifier (jaxpaged.worker.rejection_sampler) draws with the same noise."""
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 

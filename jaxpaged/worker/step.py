@@ -19,6 +19,7 @@ its decoding rows' input tokens from them on the device, whatever the two steps'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,9 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.matmul import native_matmul
 from jaxpaged.worker import sampler
-from jaxpaged.worker.attention import AttentionBackend, KVPool
+from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.worker.input_batch import StepLayout
-from jaxpaged.worker.sampler import SamplerOutput
+from jaxpaged.worker.rejection_sampler import rejection_sample
+from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata
 
 NATIVE_MATMUL_ROWS = 1 << 20  # every step's: benchmarks/matmul.py compares the native kernel with XLA's dot by rows
 
@@ -64,12 +66,30 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "num_accepted", "proposals", "logprobs", "top_ids", "top_logprobs"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class VerifiedOutput:
+    """A verifying step's result (speculative decoding), per sequence row: K + 1 positions."""
+
+    tokens: jax.Array  # [S, K + 1] int32: accepted proposals, the target's token, then -1
+    num_accepted: jax.Array  # [S] int32: the row emits num_accepted + 1 tokens
+    proposals: jax.Array  # [S, K] int32: the draft loop's proposals for the next step (zeros without a draft)
+    logprobs: jax.Array  # [S, K + 1] float32: each emitted token's log-prob (0 unless want_logprobs)
+    top_ids: jax.Array  # [S, K + 1, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [S, K + 1, MAX_LOGPROBS] float32
+
+
 def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
           layout: StepLayout, *, treedef, graphdef: nnx.GraphDef, attn: AttentionBackend, max_rows: int,
-          mesh: Mesh | None = None, native_matmul_rows: int = 0) -> tuple[jax.Array, SamplerOutput, KVPool]:
+          mesh: Mesh | None = None, native_matmul_rows: int = 0, draft_layers: int = 0
+          ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each.
-    Returns (tokens [max_rows] int32 (rows past S are 0), the sampler's output over S rows, the pool)."""
+    Returns (tokens [max_rows] int32: each row's last sampled token (rows past S are 0), the sampler's output over S
+    rows (a VerifiedOutput for a verifying layout), the pool). draft_layers: > 0, a verifying step then proposes
+    K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -87,9 +107,83 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
         # instead), then the sampler gets the whole rows: the same sampling code, and the same tokens, at every tp.
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P(None, mesh.axis_names[0])))
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
-    out = sampler.sample(logits, sm, native=native_matmul_rows > 0)
+    native = native_matmul_rows > 0
+    if layout.spec_width:
+        out, kv_pool = _verify(model, logits, kv_pool, buf, md, sm, layout, attn, native, draft_layers,
+                               native_matmul_rows)
+        last = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]  # [S]
+        tokens = jnp.zeros(max_rows, jnp.int32).at[:last.shape[0]].set(last)
+        return tokens, out, kv_pool
+    out = sampler.sample(logits, sm, native=native)
     tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
     return tokens, out, kv_pool
+
+
+def _verify(model, logits: jax.Array, kv_pool: KVPool, buf: jax.Array, md: AttentionMetadata, sm: SamplingMetadata,
+            layout: StepLayout, attn: AttentionBackend, native: bool, draft_layers: int,
+            native_matmul_rows: int) -> tuple[VerifiedOutput, KVPool]:
+    """Speculative decoding's verification (`rejection_sampler`), then the draft loop. logits [S (K + 1), V] f32:
+    each row's K + 1 positions. Rows that verify proposals never ask for processed logits (penalties, bias, bans,
+    grammars: the engine lets no such row speculate), so processing applies at each row's first position only,
+    where a row that verifies nothing samples its one token as the plain sampler does."""
+    s, k = layout.num_seqs, layout.spec_width
+    logits = logits.reshape(s, k + 1, -1)  # [S, K + 1, V]
+    raw = logits
+    drafts, num_draft, emit_pos, draft_flag = layout.spec_fields(buf)
+    asked = sm.penalized | sm.constrained | jnp.any(sm.bias_ids >= 0) | jnp.any(sm.banned >= 0)
+    first = jax.lax.cond(asked, lambda x: sampler.process_logits(x, sm), lambda x: x, logits[:, 0])
+    logits = logits.at[:, 0].set(first)
+    v = rejection_sample(logits, drafts, num_draft, None, temperature=sm.temperature, top_k=sm.top_k,
+                         top_p=sm.top_p, min_p=sm.min_p, seed_lo=sm.seed_lo, seed_hi=sm.seed_hi, step=sm.step,
+                         native=native)
+
+    def with_logprobs(raw):
+        logp = jax.nn.log_softmax(raw, axis=-1)  # [S, K + 1, V]
+        chosen = jnp.take_along_axis(logp, jnp.maximum(v.tokens, 0)[..., None], axis=-1)[..., 0]
+        vals, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+        return chosen, ids.astype(jnp.int32), vals
+
+    def without(raw):
+        return (jnp.zeros((s, k + 1), jnp.float32), jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.int32),
+                jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.float32))
+
+    chosen, top_ids, top_lps = jax.lax.cond(sm.want_logprobs, with_logprobs, without, raw)
+    proposals = jnp.zeros((s, k), jnp.int32)
+    if draft_layers:
+        last = jnp.take_along_axis(v.tokens, v.num_accepted[:, None], axis=1)[:, 0]  # [S] the token drafts follow
+        live = draft_flag & (md.context_lens > 0)
+        proposals, kv_pool = _draft(model, kv_pool, last, emit_pos + v.num_accepted, live, md.block_tables, k,
+                                    attn, draft_layers, native_matmul_rows)
+    return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool
+
+
+def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live: jax.Array, tables: jax.Array,
+           k: int, attn: AttentionBackend, draft_layers: int, native_matmul_rows: int) -> tuple[jax.Array, KVPool]:
+    """Greedy proposals of the model's first `draft_layers` layers: k one-token steps per live row from `first` at
+    `first_pos` [S]. The draft's layers are the target's first layers, so the K/V they need for every earlier
+    position are the ones the target wrote there (this step's included); its own writes (k positions from
+    first_pos, slots the scheduler allocated ahead) are overwritten by the next step's verification. Returns
+    (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample` verifies it as n-gram's."""
+    s, width = tables.shape
+    bs = kv_pool.shape[2]
+    rows = jnp.arange(s)
+
+    def one(j, carry):
+        token, pool, proposals = carry
+        pos = first_pos + j  # [S]
+        block = tables[rows, jnp.minimum(pos // bs, width - 1)]
+        md = AttentionMetadata(
+            positions=jnp.where(live, pos, -1), slot_mapping=jnp.where(live, block * bs + pos % bs, 0),
+            block_tables=tables, context_lens=jnp.where(live, pos + 1, 0),
+            query_start_loc=jnp.arange(s + 1, dtype=jnp.int32), logits_indices=rows.astype(jnp.int32),
+            tile_size=1, decode_blocks=s * width)
+        with native_matmul(native_matmul_rows, live_rows=(s, s)):
+            hidden, pool = model(token, pool, md, attn, num_layers=draft_layers)
+            nxt = sampler._argmax(model.logits(hidden), native_matmul_rows > 0)  # [S]
+        return nxt, pool, proposals.at[:, j].set(nxt)
+
+    _, kv_pool, proposals = jax.lax.fori_loop(0, k, one, (first, kv_pool, jnp.zeros((s, k), jnp.int32)))
+    return proposals, kv_pool
 
 
 def native_matmul_rows(mesh: Mesh | None) -> int:
@@ -105,7 +199,8 @@ def native_matmul_rows(mesh: Mesh | None) -> int:
 
 
 def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
-             max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0):
+             max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0,
+             draft_layers: int = 0):
     """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
     load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
     the native CPU kernel (`native_matmul_rows`).
@@ -115,7 +210,7 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     split by kv head, and the inputs and the sampler's output are replicated over the mesh.
     """
     step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
-                             native_matmul_rows=native_rows)
+                             native_matmul_rows=native_rows, draft_layers=draft_layers)
     if mesh is not None:
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, static_argnums=(5,), donate_argnums=(1,),
