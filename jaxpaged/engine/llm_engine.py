@@ -759,6 +759,9 @@ class Engine:
             "preemptions_recompute": self.scheduler.num_preemptions["recompute"],
             "preemptions_swap": self.scheduler.num_preemptions["swap"],
             **self.counters,
+            # speculative decoding: tokens a verifying sequence emitted per step (accepted proposals + 1)
+            "spec_mean_accepted_length": (1 + self.counters["spec_accepted_tokens"] / self.counters["spec_verify_steps"]
+                                          if self.counters["spec_verify_steps"] else 0.0),
             **self.startup_times,
             "host_s": times.host_s,
             "device_wait_s": times.wait_s,

@@ -30,6 +30,9 @@ _GAUGES = {
     "num_cpu_used": ("jaxpaged_cpu_blocks_used", "Host (swap) blocks in use."),
     "kv_utilization": ("jaxpaged_kv_slot_utilization",
                        "Share of the allocated KV slots of running sequences that hold a token."),
+    "spec_mean_accepted_length": ("jaxpaged_spec_decode_mean_accepted_length",
+                                  "Speculative decoding: tokens a verifying sequence emits per step, on average "
+                                  "(accepted proposals + 1)."),
 }
 _COUNTERS = {
     "preemptions_recompute": ("jaxpaged_preemptions_recompute", "Preemptions by recomputation."),
@@ -45,6 +48,11 @@ _COUNTERS = {
     "cow_copies": ("jaxpaged_kv_cow_copies", "Copy-on-write block copies."),
     "swapped_out_blocks": ("jaxpaged_kv_swapped_out_blocks", "Blocks swapped out to host memory."),
     "swapped_in_blocks": ("jaxpaged_kv_swapped_in_blocks", "Blocks swapped back in."),
+    "spec_proposed_tokens": ("jaxpaged_spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed."),
+    "spec_accepted_tokens": ("jaxpaged_spec_decode_num_accepted_tokens",
+                             "Speculative decoding: proposed tokens the model accepted."),
+    "spec_verify_steps": ("jaxpaged_spec_decode_num_drafts", "Speculative decoding: sequence-steps that verified "
+                                                             "proposals."),
 }
 
 
