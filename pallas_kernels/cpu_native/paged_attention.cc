@@ -620,6 +620,11 @@ inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const TKV*, con
 #endif
 
 constexpr int64_t kTile = 16;  // query tokens of one sequence per prefill work item
+// A sequence with at most this many query tokens in a step runs them as decode items, one per token: a speculative
+// decoding step verifies a sequence's last token and up to 16 proposals this way, so each position's result is the
+// one a decode step gives it, bit for bit (the tile path sums in another order), and verified greedy tokens are those
+// of plain decoding.
+constexpr int64_t kMaxPerTokenRun = 17;
 
 // Per-thread scratch of a tile item: `rows` = tokens x query heads, and one kv head's block in float32.
 struct TileScratch {
@@ -1166,7 +1171,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k,
   state->v = v;
   state->out = out;
   // The real query tokens of each sequence (a token claimed by two sequences' ranges goes to the first), cut into
-  // units: a sequence with one token this step is a decode unit, a longer run is cut into tiles of kTile tokens.
+  // units: a sequence with at most kMaxPerTokenRun tokens this step is a decode unit per token, a longer run is cut
+  // into tiles of kTile tokens.
   std::vector<bool> taken(p.num_tokens, false);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     if (p.context_lens[s] <= 0) continue;
@@ -1179,9 +1185,10 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k,
         state->tokens.push_back(static_cast<int32_t>(t));
       }
     const int64_t end = static_cast<int64_t>(state->tokens.size());
-    for (int64_t u = start; u < end; u += kTile)
+    const int64_t unit = end - start <= kMaxPerTokenRun ? 1 : kTile;
+    for (int64_t u = start; u < end; u += unit)
       state->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(u),
-                              static_cast<int32_t>(std::min(kTile, end - u))});
+                              static_cast<int32_t>(std::min(unit, end - u))});
   }
   const int64_t num_units = static_cast<int64_t>(state->units.size());
   if (num_units == 0) return ffi::Error::Success();
