@@ -17,7 +17,7 @@ ALLOWED = {
     "models": {"worker", "loader"},  # models: the attention seam (worker.attention); gemma3 reads loader.layout
     "loader": {"models", "parallel"},  # a sharded checkpoint restores into the tensor-parallel layout
     "parallel": {"worker", "core", "models"},
-    "engine": {"core", "worker", "models", "parallel", "loader"},
+    "engine": {"core", "worker", "models", "parallel", "loader", "runtime"},  # runtime: the compilation cache
     "spec_decode": {"core", "worker", "models", "loader"},
     "entrypoints": {"core", "worker", "models", "parallel", "loader", "engine", "runtime", "spec_decode"},
     "runtime": set(),

@@ -326,7 +326,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """tool_choice "required" or a named function constrains the output to valid calls of the tools."""
-        from jaxpaged.entrypoints.tool_parsers import parameters_schema, required_schema
+        from jaxpaged.entrypoints.openai.tool_parsers import parameters_schema, required_schema
 
         structured, param = super().structured_output_request()
         mode = self.tool_mode
