@@ -6,7 +6,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Unpack
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Unpack, cast
 
 from flax import nnx
 
@@ -67,7 +68,11 @@ class RequestFailedError(RuntimeError):
     """A request failed inside the engine (its step or its output processing); the other requests went on."""
 
 
-def _as_list(prompts) -> list:
+# A prompt: text, or a dict {"prompt": text} / {"prompt_token_ids": [...]}
+Prompt = str | dict
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -127,7 +132,8 @@ class LLM:
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order.
 
@@ -187,7 +193,8 @@ class LLM:
                 self.engine.abort_request(rid)
         return [done[r.request_id] for r in requests]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search per prompt, returned as vLLM does: each output's `sequences` are the beam_width hypotheses,
         best first, with the prompt's tokens and text included."""
         prompts = _as_list(prompts)
@@ -206,14 +213,15 @@ class LLM:
                                stop_reason=o.stop_reason)
             for o in out.outputs])
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template.
         tools: OpenAI function definitions, rendered by the template (as vLLM's `LLM.chat`; the text is returned as
         generated: constrain it with `SamplingParams(structured_outputs=...)` to get a valid call)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = cast(list[list[dict]], [messages] if isinstance(messages[0], dict) else messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, tools)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -357,7 +357,7 @@ async def pool(request: web.Request) -> web.Response:
     return web.json_response(view, headers={"Cache-Control": "no-store"})
 
 
-async def page(request: web.Request) -> web.Response:
+async def page(request: web.Request) -> web.FileResponse:
     return web.FileResponse(PAGE, headers={"Cache-Control": "no-cache"})
 
 
