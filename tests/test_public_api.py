@@ -96,6 +96,21 @@ def test_from_model_leaves_the_callers_module_as_it_was():
         assert arrays[path].dtype == value.dtype and np.array_equal(arrays[path], value), path
 
 
+def test_from_params_takes_an_nnx_state_and_leaves_it_as_it_was():
+    """`params` may be the `nnx.State` of a module (e.g. after fine-tuning), cast by `dtype` on the engine's side."""
+    from jaxpaged.models import families
+
+    config = tiny_config(tie_word_embeddings=True)
+    state = nnx.state(families.from_params(config, random_params(config)), nnx.Param)
+    before = {path: np.array(v) for path, v in nnx.to_flat_state(state)}
+    llm = jaxpaged.LLM.from_params(config, state, dtype="bfloat16", max_num_seqs=2, max_model_len=64, block_size=8,
+                                   num_blocks=32, precompile=False, show_progress=False)
+    assert llm.engine.runner.params["embed"][...].dtype == jax.numpy.bfloat16
+    after = {path: np.array(v) for path, v in nnx.to_flat_state(state)}
+    assert after.keys() == before.keys()
+    assert all(after[p].dtype == np.float32 and np.array_equal(after[p], before[p]) for p in before)
+
+
 def _run_python(code: str) -> subprocess.CompletedProcess:
     # A fresh process: the test session may have set jax.config itself (conftest), which would hide a change.
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
