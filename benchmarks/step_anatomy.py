@@ -33,6 +33,7 @@ from flax import nnx
 from workload import workload_prompts
 
 from jaxpaged.models.matmul import head_matmul, layer_matmul, native_matmul
+from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache
 from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 
 
@@ -270,7 +271,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=15, help="timing rounds (each times every part once)")
     ap.add_argument("--out", default=None, help="default: benchmarks/results/step_anatomy_<dtype>[_mixed<N>].json")
     args = ap.parse_args()
-    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
+    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/runtime/tcmalloc.py)
+    enable_compilation_cache(default_directory())  # as they do: a rerun's start-up reads its compiled steps
     dtype = jnp.dtype(args.dtype)
 
     llm = LLM(dtype=args.dtype, show_progress=False, enable_prefix_caching=False)

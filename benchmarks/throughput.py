@@ -34,6 +34,7 @@ from workload import (
     workload_prompts,
 )
 
+from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache
 from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
@@ -206,7 +207,8 @@ def main():
     ap.add_argument("--vllm-venv", default=vllm_cpu.default_venv(), help="default: %(default)s")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
-    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/allocator.py)
+    use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/runtime/tcmalloc.py)
+    enable_compilation_cache(default_directory())  # as they do: a rerun's start-up reads its compiled steps
 
     from jaxpaged.loader import default_model_path, load_model
 

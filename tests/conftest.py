@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache
 from tests.tiny_hf import KINDS, TINY_VOCAB, make_tiny_hf_model, make_tiny_tokenizer, write_tiny_gguf
 
 __all__ = ["KINDS", "TINY_VOCAB", "make_tiny_hf_model", "make_tiny_tokenizer", "write_tiny_gguf"]
+
+
+def pytest_configure(config):
+    # The test session owns its process, as the server and CLI do: JAX's persistent compilation cache keeps a rerun's
+    # engines from compiling their steps again (the library turns it on only when asked; test_public_api.py checks
+    # that in a fresh process).
+    enable_compilation_cache(default_directory())
 
 
 @pytest.fixture

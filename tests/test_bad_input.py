@@ -206,9 +206,9 @@ def test_every_engine_option_is_a_flag():
 def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overrides_it():
     """server.py's own default (EngineConfig's is the whole token budget): 128 prompt tokens per step while streams
     decode, never above max_num_batched_tokens (which would be refused); an explicit value is kept."""
-    import server
     from jaxpaged.engine.setup import EngineConfig
     from jaxpaged.entrypoints.cli import engine_options
+    from jaxpaged.entrypoints.openai import api_server as server
 
     assert EngineConfig().max_prefill_tokens_while_decoding is None
     assert server.parse_args([]).max_prefill_tokens_while_decoding == server.SERVER_PREFILL_TOKENS_WHILE_DECODING

@@ -17,7 +17,8 @@ ALLOWED = {
     "models": {"worker", "loader"},  # models: the attention seam (worker.attention); gemma3 reads loader.layout
     "loader": {"models", "parallel"},  # a sharded checkpoint restores into the tensor-parallel layout
     "parallel": {"worker", "core", "models"},
-    "engine": {"core", "worker", "models", "parallel", "loader", "spec_decode"},
+    # engine: runtime for the compilation cache, spec_decode for speculative decoding's host side
+    "engine": {"core", "worker", "models", "parallel", "loader", "spec_decode", "runtime"},
     "spec_decode": {"core", "worker", "models", "loader"},
     "entrypoints": {"core", "worker", "models", "parallel", "loader", "engine", "runtime", "spec_decode"},
     "runtime": set(),

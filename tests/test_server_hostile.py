@@ -307,8 +307,8 @@ def test_an_engine_failure_reaches_the_client_without_internals(error, status, c
     import asyncio
 
     from jaxpaged.entrypoints.async_engine import EngineStepError, RequestGrammarError
-    from jaxpaged.entrypoints.openai_protocol import OpenAIError
-    from jaxpaged.entrypoints.openai_serving import _Context
+    from jaxpaged.entrypoints.openai.protocol import OpenAIError
+    from jaxpaged.entrypoints.openai.serving import _Context
 
     internals = 'ValueError: boom\n<state>{"rows": 1}</state><grammar>{"grammars": [{"lark_grammar": "..."}]}'
     exc = EngineStepError(f"internal engine error: {internals}") if error == "step" else \

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpaged.entrypoints.tokenization import default_max_prompt_chars
+from jaxpaged.entrypoints.openai.tokenization import default_max_prompt_chars
 from tests.test_server import MODEL, PROMPT, Server, get, post, request
 from tests.tiny_hf import make_tiny_hf_model
 

@@ -206,7 +206,7 @@ def test_bad_tools_through_the_client_raise_bad_request(client):
 
 
 def test_tool_call_parsers():
-    from jaxpaged.entrypoints.tool_parsers import HermesToolParser, Llama3JsonToolParser
+    from jaxpaged.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 
     text = 'Let me look.<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>'
     content, calls = HermesToolParser().extract(text)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from flax import nnx
 
 from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
 from jaxpaged.parallel.multihost import DistributedConfig
+from jaxpaged.runtime.compilation_cache import enable_compilation_cache
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.worker import kv_quant
 from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
@@ -88,8 +88,10 @@ class EngineConfig:
                                            "penalties, multi-token bad words or beam search run synchronously)")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
-    compilation_cache_dir: str | None = _option(None, "persistent XLA cache (default: $JAXPAGED_COMPILATION_CACHE "
-                                                      "or ~/.cache/jaxpaged/xla)")
+    compilation_cache_dir: str | None = _option(
+        None, "turn on JAX's persistent compilation cache in this directory (a process-wide jax.config setting, so "
+              "the library leaves it off unless asked; `jaxpaged serve`, server.py and `jaxpaged generate` default to "
+              "$JAXPAGED_COMPILATION_CACHE, else ~/.cache/jaxpaged/xla)")
     # "paged" allocates a block when the last one fills; "contiguous" reserves max_model_len slots per request up
     # front, the scheme of systems before PagedAttention (for the memory-waste benchmark)
     kv_allocation: str = _option("paged", "paged, or contiguous (reserve max_model_len per request; benchmarks)",
@@ -148,16 +150,6 @@ def _check_option(name: str, value, annotation: str, choices: tuple | None) -> N
         raise TypeError(f"{name}={value!r} must be {annotation}, not {type(value).__name__}")
     if choices is not None and value not in choices:
         raise ValueError(f"{name}={value!r} is not supported; use one of {', '.join(map(str, choices))}")
-
-
-def enable_compilation_cache(directory: str | None) -> str:
-    directory = directory or os.environ.get("JAXPAGED_COMPILATION_CACHE") or os.path.expanduser(
-        "~/.cache/jaxpaged/xla")
-    os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
 
 
 def cpu_has_bf16_dots() -> bool:
@@ -248,16 +240,20 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step),
     and where every step's matmuls run by the native CPU kernel (`model_runner.native_matmul_rows`), their stacked
     bfloat16 layer matrices and the LM head are prepacked in its layout (`models.matmul.prepack_layer_weights`,
-    `prepack_head`)."""
+    `prepack_head`). `model` itself is left as it was."""
     from jaxpaged.models import gemma3, llama
     from jaxpaged.models.matmul import prepack_head, prepack_layer_weights
     from jaxpaged.worker.step import native_matmul_rows
 
     built_in = isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM))
-    if (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
-            and jnp.dtype(dtype).itemsize == 2):
-        llama.keep_transposed_head(model, dtype)
+    transpose = (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
+                 and jnp.dtype(dtype).itemsize == 2)
     prepack = built_in and jnp.dtype(dtype) == jnp.bfloat16 and native_matmul_rows(None) > 0
+    if transpose or prepack:
+        # The caller's module stays as it was (`LLM.from_model`): the head goes on a copy, which shares the arrays.
+        model = nnx.clone(model)
+    if transpose:
+        llama.keep_transposed_head(model, dtype)
     if prepack and getattr(model, "head_t", None) is not None:
         model.head_t = llama.TransposedHead(prepack_head(model.head_t[...]))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -332,7 +328,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                          f"{model_config.max_position_embeddings} tokens")
     spec_width, draft_layers = speculation(config.speculative(), model)
     sched = config.scheduler_config(max_model_len)
-    enable_compilation_cache(config.compilation_cache_dir)
+    if config.compilation_cache_dir is not None:  # asked for: it changes jax.config for the whole process
+        enable_compilation_cache(config.compilation_cache_dir)
 
     dtype = jnp.dtype(config.model_dtype)
     if config.dtype == "auto":

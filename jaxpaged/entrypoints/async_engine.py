@@ -27,11 +27,14 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Unpack
 
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.core.pool_view import MAX_CELLS
 from jaxpaged.engine.llm_engine import Engine
+from jaxpaged.engine.options import EngineOptions
 from jaxpaged.engine.output_processor import RequestState
+from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.engine.structured_output import GrammarError
 from jaxpaged.entrypoints.metrics import EngineMetrics
 from jaxpaged.outputs import EngineOutput, RequestOutput, SeqDelta
@@ -194,11 +197,12 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def from_options(cls, model: str | None = None, max_waiting: int = 256, **engine_options) -> AsyncEngine:
+    def from_options(cls, model: str | None = None, max_waiting: int = 256, *, config: EngineConfig | None = None,
+                     **options: Unpack[EngineOptions]) -> AsyncEngine:
         """Loads a model (path or None for the default) and starts the engine thread; options as for `LLM`."""
         from jaxpaged.entrypoints.llm import load_engine
 
-        return cls(load_engine(model, **engine_options), max_waiting=max_waiting)
+        return cls(load_engine(model, config, **options), max_waiting=max_waiting)
 
     # ---- facts about the model, for the API layer --------------------------------------------------------------
 

@@ -1,4 +1,11 @@
-"""Command line: `jaxpaged generate` (one-shot text from a model). The HTTP server is `server.py`."""
+"""Command line, shaped like vLLM's:
+
+    jaxpaged serve [model] [--port 8000] [engine and server flags]    the OpenAI-compatible server
+    jaxpaged generate --prompt "..." [--model path] [engine flags]   one-shot text from a model
+
+Every engine flag is generated from `EngineConfig` (`add_engine_args`), so the flags, `LLM(...)`'s keywords and the
+server's options cannot drift apart. `jaxpaged <command> --help` lists them.
+"""
 
 from __future__ import annotations
 
@@ -49,6 +56,15 @@ def engine_options(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
+def use_compilation_cache(args: argparse.Namespace) -> None:
+    """An entry point owns its process, so it keeps JAX's persistent compilation cache on (the library does only when
+    asked): an unset --compilation-cache-dir becomes the default directory, which the engine then enables."""
+    from jaxpaged.runtime.compilation_cache import default_directory
+
+    if args.compilation_cache_dir is None:
+        args.compilation_cache_dir = default_directory()
+
+
 def join_processes(args: argparse.Namespace):
     """Multi-host: joins the other processes (jax.distributed, gloo collectives on CPU) before any other JAX use, as
     the flags (or $JAXPAGED_*) say; returns the DistributedConfig (single process: nothing happens)."""
@@ -93,6 +109,7 @@ def finish_process_0(runner) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from jaxpaged import LLM, SamplingParams
 
+    use_compilation_cache(args)
     if join_processes(args).process_id != 0:
         return run_worker_process(args)
     llm = LLM(args.model, **engine_options(args))
@@ -112,9 +129,35 @@ def _generate(args: argparse.Namespace) -> int:
     return finish_process_0(llm.engine.runner)
 
 
+def _add_serve_parser(sub) -> argparse.ArgumentParser:
+    from jaxpaged.entrypoints.openai.api_server import add_server_args
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server",
+                       description="OpenAI-compatible server for jaxpaged (the same flags as server.py)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="model",
+                   help="GGUF file, HF directory or Orbax checkpoint (default: SmolLM2); or --model")
+    add_engine_args(p)
+    add_server_args(p)
+    return p
+
+
+def _serve(serve_parser: argparse.ArgumentParser, args: argparse.Namespace, as_program: bool) -> int:
+    from jaxpaged.entrypoints.openai.api_server import check_server_args, exit_now, run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            serve_parser.error(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
+    code = run_server(check_server_args(serve_parser, args))
+    if as_program:
+        exit_now(code)  # skips the interpreter's slow teardown of JAX's runtime, as server.py does
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxpaged")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser = _add_serve_parser(sub)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -124,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(g)
     args = parser.parse_args(argv)
     if argv is None:  # run as a program (a caller passing argv keeps its process as it is)
-        use_tcmalloc()  # may re-execute this process with tcmalloc preloaded (jaxpaged/allocator.py)
+        use_tcmalloc()  # may re-execute this process with tcmalloc preloaded (jaxpaged/runtime/tcmalloc.py)
+    if args.command == "serve":
+        return _serve(serve_parser, args, as_program=argv is None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _generate(args)

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Unpack, cast
 
 from flax import nnx
 
@@ -14,30 +16,41 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.core.request import Request
 from jaxpaged.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from jaxpaged.engine.llm_engine import Engine
+from jaxpaged.engine.options import EngineOptions
 from jaxpaged.engine.output_processor import RequestState
 from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
 
 
-def _engine_config(kwargs: dict) -> EngineConfig:
-    unknown = set(kwargs) - _ENGINE_FIELDS
+def engine_config(options: dict, config: EngineConfig | None = None) -> EngineConfig:
+    """`config` (default: `EngineConfig()`) with `options` replacing its fields; an option EngineConfig does not
+    have is a ValueError naming it, and each value is checked as EngineConfig checks it."""
+    unknown = set(options) - _ENGINE_FIELDS
     if unknown:
         raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}; "
                          f"known: {', '.join(sorted(_ENGINE_FIELDS))}")
-    return EngineConfig(**kwargs)
+    if config is None:
+        return EngineConfig(**options)
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"config must be an EngineConfig, not {type(config).__name__}")
+    return dataclasses.replace(config, **options) if options else config
 
 
-def load_engine(model: str | None = None, **engine_options) -> Engine:
+def load_engine(model: str | None = None, config: EngineConfig | None = None,
+                **options: Unpack[EngineOptions]) -> Engine:
     """Checks the options, loads the model (a path, or None for the default) and builds the engine: what `LLM()` and
     the server's `AsyncEngine.from_options` share."""
     from jaxpaged.loader import load_model
 
-    config = _engine_config(engine_options)  # before loading: a bad option fails in a moment, not after the load
+    config = engine_config(dict(options), config)  # before loading: a bad option fails in a moment, not after it
     from jaxpaged.parallel import multihost
 
     multihost.check_joined(config.distributed_config())
@@ -55,7 +68,11 @@ class RequestFailedError(RuntimeError):
     """A request failed inside the engine (its step or its output processing); the other requests went on."""
 
 
-def _as_list(prompts) -> list:
+# A prompt: text, or a dict {"prompt": text} / {"prompt_token_ids": [...]}
+Prompt = str | dict
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
@@ -68,36 +85,55 @@ class LLM:
 
     LLM()                                   the embedded default model (SmolLM2-135M-Instruct)
     LLM(model="dir_or.gguf", block_size=16, max_num_seqs=64, kv_cache_memory="2GiB", dtype="float32")
+    LLM(model="dir_or.gguf", config=EngineConfig(...), seed=1)     keywords replace the config's fields
     LLM.from_params(model_config, params, tokenizer, ...)   an in-memory params pytree (e.g. after fine-tuning)
     LLM.from_model(module, tokenizer=..., ...)              any flax.nnx module that follows the model contract
+
+    The engine options are `EngineConfig`'s fields (`EngineOptions` types them for checkers and IDEs); an unknown
+    one is a ValueError naming it, before anything loads. Building an LLM changes no process-wide setting: JAX's
+    persistent compilation cache is turned on only with `compilation_cache_dir`.
     """
 
-    def __init__(self, model: str | None = None, **engine_options):
-        self.engine = load_engine(model, **engine_options)
+    engine: Engine
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **options: Unpack[EngineOptions]) -> None:
+        self.engine = load_engine(model, config, **options)
         self._ids = itertools.count()
 
     @classmethod
-    def from_params(cls, model_config: ModelConfig, params: dict, tokenizer=None, **engine_options) -> LLM:
-        self = cls.__new__(cls)
-        self.engine = Engine(model_config, params, tokenizer, _engine_config(engine_options))
-        self._ids = itertools.count()
-        return self
+    def from_params(cls, model_config: ModelConfig, params: dict | nnx.State,
+                    tokenizer: PreTrainedTokenizerBase | None = None, *, config: EngineConfig | None = None,
+                    **options: Unpack[EngineOptions]) -> LLM:
+        """A built-in architecture (`jaxpaged.models.families`: the Llama family, Gemma 3) from its `ModelConfig` and
+        parameters in the loader's layout: a nested dict of arrays or an `nnx.State` (e.g. `nnx.state(module,
+        nnx.Param)` after fine-tuning). The caller's params are not changed. Without a tokenizer, prompts are token
+        ids (`{"prompt_token_ids": [...]}`) and outputs carry no text."""
+        return cls._wrap(Engine(model_config, params, tokenizer, engine_config(dict(options), config)))
 
     @classmethod
-    def from_model(cls, model: nnx.Module, tokenizer=None, **engine_options) -> LLM:
+    def from_model(cls, model: nnx.Module, tokenizer: PreTrainedTokenizerBase | None = None, *,
+                   config: EngineConfig | None = None, **options: Unpack[EngineOptions]) -> LLM:
         """Serves your own `nnx.Module`: it follows the contract of `jaxpaged.models.contract` (called as
         `model(token_ids, kv_pool, md, attn) -> (hidden, kv_pool)`, with `model.logits(hidden)` and a `config`
-        holding the `ModelSpec` fields). Engine options as for `LLM(...)`; `dtype` casts its parameters."""
+        holding the `ModelSpec` fields). Engine options as for `LLM(...)`; `dtype` casts its parameters.
+        The module is left as it was: the engine splits it into its own state (sharing unchanged arrays), so the
+        caller may keep training or calling it."""
+        return cls._wrap(Engine.from_model(model, tokenizer, engine_config(dict(options), config)))
+
+    @classmethod
+    def _wrap(cls, engine: Engine) -> LLM:
         self = cls.__new__(cls)
-        self.engine = Engine.from_model(model, tokenizer, _engine_config(engine_options))
+        self.engine = engine
         self._ids = itertools.count()
         return self
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.engine.tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order.
 
@@ -157,7 +193,8 @@ class LLM:
                 self.engine.abort_request(rid)
         return [done[r.request_id] for r in requests]
 
-    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = True) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
         """Beam search per prompt, returned as vLLM does: each output's `sequences` are the beam_width hypotheses,
         best first, with the prompt's tokens and text included."""
         prompts = _as_list(prompts)
@@ -176,14 +213,15 @@ class LLM:
                                stop_reason=o.stop_reason)
             for o in out.outputs])
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template.
         tools: OpenAI function definitions, rendered by the template (as vLLM's `LLM.chat`; the text is returned as
         generated: constrain it with `SamplingParams(structured_outputs=...)` to get a valid call)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = cast(list[list[dict]], [messages] if isinstance(messages[0], dict) else messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, tools)}
                    for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -8,7 +8,7 @@ neutral value, with a 400 that names the field.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -44,6 +44,9 @@ class _Body(BaseModel):
 
     def check_unsupported(self) -> None:
         """Refuses values the body parses but this server does not implement (OpenAIError naming the field)."""
+
+
+_B = TypeVar("_B", bound=_Body)
 
 
 class StreamOptions(_Body):
@@ -326,7 +329,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """tool_choice "required" or a named function constrains the output to valid calls of the tools."""
-        from jaxpaged.entrypoints.tool_parsers import parameters_schema, required_schema
+        from jaxpaged.entrypoints.openai.tool_parsers import parameters_schema, required_schema
 
         structured, param = super().structured_output_request()
         mode = self.tool_mode
@@ -378,7 +381,7 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def parse_body(model: type[_Body], raw: bytes) -> _Body:
+def parse_body(model: type[_B], raw: bytes) -> _B:
     """Validates a JSON body; every failure is an OpenAIError (400) naming the field."""
     if not raw.strip():
         raise OpenAIError("the request body is empty; send a JSON object")

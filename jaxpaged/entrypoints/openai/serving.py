@@ -29,7 +29,7 @@ from jaxpaged.entrypoints.async_engine import (
     RequestGrammarError,
     RequestStream,
 )
-from jaxpaged.entrypoints.openai_protocol import (
+from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -37,8 +37,8 @@ from jaxpaged.entrypoints.openai_protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from jaxpaged.entrypoints.tokenization import PromptTokenizer
-from jaxpaged.entrypoints.tool_parsers import ToolCall, calls_from_required, tool_parser
+from jaxpaged.entrypoints.openai.tokenization import PromptTokenizer
+from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, calls_from_required, tool_parser
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import StructuredOutputsParams
 
