@@ -219,14 +219,16 @@ class BlockManager:
         table = self.tables.get(seq_id)
         have = self.seq_tokens.get(seq_id, 0)
         bs = self.block_size
-        if (table is not None and have < num_tokens <= len(table) * bs and num_tokens <= have + bs - have % bs
-                and self.refcount[table[(num_tokens - 1) // bs]] == 1):
-            # the new slots are in the last block the sequence already holds alone: nothing to allocate or copy
-            self.seq_tokens[seq_id] = num_tokens
-            self.num_device_tokens += num_tokens - have
-            if self.enable_prefix_caching and min(num_tokens, len(token_ids)) // bs > len(self.seq_hashes[seq_id]):
-                self._register_full_blocks(seq_id, token_ids)
-            return True
+        if table is not None and have < num_tokens <= len(table) * bs:
+            last = (num_tokens - 1) // bs
+            if last == have // bs and self.refcount[table[last]] == 1:
+                # the new slots are in the block the sequence writes now, which it holds alone: nothing to allocate
+                # or copy (a block that just filled with known tokens gets its prefix hash)
+                self.seq_tokens[seq_id] = num_tokens
+                self.num_device_tokens += num_tokens - have
+                if self.enable_prefix_caching and num_tokens % bs == 0 and len(token_ids) >= num_tokens:
+                    self._register_full_blocks(seq_id, token_ids)
+                return True
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} must be >= 0")
         if seq_id in self.cpu_tables:

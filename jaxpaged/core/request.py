@@ -152,11 +152,15 @@ class Request:
     # Each step's input depends on the previous step's token on the host (a grammar's bitmask, bad words of several
     # tokens, penalties' token counts, beam selection): its steps run synchronously. Set once, when it is made.
     needs_host_tokens: bool = dataclasses.field(init=False)
+    # Its sampled tokens need nothing but appending and the stop checks (no beams, grammar or log-probs): the step
+    # loop's fast path.
+    plain: bool = dataclasses.field(init=False)
 
     def __post_init__(self):
         p = self.params
         self.needs_host_tokens = (self.beam is not None or self.grammar is not None or p.has_penalties
                                   or any(len(w) > 1 for w in self.bad_words_ids))
+        self.plain = self.beam is None and self.grammar is None and p.logprobs is None
 
     @property
     def params(self) -> SamplingParams:

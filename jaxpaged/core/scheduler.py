@@ -208,14 +208,17 @@ class Scheduler:
         for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             starts.append(start)
-            seq.num_computed_tokens = start + n
-            extra = start + n - (len(seq.token_ids) + seq.num_placeholders)  # proposed tokens verified here
-            sampled = extra >= 0
-            samples.append(sampled)
-            num_spec.append(max(extra, 0))
-            drafts.append(sampled and seq.spec_lookahead > 0)
-            if sampled:
+            end = seq.num_computed_tokens = start + n
+            extra = end - len(seq.token_ids) - seq.num_placeholders  # proposed tokens verified here (if >= 0)
+            if extra >= 0:
                 seq.num_placeholders += 1
+                samples.append(True)
+                num_spec.append(extra)
+                drafts.append(seq.spec_lookahead > 0)
+            else:
+                samples.append(False)
+                num_spec.append(0)
+                drafts.append(False)
         out.removed, self._removed = self._removed, []
         out.changed_tables = self.block_manager.pop_changed_tables()
 
@@ -246,8 +249,12 @@ class Scheduler:
         for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
             self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
-        # new ones start; they may preempt newer requests for room, as decodes do.
-        for seq in [s for s in self.running if _prefilling(s)]:
+        # new ones start; they may preempt newer requests for room, as decodes do. (`Sequence.is_prefill`, inline:
+        # this scan runs over every running sequence at every step.)
+        prefilling = [s for s in self.running
+                      if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
+                      or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
+        for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
             if budget < unit:
@@ -321,13 +328,20 @@ class Scheduler:
         allocate = self.block_manager.allocate_slots
         out.is_prefill = False  # until a sequence verifies proposals: then the step is prefill-shaped
         budget, per_row = self._verify_budget()
+        seqs, num_new, running = out.seqs, out.num_new_tokens, SequenceStatus.RUNNING
         for seq in list(self.running):  # oldest first
-            num_tokens = len(seq.token_ids) + seq.num_placeholders
+            tokens = seq.token_ids
+            num_tokens = len(tokens) + seq.num_placeholders
             # `decodable`, inline: this loop runs for every running sequence at every step.
             if (num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens
-                    or num_tokens >= seq.token_limit or seq.status is not SequenceStatus.RUNNING):
+                    or num_tokens >= seq.token_limit or seq.status is not running):
                 continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
             spec = seq.spec_tokens
+            if not spec and not seq.spec_lookahead:  # a plain decode: one slot, most often in a block it holds
+                if allocate(seq.seq_id, tokens, num_tokens) or self._allocate_or_preempt(seq, num_tokens, out):
+                    seqs.append(seq)
+                    num_new.append(1)
+                continue
             if spec:  # speculative decoding: verify the proposals too, as far as the budget and the length allow
                 keep = max(0, min(len(spec), seq.token_limit - num_tokens - 1, budget, per_row))
                 del spec[keep:]
@@ -409,12 +423,6 @@ def _arrival(seq: Sequence) -> tuple[float, int]:
 def _seats(seq: Sequence) -> int:
     """The running seats a sequence takes: itself and the forks its request will make."""
     return 1 + seq.fork_pending + seq.extra_beams
-
-
-def _prefilling(seq: Sequence) -> bool:
-    """More than the last sampled token is missing from the cache (`Sequence.is_prefill`, inline)."""
-    num_tokens = len(seq.token_ids) + seq.num_placeholders
-    return num_tokens - seq.num_computed_tokens > 1 or num_tokens == seq.num_prompt_tokens
 
 
 def decodable(seq: Sequence) -> bool:

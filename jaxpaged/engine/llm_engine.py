@@ -26,7 +26,7 @@ from flax import nnx
 from jaxpaged.config import CacheConfig, ModelConfig
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.pool_view import MAX_CELLS, pool_view
-from jaxpaged.core.request import Request, Sequence
+from jaxpaged.core.request import Request, Sequence, SequenceStatus
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
@@ -482,12 +482,30 @@ class Engine:
         tokens = result.tokens.tolist()
         verifying = result.emitted is not None  # speculative decoding: a row emits one token or more
         generated = 0
+        finished = SequenceStatus.FINISHED
         for i, seq in enumerate(out.seqs):
-            if not out.samples[i]:
+            if not out.samples[i] or seq.status is finished:
                 continue
-            if seq.finished or seq.request_id not in requests:  # finished, aborted or failed after this step began
+            req = requests.get(seq.request_id)
+            if req is None:  # aborted or failed after this step began
                 continue
-            req = requests[seq.request_id]
+            if req.plain and not verifying:  # the common case, inline: this loop runs for every row of every step
+                token = tokens[i]
+                token_ids = seq.token_ids
+                token_ids.append(token)
+                seq.num_placeholders -= 1
+                generated += 1
+                if token in seq.stop_ids or len(token_ids) >= seq.token_limit:
+                    reason, stop_reason = self._stop(req, seq, token)
+                    if reason is not None:
+                        seq.stop_reason = stop_reason
+                        self.scheduler.finish(seq, reason)
+                        ended.add(req.request_id)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if req.streams or req.request_id in ended:
+                    touched[req.request_id] = req
+                continue
             try:
                 if req.beam is not None:
                     seq.num_placeholders -= 1  # a beam's token becomes a new beam's, chosen with its group
