@@ -10,8 +10,8 @@ commit before the persistent batch) runs the same workload in a subprocess besid
 Goal (issue #29): host time <= 1 ms per step at 256 sequences and <= 3 ms at 1024 on this project's CPU, hidden behind
 the device step by asynchronous scheduling. A cProfile of one configuration is printed at the end.
 
-Columns: `host` is the step loop's Python (schedule + prepare + output); `dispatch` is the compiled step's call, which on
-a CPU backend can run part of the step in the calling thread (XLA's CPU client), so it is shown apart; `wait` is the
+Columns: `host` is the step loop's Python (schedule + prepare + output); `dispatch` is the compiled step's call, which
+on a CPU backend can run part of the step in the calling thread (XLA's CPU client), so it is shown apart; `wait` is the
 host blocked on a step's tokens; `device` the compiled decode step replayed alone. On this 2-core CPU the "device" is
 the same two cores, so overlapping host and device work (async) mostly shares them: the overlap pays on an
 accelerator, where the host's time is otherwise the device's idle time.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import io
 import json
 import os
@@ -128,13 +129,15 @@ def device_step_ms(engine, calls: int = 20) -> float:
     return 1e3 * float(np.median(times[3:]))
 
 
+# Runs in the baseline's own tree (its jaxpaged first on sys.path); tiny_model's source is pasted in below, so nothing
+# of this checkout is imported there.
 BASELINE_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-sys.path.insert(0, sys.argv[2])
-from host_overhead import tiny_model
 from jaxpaged import LLM, SamplingParams
+assert __import__("jaxpaged").__file__.startswith(sys.argv[1]), "the baseline must import its own jaxpaged"
+# tiny_model
 num_seqs, steps, vocab, layers, hidden, prompt = map(int, sys.argv[3:9])
 config, params = tiny_model(vocab, layers, hidden)
 llm = LLM.from_params(config, params, None, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
@@ -168,8 +171,9 @@ def run_baseline(ref: str, num_seqs: int, steps: int, args) -> dict | None:
             return None
         try:
             script = os.path.join(tmp, "baseline.py")
+            head, body = BASELINE_SCRIPT.split("# tiny_model\n")
             with open(script, "w") as f:
-                f.write(BASELINE_SCRIPT)
+                f.write(head + inspect.getsource(tiny_model) + body)
             cmd = [sys.executable, script, tree, os.path.dirname(os.path.abspath(__file__)), str(num_seqs), str(steps),
                    str(args.vocab), str(args.layers), str(args.hidden), str(args.prompt)]
             done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree, timeout=1800)

@@ -573,8 +573,15 @@ class Engine:
 
     def _output(self, req: Request, finished: bool) -> EngineOutput:
         """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
+        seqs = req.seqs
+        if len(seqs) == 1 and req.plain and not finished:  # a streamed one-sequence request mid-way: the common case
+            seq = seqs[0]
+            start, done = seq.num_emitted, len(seq.token_ids) - seq.num_prompt_tokens
+            seq.num_emitted = done
+            delta = SeqDelta(0, seq.token_ids[seq.num_prompt_tokens + start:])
+            return EngineOutput(req.request_id, [delta], False, seq.num_cached_prompt_tokens, seq.first_token_time)
         deltas = []
-        for seq in req.seqs:
+        for seq in seqs:
             done = len(seq.token_ids) - seq.num_prompt_tokens
             if done == seq.num_emitted and not (finished and seq.finish_reason is not None):
                 continue
