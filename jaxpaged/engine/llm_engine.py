@@ -533,6 +533,7 @@ class Engine:
             **self.counters,
             **self.startup_times,
             **self.step_times,
+            **getattr(self.runner, "weight_info", {}),  # quantization, weight_bytes, weight_format(s)
         }
 
 

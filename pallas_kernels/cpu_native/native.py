@@ -40,7 +40,7 @@ from pallas_kernels.validation import KERNEL_DTYPES
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc", "argmax.cc"))
+                for name in ("paged_attention.cc", "matmul.cc", "norm.cc", "rope.cc", "argmax.cc", "qmatmul.cc"))
 HEADERS = tuple(os.path.join(os.path.dirname(SOURCES[0]), name) for name in ("work_queue.h", "vec_math.h"))
 SYMBOL = "JaxpagedPagedAttention"
 TARGET = "jaxpaged_paged_attention"
@@ -61,6 +61,8 @@ ROPE_SYMBOL = "JaxpagedRope"
 ROPE_TARGET = "jaxpaged_rope"
 ARGMAX_SYMBOL = "JaxpagedArgmax"
 ARGMAX_TARGET = "jaxpaged_argmax"
+QMATMUL_SYMBOL = "JaxpagedQMatmul"  # qmatmul.cc: quantized weights (Python side: quantized.py)
+QMATMUL_TARGET = "jaxpaged_qmatmul"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -137,6 +139,7 @@ def _load() -> None:
     jax.ffi.register_ffi_target(ADD_TARGET, jax.ffi.pycapsule(getattr(lib, ADD_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(getattr(lib, ROPE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(getattr(lib, ARGMAX_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(QMATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, QMATMUL_SYMBOL)), platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 
