@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.quant import is_quantized, qmatmul
+from jaxpaged.models.quant import is_quantized, qglu, qmatmul
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
 _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
@@ -113,6 +113,8 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
     is "silu" or "gelu_tanh" (the weights stacked or prepacked). Natively the roundings are the same (each product,
     act(gate), their product) and
     only act's float32 approximation differs from XLA's (an occasional bf16 rounding step)."""
+    if is_quantized(w_gate) and is_quantized(w_up):
+        return qglu(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
     if not is_quantized(w_gate) and uses_native(x, w_gate) and w_up.dtype == w_gate.dtype:
         from pallas_kernels.cpu_native import matmul_glu_native
 

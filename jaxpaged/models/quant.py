@@ -267,6 +267,20 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
     return y.astype(out_dtype)
 
 
+def qglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight, layer, activation: str, rows=None):
+    """act(x @ gate[layer]) * (x @ up[layer]) [M, N] in x's dtype (a gated MLP's first half): by one native call where
+    both are in the panel layout of one format, else as two `qmatmul`s and the activation in `jnp`."""
+    from jaxpaged.models.matmul import ACTIVATIONS
+
+    if gate.layout == up.layout == "panels" and gate.format == up.format and gate.shape == up.shape and \
+            NATIVE_MODE == "int8":
+        from pallas_kernels.cpu_native.quantized import qmatmul_glu_native
+
+        return qmatmul_glu_native(x, (gate.codes, gate.scales), (up.codes, up.scales), 0 if layer is None else layer,
+                                  rows, n=gate.n, bits=gate.bits, scale_mode=gate.scale_mode, activation=activation)
+    return ACTIVATIONS[activation](qmatmul(x, gate, layer, rows=rows)) * qmatmul(x, up, layer, rows=rows)
+
+
 # The native kernel's way to multiply (benchmarks/quantization.py --kernel measured both): int8 activations with
 # VPDPBUSD, at every row count.
 NATIVE_MODE = "int8"

@@ -63,6 +63,8 @@ ARGMAX_SYMBOL = "JaxpagedArgmax"
 ARGMAX_TARGET = "jaxpaged_argmax"
 QMATMUL_SYMBOL = "JaxpagedQMatmul"  # qmatmul.cc: quantized weights (Python side: quantized.py)
 QMATMUL_TARGET = "jaxpaged_qmatmul"
+QMATMUL_GLU_SYMBOL = "JaxpagedQMatmulGlu"
+QMATMUL_GLU_TARGET = "jaxpaged_qmatmul_glu"
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -140,6 +142,8 @@ def _load() -> None:
     jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(getattr(lib, ROPE_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(getattr(lib, ARGMAX_SYMBOL)), platform="cpu")
     jax.ffi.register_ffi_target(QMATMUL_TARGET, jax.ffi.pycapsule(getattr(lib, QMATMUL_SYMBOL)), platform="cpu")
+    jax.ffi.register_ffi_target(QMATMUL_GLU_TARGET, jax.ffi.pycapsule(getattr(lib, QMATMUL_GLU_SYMBOL)),
+                                platform="cpu")
     _state["lib"] = lib  # keep it loaded
     _state["path"] = path
 

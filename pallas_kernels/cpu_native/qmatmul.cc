@@ -22,6 +22,10 @@
 // 4 vectors, vector q's byte 4j + t holding k = 32b + 4q + t in its low nibble and k = 32b + 16 + 4q + t in its
 // high one. So one 64-byte load is 16 columns x 4 consecutive k (x 2 for 4 bits): what VPDPBUSD multiplies.
 //
+// JaxpagedQMatmulGlu is a gated MLP's first half in one call: out = act(x @ W_gate) * (x @ W_up), both weights of
+// one shape and format, act SiLU (0) or GELU-tanh (1), rounded as the unfused bf16 model rounds (each product,
+// act's every step, the product) when out is bfloat16; kInt8Dot only.
+//
 // Two ways to multiply (attr `mode`), measured by benchmarks/quantization.py --kernel:
 //   kInt8Dot (0)  as llama.cpp does: each row of x is quantized on the fly to int8 per block of 32 (d = max|x| / 127,
 //                 q = round(x / d)), and VPDPBUSD multiplies u (unsigned) by q (signed) 4 k at a time into int32;
@@ -70,6 +74,7 @@ constexpr int kRows = 8;               // rows per register block
 
 enum ScaleMode : int64_t { kChannel = 0, kBlockSym = 1, kBlockF16 = 2, kBlockF32 = 3 };
 enum Mode : int64_t { kInt8Dot = 0, kBf16Dot = 1 };
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // ---- scalar conversions ---------------------------------------------------------------------------------------------
 
@@ -124,6 +129,9 @@ struct QState {
   int64_t scale_mode = kBlockF16, mode = kInt8Dot;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
+  const uint8_t* up_codes = nullptr;  // a gated MLP's (JaxpagedQMatmulGlu): codes and scales are the gate's
+  const uint8_t* up_scales = nullptr;
+  int64_t act = -1;                   // kSilu, kGeluTanh for a gated MLP
   const void* x = nullptr;
   bool x_f32 = false;
   void* out = nullptr;
@@ -146,16 +154,18 @@ struct QState {
     if (kk >= k) return 0.0f;
     return x_f32 ? static_cast<const float*>(x)[r * k + kk] : Bf16ToFloat(static_cast<const uint16_t*>(x)[r * k + kk]);
   }
-  const uint8_t* GroupCodes(int64_t g) const { return codes + g * blocks * CodeBytes(bits); }
-  const uint8_t* BlockScales(int64_t g, int64_t b) const {
-    return scales + (scale_mode == kChannel ? g : g * blocks + b) * ScaleBytes(scale_mode);
+  const uint8_t* GroupCodes(int64_t g, bool up = false) const {
+    return (up ? up_codes : codes) + g * blocks * CodeBytes(bits);
+  }
+  const uint8_t* BlockScales(int64_t g, int64_t b, bool up = false) const {
+    return (up ? up_scales : scales) + (scale_mode == kChannel ? g : g * blocks + b) * ScaleBytes(scale_mode);
   }
   void Drain();
 };
 
 // s and m of column j of (group g, block b), scalar
-inline void ScaleAt(const QState& p, int64_t g, int64_t b, int64_t j, float* s, float* m) {
-  const uint8_t* at = p.BlockScales(g, b);
+inline void ScaleAt(const QState& p, int64_t g, int64_t b, int64_t j, float* s, float* m, bool up = false) {
+  const uint8_t* at = p.BlockScales(g, b, up);
   const float offset = p.bits == 4 ? 8.0f : 128.0f;
   switch (p.scale_mode) {
     case kChannel: {
@@ -197,8 +207,8 @@ float Dequantize(const QState& p, int u, float s, float m) {
 }
 
 // code of (k = 32 b + kk, column 16 g + j), scalar
-inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j) {
-  const uint8_t* c = p.GroupCodes(g) + b * CodeBytes(p.bits);
+inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j, bool up = false) {
+  const uint8_t* c = p.GroupCodes(g, up) + b * CodeBytes(p.bits);
   if (p.bits == 8) return c[(kk / 4) * 64 + j * 4 + kk % 4];
   const int64_t q = (kk % 16) / 4;
   const uint8_t byte = c[q * 64 + j * 4 + kk % 4];
@@ -244,7 +254,7 @@ void Bf16Row(QState& p, int64_t r) {  // kBf16Dot: x as bf16, zero-padded to kp
   }
 }
 
-// ---- phase 2, portable: plain loops, the same numbers as the vector paths up to float32 summation order --------------
+// ---- phase 2, portable: plain loops, the vector paths' numbers up to float32 summation order ----------------------
 
 void StoreValue(const QState& p, int64_t r, int64_t col, float v) {
   if (col >= p.n) return;
@@ -254,32 +264,54 @@ void StoreValue(const QState& p, int64_t r, int64_t col, float v) {
     static_cast<uint16_t*>(p.out)[r * p.n + col] = FloatToBf16(v);
 }
 
+[[maybe_unused]] inline float R(float f) { return Bf16ToFloat(FloatToBf16(f)); }  // rounded to bfloat16
+
+// act(g) as JAX computes it in bfloat16 (jax.nn.silu, jax.nn.gelu(approximate=True)): each operation in float32,
+// its result rounded to bfloat16 (`bf16`), in JAX's order; in float32 without the roundings otherwise.
+inline float Activate(int64_t act, float g, bool bf16) {
+  auto r = [bf16](float v) { return bf16 ? R(v) : v; };
+  if (act == kSilu) return r(g * r(1.0f / r(1.0f + r(std::exp(-g)))));
+  const float inner = r(g + r(r(r(g * g) * g) * (bf16 ? 0.0446777344f : 0.044715f)));
+  return r(g * r(r(r(std::tanh(r(inner * (bf16 ? 0.796875f : 0.7978845608f)))) + 1.0f) * 0.5f));
+}
+
+// One output of column (g, j), row r: the weight's (the up weight's with `up`) dot product with the row.
+float DotPlain(const QState& p, int64_t r, int64_t g, int64_t j, bool up) {
+  float acc = 0.0f, s = 0.0f, m = 0.0f;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    ScaleAt(p, g, b, j, &s, &m, up);
+    if (p.mode == kInt8Dot) {
+      int32_t dot = 0;
+      for (int64_t kk = 0; kk < kBlock; ++kk)
+        dot += CodeAt(p, g, b, kk, j, up) * static_cast<int32_t>(p.qx[r * p.kp + b * kBlock + kk]);
+      const float d = p.dx[r * p.blocks + b];
+      if (p.scale_mode == kChannel) {
+        acc = std::fma(static_cast<float>(dot), d, acc);
+      } else {
+        acc = std::fma(static_cast<float>(dot), s * d, acc);
+        acc = std::fma(m, p.sx[r * p.blocks + b], acc);
+      }
+    } else {
+      for (int64_t kk = 0; kk < kBlock; ++kk) {
+        const float w = Bf16ToFloat(FloatToBf16(Dequantize(p, CodeAt(p, g, b, kk, j, up), s, m)));
+        acc += Bf16ToFloat(p.xb[r * p.kp + b * kBlock + kk]) * w;
+      }
+    }
+  }
+  if (p.mode == kInt8Dot && p.scale_mode == kChannel) acc = s * (acc - 128.0f * p.sx_row[r]);
+  return acc;
+}
+
 [[maybe_unused]] void GroupPlain(const QState& p, int64_t r0, int64_t r1, int64_t g) {
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t j = 0; j < kGroup; ++j) {
-      float acc = 0.0f, s = 0.0f, m = 0.0f;
-      for (int64_t b = 0; b < p.blocks; ++b) {
-        ScaleAt(p, g, b, j, &s, &m);
-        if (p.mode == kInt8Dot) {
-          int32_t dot = 0;
-          for (int64_t kk = 0; kk < kBlock; ++kk)
-            dot += CodeAt(p, g, b, kk, j) * static_cast<int32_t>(p.qx[r * p.kp + b * kBlock + kk]);
-          const float d = p.dx[r * p.blocks + b];
-          if (p.scale_mode == kChannel) {
-            acc = std::fma(static_cast<float>(dot), d, acc);
-          } else {
-            acc = std::fma(static_cast<float>(dot), s * d, acc);
-            acc = std::fma(m, p.sx[r * p.blocks + b], acc);
-          }
-        } else {
-          for (int64_t kk = 0; kk < kBlock; ++kk) {
-            const float w = Bf16ToFloat(FloatToBf16(Dequantize(p, CodeAt(p, g, b, kk, j), s, m)));
-            acc += Bf16ToFloat(p.xb[r * p.kp + b * kBlock + kk]) * w;
-          }
-        }
+      float y = DotPlain(p, r, g, j, false);
+      if (p.act >= 0) {
+        const bool bf16 = !p.out_f32;
+        const float up = DotPlain(p, r, g, j, true);
+        y = Activate(p.act, bf16 ? R(y) : y, bf16) * (bf16 ? R(up) : up);
       }
-      if (p.mode == kInt8Dot && p.scale_mode == kChannel) acc = s * (acc - 128.0f * p.sx_row[r]);
-      StoreValue(p, r, g * kGroup + j, acc);
+      StoreValue(p, r, g * kGroup + j, y);
     }
   }
 }
@@ -306,8 +338,8 @@ inline void LoadCodes(const uint8_t* c, __m512i* w) {
 
 // s and m of (group, block) for 16 columns
 template <int Bits, int Scale>
-inline void LoadScales(const QState& p, int64_t g, int64_t b, __m512* s, __m512* m) {
-  const uint8_t* at = p.BlockScales(g, b);
+inline void LoadScales(const QState& p, int64_t g, int64_t b, bool up, __m512* s, __m512* m) {
+  const uint8_t* at = p.BlockScales(g, b, up);
   if constexpr (Scale == kChannel) {
     *s = _mm512_loadu_ps(at);
     *m = _mm512_mul_ps(*s, _mm512_set1_ps(-128.0f));
@@ -334,21 +366,21 @@ inline void StoreRow(const QState& p, int64_t r, int64_t g, __m512 y) {
                              (__m256i)_mm512_cvtneps_pbh(y));
 }
 
-// kInt8Dot: rows [r0, r0 + R) x the 16 columns of group g. Per block: the codes loaded (and unpacked) once, then per
-// row two chains of 4 VPDPBUSD (the row's 4-byte groups of q broadcast from memory) and the block's scaling.
+// kInt8Dot: the dot products of rows [r0, r0 + R) with the 16 columns of group g of the weight (the up weight with
+// `up`) into acc. Per block: the codes loaded (and unpacked) once, then per row two chains of 4 VPDPBUSD (the row's
+// 4-byte groups of q broadcast from memory) and the block's scaling.
 template <int R, int Bits, int Scale>
-__attribute__((noinline)) void Int8Rows(const QState& p, int64_t r0, int64_t g) {
-  __m512 acc[R];
+inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* acc) {
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* codes = p.GroupCodes(g);
+  const uint8_t* codes = p.GroupCodes(g, up);
   const int64_t step = CodeBytes(Bits);
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
-  if constexpr (Scale == kChannel) LoadScales<Bits, Scale>(p, g, 0, &s, &m);
+  if constexpr (Scale == kChannel) LoadScales<Bits, Scale>(p, g, 0, up, &s, &m);
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i w[8];
     LoadCodes<Bits>(codes + b * step, w);
-    if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g, b, &s, &m);
+    if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g, b, up, &s, &m);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int32_t* q = reinterpret_cast<const int32_t*>(p.qx.data() + (r0 + r) * p.kp + b * kBlock);
@@ -370,13 +402,73 @@ __attribute__((noinline)) void Int8Rows(const QState& p, int64_t r0, int64_t g) 
       }
     }
   }
+  if constexpr (Scale == kChannel) {
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    __m512 y = acc[r];
-    if constexpr (Scale == kChannel)
-      y = _mm512_mul_ps(s, _mm512_sub_ps(y, _mm512_set1_ps(128.0f * p.sx_row[r0 + r])));
-    StoreRow(p, r0 + r, g, y);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * p.sx_row[r0 + r])));
   }
+}
+
+inline __m512 RoundBf16(__m512 v) {  // float32 -> nearest-even bfloat16 -> float32
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// exp(x) on 16 lanes, x clamped to [-87, 88]: 2^n e^r, n = round(x / ln 2), e^r by Cephes' expf polynomial.
+inline __m512 Exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+  poly = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(poly, n);
+}
+
+// Activate's operations on 16 lanes (bf16: every result rounded to bfloat16, as JAX's bfloat16 computation).
+template <bool Bf16>
+inline __m512 ActVec(int64_t act, __m512 g) {
+  auto r = [](__m512 v) { return Bf16 ? RoundBf16(v) : v; };
+  const __m512 one = _mm512_set1_ps(1.0f);
+  if (act == kSilu) {
+    const __m512 e = r(Exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+    return r(_mm512_mul_ps(g, r(_mm512_div_ps(one, r(_mm512_add_ps(one, e))))));
+  }
+  const __m512 g3 = r(_mm512_mul_ps(r(_mm512_mul_ps(g, g)), g));
+  const __m512 inner = r(_mm512_add_ps(g, r(_mm512_mul_ps(g3, _mm512_set1_ps(Bf16 ? 0.0446777344f : 0.044715f)))));
+  const __m512 z = r(_mm512_mul_ps(inner, _mm512_set1_ps(Bf16 ? 0.796875f : 0.7978845608f)));
+  // tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2 |z|)
+  const __m512 e = Exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(z)));
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  t = r(_mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t));
+  return r(_mm512_mul_ps(g, r(_mm512_mul_ps(r(_mm512_add_ps(t, one)), _mm512_set1_ps(0.5f)))));
+}
+
+// Rows [r0, r0 + R) x group g: the plain product, or with Glu act(gate) * up (each product rounded to bfloat16
+// first when out is bfloat16, as the unfused bf16 model's are).
+template <int R, int Bits, int Scale, bool Glu>
+__attribute__((noinline)) void Int8Rows(const QState& p, int64_t r0, int64_t g) {
+  __m512 acc[R];
+  Int8Dots<R, Bits, Scale>(p, r0, g, false, acc);
+  if constexpr (Glu) {
+    __m512 up[R];
+    Int8Dots<R, Bits, Scale>(p, r0, g, true, up);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      if (p.out_f32)
+        acc[r] = _mm512_mul_ps(ActVec<false>(p.act, acc[r]), up[r]);
+      else
+        acc[r] = _mm512_mul_ps(ActVec<true>(p.act, RoundBf16(acc[r])), RoundBf16(up[r]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) StoreRow(p, r0 + r, g, acc[r]);
 }
 
 #if JAXPAGED_QMATMUL_BF16
@@ -412,7 +504,7 @@ __attribute__((noinline)) void Bf16Rows(const QState& p, int64_t r0, int64_t g) 
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i w[8];
     LoadCodes<Bits>(codes + b * CodeBytes(Bits), w);
-    LoadScales<Bits, Scale>(p, g, b, &s, &m);
+    LoadScales<Bits, Scale>(p, g, b, false, &s, &m);
     for (int q = 0; q < 8; ++q) {
       const __m512i regrouped = _mm512_permutexvar_epi8(pairs, w[q]);
       for (int h = 0; h < 2; ++h) {  // k = 4q + 2h, 4q + 2h + 1
@@ -447,6 +539,7 @@ template <int Bits, int Scale>
 void GroupFast(const QState& p, int64_t r0, int64_t r1, int64_t g) {
   int64_t r = r0;
 #if JAXPAGED_QMATMUL_BF16
+  if (p.mode == kBf16Dot && p.act >= 0) return GroupPlain(p, r0, r1, g);  // (qmatmul_glu_native asks for kInt8Dot)
   if (p.mode == kBf16Dot) {
     for (; r + kRows <= r1; r += kRows) Bf16Rows<kRows, Bits, Scale>(p, r, g);
     if (r < r1) WithRows<kRows - 1>(r1 - r, [&](auto rows) { Bf16Rows<rows, Bits, Scale>(p, r, g); });
@@ -455,8 +548,13 @@ void GroupFast(const QState& p, int64_t r0, int64_t r1, int64_t g) {
 #else
   if (p.mode == kBf16Dot) return GroupPlain(p, r0, r1, g);
 #endif
-  for (; r + kRows <= r1; r += kRows) Int8Rows<kRows, Bits, Scale>(p, r, g);
-  if (r < r1) WithRows<kRows - 1>(r1 - r, [&](auto rows) { Int8Rows<rows, Bits, Scale>(p, r, g); });
+  if (p.act >= 0) {
+    for (; r + kRows <= r1; r += kRows) Int8Rows<kRows, Bits, Scale, true>(p, r, g);
+    if (r < r1) WithRows<kRows - 1>(r1 - r, [&](auto rows) { Int8Rows<rows, Bits, Scale, true>(p, r, g); });
+    return;
+  }
+  for (; r + kRows <= r1; r += kRows) Int8Rows<kRows, Bits, Scale, false>(p, r, g);
+  if (r < r1) WithRows<kRows - 1>(r1 - r, [&](auto rows) { Int8Rows<rows, Bits, Scale, false>(p, r, g); });
 }
 
 template <int Bits>
@@ -517,10 +615,12 @@ void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state, int p
   state->cv.wait(lock, [&] { return state->done.load() == items; });
 }
 
-ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
-                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits, int64_t scale_mode,
-                       int64_t mode, ffi::Result<ffi::AnyBuffer> out) {
-  auto fail = [](const std::string& what) { return ffi::Error::InvalidArgument("qmatmul: " + what); };
+// Checks the shapes and dtypes and fills `p` (codes and scales at `layer`; a gated MLP's up weight, of the same shape
+// and format, with up_codes); an error names what does not fit.
+ffi::Error Setup(const char* name, ffi::AnyBuffer& x, ffi::Buffer<ffi::U8>& codes, ffi::AnyBuffer& scales,
+                 ffi::Buffer<ffi::U8>* up_codes, ffi::AnyBuffer* up_scales, int32_t layer, int32_t rows,
+                 int64_t bits, int64_t scale_mode, int64_t mode, ffi::Result<ffi::AnyBuffer>& out, QState& p) {
+  auto fail = [name](const std::string& what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
   auto xd = x.dimensions(), cd = codes.dimensions(), od = out->dimensions();
   if (bits != 4 && bits != 8) return fail("bits must be 4 or 8");
   if (scale_mode < kChannel || scale_mode > kBlockF32) return fail("scale_mode must be 0..3");
@@ -536,37 +636,76 @@ ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return fail("the shapes of x, codes and out do not fit: codes need ceil(N / 64) * 4 groups and ceil(K / 32) "
                 "blocks");
   const bool f16 = scale_mode == kBlockSym || scale_mode == kBlockF16;
-  if (scales.element_type() != (f16 ? ffi::F16 : ffi::F32))
-    return fail("scales must be float16 for scale modes 1 and 2, float32 for 0 and 3");
   const int64_t per_layer_scales = (scale_mode == kChannel ? groups : groups * blocks) * ScaleBytes(scale_mode);
-  if (static_cast<int64_t>(scales.size_bytes()) != num_layers * per_layer_scales)
-    return fail("scales do not fit codes and scale_mode");
+  const ffi::AnyBuffer* all_scales[2] = {&scales, up_scales};
+  for (const ffi::AnyBuffer* sc : all_scales) {
+    if (sc == nullptr) continue;
+    if (sc->element_type() != (f16 ? ffi::F16 : ffi::F32))
+      return fail("scales must be float16 for scale modes 1 and 2, float32 for 0 and 3");
+    if (static_cast<int64_t>(sc->size_bytes()) != num_layers * per_layer_scales)
+      return fail("scales do not fit codes and scale_mode");
+  }
+  if (up_codes && !std::equal(cd.begin(), cd.end(), up_codes->dimensions().begin(), up_codes->dimensions().end()))
+    return fail("the gate's and the up weight's codes must have one shape");
   const auto xt = x.element_type(), ot = out->element_type();
   if ((xt != ffi::BF16 && xt != ffi::F32) || (ot != ffi::BF16 && ot != ffi::F32))
     return fail("x and out must be bfloat16 or float32");
-  auto state = std::make_shared<QState>();
-  QState& p = *state;
-  const int64_t l = num_layers > 0 ? std::clamp<int64_t>(layer.typed_data()[0], 0, num_layers - 1) : 0;
-  p.m_all = m_all, p.m = std::clamp<int64_t>(rows.typed_data()[0], 0, m_all), p.k = k, p.n = n;
+  const int64_t l = num_layers > 0 ? std::clamp<int64_t>(layer, 0, num_layers - 1) : 0;
+  p.m_all = m_all, p.m = std::clamp<int64_t>(rows, 0, m_all), p.k = k, p.n = n;
   p.kp = blocks * kBlock, p.groups = groups, p.blocks = blocks, p.bits = static_cast<int>(bits);
   p.scale_mode = scale_mode, p.mode = mode;
-  p.codes = codes.typed_data() + l * groups * blocks * CodeBytes(bits);
+  const int64_t code_offset = l * groups * blocks * CodeBytes(bits);
+  p.codes = codes.typed_data() + code_offset;
   p.scales = static_cast<const uint8_t*>(scales.untyped_data()) + l * per_layer_scales;
+  if (up_codes) {
+    p.up_codes = up_codes->typed_data() + code_offset;
+    p.up_scales = static_cast<const uint8_t*>(up_scales->untyped_data()) + l * per_layer_scales;
+  }
   p.x = x.untyped_data(), p.x_f32 = xt == ffi::F32;
   p.out = out->untyped_data(), p.out_f32 = ot == ffi::F32;
   const size_t row_bytes = n * (p.out_f32 ? 4 : 2);
   std::memset(static_cast<char*>(p.out) + p.m * row_bytes, 0, (m_all - p.m) * row_bytes);
-  if (p.m == 0 || n == 0) return ffi::Error::Success();
-  if (mode == kInt8Dot) {
-    p.qx.resize(p.m * p.kp), p.dx.resize(p.m * blocks), p.sx.resize(p.m * blocks), p.sx_row.resize(p.m);
+  return ffi::Error::Success();
+}
+
+ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state) {
+  QState& p = *state;
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.mode == kInt8Dot) {
+    p.qx.resize(p.m * p.kp), p.dx.resize(p.m * p.blocks), p.sx.resize(p.m * p.blocks), p.sx_row.resize(p.m);
   } else {
     p.xb.resize(p.m * p.kp);
   }
   p.row_chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  p.panels = groups / kPanelGroups;
+  p.panels = p.groups / kPanelGroups;
   RunPhase(pool, state, 1, p.row_chunks);
   RunPhase(pool, state, 2, p.row_chunks * p.panels);
   return ffi::Error::Success();
+}
+
+ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
+                       ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits, int64_t scale_mode,
+                       int64_t mode, ffi::Result<ffi::AnyBuffer> out) {
+  auto state = std::make_shared<QState>();
+  if (auto e = Setup("qmatmul", x, codes, scales, nullptr, nullptr, layer.typed_data()[0], rows.typed_data()[0],
+                     bits, scale_mode, mode, out, *state);
+      e.failure())
+    return e;
+  return Run(pool, state);
+}
+
+ffi::Error QMatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> gate_codes,
+                          ffi::AnyBuffer gate_scales, ffi::Buffer<ffi::U8> up_codes, ffi::AnyBuffer up_scales,
+                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits, int64_t scale_mode,
+                          int64_t act, ffi::Result<ffi::AnyBuffer> out) {
+  if (act != kSilu && act != kGeluTanh) return ffi::Error::InvalidArgument("qmatmul_glu: act must be 0 or 1");
+  auto state = std::make_shared<QState>();
+  state->act = act;
+  if (auto e = Setup("qmatmul_glu", x, gate_codes, gate_scales, &up_codes, &up_scales, layer.typed_data()[0],
+                     rows.typed_data()[0], bits, scale_mode, kInt8Dot, out, *state);
+      e.failure())
+    return e;
+  return Run(pool, state);
 }
 
 }  // namespace
@@ -592,4 +731,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedQMatmul, QMatmulImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("scale_mode")
                                   .Attr<int64_t>("mode")
+                                  .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedQMatmulGlu, QMatmulGluImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // gate codes
+                                  .Arg<ffi::AnyBuffer>()          // gate scales
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // up codes
+                                  .Arg<ffi::AnyBuffer>()          // up scales
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("scale_mode")
+                                  .Attr<int64_t>("act")
                                   .Ret<ffi::AnyBuffer>());        // out

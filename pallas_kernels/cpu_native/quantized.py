@@ -32,13 +32,7 @@ def qmatmul_has_bf16_dot() -> bool:
     return native.available() and bool(native._state["lib"].JaxpagedQMatmulHasBf16Dot())
 
 
-def qmatmul_native(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0,
-                   rows: jax.Array | int | None = None, *, n: int, bits: int, scale_mode: int, mode: str = "int8",
-                   out_dtype=None) -> jax.Array:
-    """See the module docstring; raises ValueError naming what does not fit."""
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+def _check(x, codes, n: int, bits: int, out_dtype) -> None:
     if x.ndim != 2 or x.dtype not in (jnp.bfloat16, jnp.float32):
         raise ValueError(f"x must be [M, K] bfloat16 or float32, got {x.dtype}{list(x.shape)}")
     if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
@@ -53,10 +47,42 @@ def qmatmul_native(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax
                          "ceil(N / 64) * 4 groups of 16 columns and ceil(K / 32) blocks of 32")
     if not native.available():
         raise RuntimeError(f"the native CPU kernels are unavailable: {native.unavailable_reason()}")
+
+
+def qmatmul_native(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0,
+                   rows: jax.Array | int | None = None, *, n: int, bits: int, scale_mode: int, mode: str = "int8",
+                   out_dtype=None) -> jax.Array:
+    """See the module docstring; raises ValueError naming what does not fit."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    _check(x, codes, n, bits, out_dtype)
     i32 = native._int32
     call = jax.ffi.ffi_call(native.QMATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), out_dtype))
     return call(x, codes, scales, i32("layer", layer, 0), i32("rows", x.shape[0] if rows is None else rows, 0),
                 bits=np.int64(bits), scale_mode=np.int64(scale_mode), mode=np.int64(MODES[mode]))
+
+
+GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def qmatmul_glu_native(x: jax.Array, gate: tuple[jax.Array, jax.Array], up: tuple[jax.Array, jax.Array],
+                       layer: jax.Array | int = 0, rows: jax.Array | int | None = None, *, n: int, bits: int,
+                       scale_mode: int, activation: str = "silu") -> jax.Array:
+    """act(x @ W_gate) * (x @ W_up) [M, N] in x's dtype, in one call (mode "int8"); gate and up are (codes, scales)
+    of one shape and format. With bfloat16 x, rounded as the unfused bfloat16 computation: each product, act's every
+    step (JAX's order, float32 exp and tanh approximations), the product."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(GLU_ACTIVATIONS)}, got {activation!r}")
+    if gate[0].shape != up[0].shape or gate[1].shape != up[1].shape:
+        raise ValueError(f"the gate's and the up weight's arrays must have one shape, got {gate[0].shape}, "
+                         f"{gate[1].shape} and {up[0].shape}, {up[1].shape}")
+    _check(x, gate[0], n, bits, x.dtype)
+    i32 = native._int32
+    call = jax.ffi.ffi_call(native.QMATMUL_GLU_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
+    return call(x, gate[0], gate[1], up[0], up[1], i32("layer", layer, 0),
+                i32("rows", x.shape[0] if rows is None else rows, 0), bits=np.int64(bits),
+                scale_mode=np.int64(scale_mode), act=np.int64(GLU_ACTIVATIONS[activation]))
 
 
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -83,4 +109,5 @@ def reference_int8(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return xq @ np.asarray(w, np.float64)
 
 
-__all__ = ["qmatmul_native", "qmatmul_is_fast", "qmatmul_has_bf16_dot", "quantize_activations", "reference_int8"]
+__all__ = ["qmatmul_native", "qmatmul_glu_native", "qmatmul_is_fast", "qmatmul_has_bf16_dot", "quantize_activations",
+           "reference_int8"]
