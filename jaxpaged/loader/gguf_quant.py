@@ -10,9 +10,11 @@ Kept as they are (the codes and scales of the file, re-laid out only):
   Q4_K   4-bit codes, per 256: float16 d, dmin; per 32: 6-bit scale and min -> "q4_k": s = d sc and m = -dmin mn
          per 32, exact in float32 (11 x 6 significant bits)
   Q5_0   5-bit codes, float16 scale per 32                      -> "q8_0", widened to 8-bit codes (u = q + 112), exact
-Every other type (Q6_K of Q4_K_M files, Q5_1, Q5_K, Q2_K, Q3_K, F16, F32, ...) cannot be kept: it is dequantized
+Every other quantized type (Q6_K of Q4_K_M files, Q5_1, Q5_K, Q2_K, Q3_K, IQ*) cannot be kept: it is dequantized
 and stored re-quantized as 8-bit codes with a float32 scale and min per 32 ("q8_k"), with a warning naming the type
-(the 8-bit step is a quarter of a 6-bit one: close to the file, not equal to it).
+(the 8-bit step is a quarter of a 6-bit one: close to the file, not equal to it). Tensors the file holds in a float
+type (F32, F16, BF16) stay full width, as the file has them; only where such a layer shares a stack with quantized
+layers is it re-quantized the same way (with the warning).
 A stacked weight has one format for all its layers (the kernel reads layer `i` of one array): when a file mixes
 types across layers (Q4_K_M: ffn_down in Q4_K and Q6_K, attn_v in Q5_0 and Q8_0), the layers are widened to the
 smallest common form (8-bit codes; float16, then float32 scales), which holds the kept types exactly.
@@ -106,9 +108,15 @@ def requantize8(w: np.ndarray, source: str) -> Planes:
     return Planes(u.reshape(n, kp), np.stack([s, lo], axis=-1), 8, BLOCK_F32, source)
 
 
-def tensor_planes(tensor) -> Planes:
-    """One GGUF matrix (GGUF shape [K, N]: torch's [N, K]) as Planes, kept where its type allows (module docstring)."""
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+def tensor_planes(tensor) -> Planes | None:
+    """One GGUF matrix (GGUF shape [K, N]: torch's [N, K]) as Planes, kept where its type allows (module docstring);
+    None for a float type (full width in the file)."""
     kind = tensor.tensor_type.name
+    if kind in FLOAT_TYPES:
+        return None
     if kind == "Q8_0":
         b = _blocks(tensor, 34)
         u = (b[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)  # [N, B, 32]
@@ -178,18 +186,40 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
     norm_shift = 1.0 if config.rms_norm_unit_offset else 0.0
     shapes = expected_shapes(config)
 
+    params: dict = {"layers": {}}
+    lost: dict[str, list[str]] = {}
+
     def tensor(name: str, layer: int | None):
         key = _TENSORS[name].format(i=layer)
         if key not in tensors:
             raise ValueError(f"missing tensor {key!r} in {path}")
         return tensors[key]
 
-    def planes(name: str, layer: int | None) -> Planes:
+    def rows(name: str, a: np.ndarray) -> np.ndarray:
+        """[N, ...] with llama.cpp's q/k row permute undone (rows are output channels)."""
+        if permuted and name in ("wq", "wk"):
+            return _unpermute(a, config.num_heads if name == "wq" else config.num_kv_heads)
+        return a
+
+    def planes(name: str, layer: int | None) -> Planes | None:
         p = tensor_planes(tensor(name, layer))
-        if permuted and name in ("wq", "wk"):  # rows are output channels: llama.cpp's permute undone on them
-            heads = config.num_heads if name == "wq" else config.num_kv_heads
-            p = dataclasses.replace(p, codes=_unpermute(p.codes, heads), scales=_unpermute(p.scales, heads))
-        return p
+        return p if p is None else dataclasses.replace(p, codes=rows(name, p.codes), scales=rows(name, p.scales))
+
+    def quantized(name: str, layers: list[int | None], shape: tuple[int, ...]):
+        """The stack (or one tensor) as a QuantizedWeight; full width (float32) when every part is a float type."""
+        parts = [planes(name, i) for i in layers]
+        if all(p is None for p in parts):
+            dense_parts = [rows(name, dense(name, i)) for i in layers]
+            a = dense_parts[0] if layers == [None] else np.stack(dense_parts)
+            return a if name == "embed" else np.ascontiguousarray(np.swapaxes(a, -1, -2))  # [*, K, N] for x @ w
+        for j, (i, p) in enumerate(zip(layers, parts, strict=True)):
+            if p is None:  # a float layer among quantized ones
+                t = tensor(name, i)
+                parts[j] = requantize8(rows(name, np.asarray(dequantize(t), np.float32)), t.tensor_type.name)
+        for i, p in zip(layers, parts, strict=True):
+            if p.source not in KEPT_TYPES:
+                lost.setdefault(p.source, []).append(_TENSORS[name].format(i=i))
+        return stacked_weight(parts, shape, table=name == "embed")
 
     def dense(name: str, layer: int | None) -> np.ndarray:
         a = dequantize(tensor(name, layer))
@@ -199,23 +229,14 @@ def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
             a = a - np.float32(norm_shift)
         return np.ascontiguousarray(a, np.float32)
 
-    params: dict = {"layers": {}}
-    lost: dict[str, list[str]] = {}
     for name in global_names(config):
         if name in QUANTIZED_GLOBALS:
-            p = planes(name, None)
-            params[name] = stacked_weight([p], shapes[name], table=name == "embed")
-            if p.source not in KEPT_TYPES:
-                lost.setdefault(p.source, []).append(_TENSORS[name])
+            params[name] = quantized(name, [None], shapes[name])
         else:
             params[name] = dense(name, None)
     for name in layer_names(config):
         if name in LAYER_MATRICES:
-            per_layer = [planes(name, i) for i in range(config.num_layers)]
-            for i, p in enumerate(per_layer):
-                if p.source not in KEPT_TYPES:
-                    lost.setdefault(p.source, []).append(_TENSORS[name].format(i=i))
-            params["layers"][name] = stacked_weight(per_layer, shapes["layers"][name])
+            params["layers"][name] = quantized(name, list(range(config.num_layers)), shapes["layers"][name])
         else:
             params["layers"][name] = np.stack([dense(name, i) for i in range(config.num_layers)])
     for kind, names in lost.items():

@@ -219,7 +219,7 @@ inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j, 
 
 // Row r quantized per block of 32 (kInt8Dot): d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)), all in float32
 // (quantized.py's reference repeats these operations).
-void QuantizeRow(QState& p, int64_t r) {
+[[maybe_unused]] void QuantizeRow(QState& p, int64_t r) {
   int8_t* q = p.qx.data() + r * p.kp;
   float total = 0.0f;
   for (int64_t b = 0; b < p.blocks; ++b) {
@@ -242,6 +242,39 @@ void QuantizeRow(QState& p, int64_t r) {
   p.sx_row[r] = total;
 }
 
+#if JAXPAGED_QMATMUL_VNNI
+// QuantizeRow's operations on 16 lanes (the same numbers: max, one division, the product rounded to nearest even).
+void QuantizeRowVec(QState& p, int64_t r) {
+  int8_t* q = p.qx.data() + r * p.kp;
+  float total = 0.0f;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512 v[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t k0 = b * kBlock + 16 * h;
+      const int64_t left = std::clamp<int64_t>(p.k - k0, 0, 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << left) - 1);
+      if (p.x_f32) {
+        v[h] = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p.x) + r * p.k + k0);
+      } else {
+        const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p.x) + r * p.k + k0);
+        v[h] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], _mm512_set1_ps(id)));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    p.dx[r * p.blocks + b] = d;
+    p.sx[r * p.blocks + b] = d * static_cast<float>(sum);
+    total += p.sx[r * p.blocks + b];
+  }
+  p.sx_row[r] = total;
+}
+#endif
+
 void Bf16Row(QState& p, int64_t r) {  // kBf16Dot: x as bf16, zero-padded to kp
   uint16_t* out = p.xb.data() + r * p.kp;
   for (int64_t kk = 0; kk < p.kp; ++kk) {
@@ -252,6 +285,15 @@ void Bf16Row(QState& p, int64_t r) {  // kBf16Dot: x as bf16, zero-padded to kp
     else
       out[kk] = static_cast<const uint16_t*>(p.x)[r * p.k + kk];
   }
+}
+
+void PrepareRow(QState& p, int64_t r) {
+  if (p.mode == kBf16Dot) return Bf16Row(p, r);
+#if JAXPAGED_QMATMUL_VNNI
+  QuantizeRowVec(p, r);
+#else
+  QuantizeRow(p, r);
+#endif
 }
 
 // ---- phase 2, portable: plain loops, the vector paths' numbers up to float32 summation order ----------------------
@@ -585,7 +627,7 @@ void QState::Drain() {
     const int64_t r0 = (phase == 1 ? i : i / panels) * kChunkRows;
     const int64_t r1 = std::min(r0 + kChunkRows, m);
     if (phase == 1) {
-      for (int64_t r = r0; r < r1; ++r) mode == kInt8Dot ? QuantizeRow(*this, r) : Bf16Row(*this, r);
+      for (int64_t r = r0; r < r1; ++r) PrepareRow(*this, r);
     } else {
       const int64_t g0 = (i % panels) * kPanelGroups;
       for (int64_t g = g0; g < std::min(g0 + kPanelGroups, groups); ++g) Group(*this, r0, r1, g);
@@ -678,7 +720,11 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state) {
   }
   p.row_chunks = (p.m + kChunkRows - 1) / kChunkRows;
   p.panels = p.groups / kPanelGroups;
-  RunPhase(pool, state, 1, p.row_chunks);
+  if (p.row_chunks == 1) {  // a decode step's few rows: prepared here, no helper woken for them
+    for (int64_t r = 0; r < p.m; ++r) PrepareRow(p, r);
+  } else {
+    RunPhase(pool, state, 1, p.row_chunks);
+  }
   RunPhase(pool, state, 2, p.row_chunks * p.panels);
   return ffi::Error::Success();
 }
