@@ -222,3 +222,27 @@ def test_plain_loop_build_gives_the_vector_paths_numbers(fmt, mode):
     want = np.asarray(quant.qmatmul(x, p, 1, jnp.float32, rows=7, mode="int8" if mode == 0 else "bf16"))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not got[7:].any()
+
+
+def test_many_calls_over_several_row_chunks_all_finish():
+    """Calls of 300 rows run in 3 chunks and 2 phases over XLA's thread pool, whose helpers may start late; every
+    call must finish (a subprocess with a time limit, so a hang fails instead of stalling the suite)."""
+    script = """
+import jax, jax.numpy as jnp, numpy as np
+from jaxpaged.models import quant
+rng = np.random.default_rng(0)
+w = rng.standard_normal((2, 96, 200)).astype(np.float32)
+qw = jax.tree.map(jnp.asarray, quant.to_panels(quant.quantize_int8(w)))
+x = jnp.asarray(rng.standard_normal((300, 96)), jnp.bfloat16)
+f = jax.jit(lambda x: quant.qmatmul(x, qw, 1))
+want = np.asarray(f(x))
+for _ in range(300):
+    assert np.array_equal(np.asarray(f(x)), want)
+print("ok")
+"""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=root)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

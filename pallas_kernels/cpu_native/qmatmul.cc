@@ -141,14 +141,7 @@ struct QState {
   std::vector<int8_t> qx;
   std::vector<float> dx, sx, sx_row;
   std::vector<uint16_t> xb;
-  int phase = 0;
   int64_t row_chunks = 0, panels = 0;
-  // work sharing with XLA's thread pool helpers (they may start late: they hold this state by shared_ptr)
-  int64_t total = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
 
   float XAt(int64_t r, int64_t kk) const {
     if (kk >= k) return 0.0f;
@@ -160,7 +153,6 @@ struct QState {
   const uint8_t* BlockScales(int64_t g, int64_t b, bool up = false) const {
     return (up ? up_scales : scales) + (scale_mode == kChannel ? g : g * blocks + b) * ScaleBytes(scale_mode);
   }
-  void Drain();
 };
 
 // s and m of column j of (group g, block b), scalar
@@ -622,39 +614,51 @@ void Group(const QState& p, int64_t r0, int64_t r1, int64_t g) { GroupPlain(p, r
 
 // ---- work sharing ---------------------------------------------------------------------------------------------------
 
-void QState::Drain() {
-  for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-    const int64_t r0 = (phase == 1 ? i : i / panels) * kChunkRows;
-    const int64_t r1 = std::min(r0 + kChunkRows, m);
-    if (phase == 1) {
-      for (int64_t r = r0; r < r1; ++r) PrepareRow(*this, r);
-    } else {
-      const int64_t g0 = (i % panels) * kPanelGroups;
-      for (int64_t g = g0; g < std::min(g0 + kPanelGroups, groups); ++g) Group(*this, r0, r1, g);
-    }
-    if (done.fetch_add(1) + 1 == total) {
-      std::lock_guard<std::mutex> lock(mu);
-      cv.notify_all();
+// One phase's work items, shared by the calling thread and helper tasks of XLA's thread pool. Each phase has its own
+// counters: a helper that starts late (after its phase ended) finds nothing to claim and touches nothing, and holds
+// the state it reads by shared_ptr, so it may outlive the call.
+struct PhaseWork {
+  std::shared_ptr<QState> state;
+  int phase = 1;  // 1: the activations, per chunk of rows; 2: the products, per (chunk of rows, panel)
+  int64_t total = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  void Drain() {
+    QState& p = *state;
+    for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      const int64_t r0 = (phase == 1 ? i : i / p.panels) * kChunkRows;
+      const int64_t r1 = std::min(r0 + kChunkRows, p.m);
+      if (phase == 1) {
+        for (int64_t r = r0; r < r1; ++r) PrepareRow(p, r);
+      } else {
+        const int64_t g0 = (i % p.panels) * kPanelGroups;
+        for (int64_t g = g0; g < std::min(g0 + kPanelGroups, p.groups); ++g) Group(p, r0, r1, g);
+      }
+      if (done.fetch_add(1) + 1 == total) {
+        std::lock_guard<std::mutex> lock(mu);
+        cv.notify_all();
+      }
     }
   }
-}
+};
 
-// state->Drain() on the caller and on helpers of XLA's pool, `items` work items; returns when all are done.
+// `items` work items of `phase` on the caller and on helpers of XLA's pool; returns when all are done.
 void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state, int phase, int64_t items) {
-  state->phase = phase;
-  state->total = items;
-  state->next.store(0);
-  state->done.store(0);
+  auto work = std::make_shared<PhaseWork>();
+  work->state = state, work->phase = phase, work->total = items;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([state]() { state->Drain(); });
-  state->Drain();
-  for (int spin = 0; spin < 4000 && state->done.load(std::memory_order_acquire) != items; ++spin) {
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work->Drain(); });
+  work->Drain();
+  for (int spin = 0; spin < 4000 && work->done.load(std::memory_order_acquire) < items; ++spin) {
 #if JAXPAGED_QMATMUL_VNNI
     _mm_pause();
 #endif
   }
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == items; });
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->cv.wait(lock, [&] { return work->done.load() >= items; });
 }
 
 // Checks the shapes and dtypes and fills `p` (codes and scales at `layer`; a gated MLP's up weight, of the same shape
