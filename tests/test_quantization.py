@@ -196,14 +196,15 @@ def _layer_loop(qw):
     return run
 
 
-def test_gpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot():
-    """Lowered for CUDA (jax.export, no GPU needed): the loop reads the int8 codes and dequantizes one layer's
-    [N, K] right before the dot; no full-width copy of the stacked weight ([L, N, K] or [L, K, N] in bf16 or f32)
-    exists. (Whether XLA's GPU compiler then fuses the dequantization into the GEMM is decided at compile time,
-    which needs the GPU: see README, "Quantization".)"""
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platform):
+    """Lowered for CUDA and TPU (jax.export, no device needed): the loop reads the int8 codes and dequantizes one
+    layer's [N, K] right before the dot; no full-width copy of the stacked weight ([L, N, K] or [L, K, N] in bf16 or
+    f32) exists. (Whether XLA's compiler then fuses the dequantization into the GEMM is decided when it compiles
+    for the device, which needs it: see README, "Quantization".)"""
     qw = _plain_stack()
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
-    exported = jax.export.export(jax.jit(_layer_loop(qw)), platforms=["cuda"])(x)
+    exported = jax.export.export(jax.jit(_layer_loop(qw)), platforms=[platform])(x)
     text = exported.mlir_module()
     assert re.search(r"tensor<4x512x256xui8>", text)  # the codes, as stored
     assert not re.search(r"tensor<4x(512x256|256x512)x(bf16|f32)>", text)
