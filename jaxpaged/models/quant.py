@@ -150,6 +150,10 @@ def quantize_int8(w, table: bool = False) -> QuantizedWeight:
     layout); dequantized, q * s. numpy or jax arrays (float32 math either way)."""
     xp = _xp(w)
     dense_shape, compute_dtype = tuple(w.shape), str(np.dtype(w.dtype))
+    if xp is jnp and w.ndim == 3:  # a stacked device array: one layer at a time (float32 temporaries of one layer)
+        layers = [quantize_int8(w[i]) for i in range(w.shape[0])]
+        return QuantizedWeight(jnp.stack([q.codes for q in layers]), jnp.stack([q.scales for q in layers]), 8,
+                               CHANNEL, dense_shape, table, compute_dtype=compute_dtype, sources=("int8",))
     w = xp.asarray(w, xp.float32)
     if not table:
         w = xp.swapaxes(w, -1, -2)  # [*lead, N, K]
