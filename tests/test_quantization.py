@@ -201,7 +201,7 @@ def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platfo
     """Lowered for CUDA and TPU (jax.export, no device needed): the loop reads the int8 codes and dequantizes one
     layer's [N, K] right before the dot; no full-width copy of the stacked weight ([L, N, K] or [L, K, N] in bf16 or
     f32) exists. (Whether XLA's compiler then fuses the dequantization into the GEMM is decided when it compiles
-    for the device, which needs it: see README, "Quantization".)"""
+    for the device, which needs it: see README, "Quantized weights".)"""
     qw = _plain_stack()
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
     exported = jax.export.export(jax.jit(_layer_loop(qw)), platforms=[platform])(x)

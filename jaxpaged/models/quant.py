@@ -18,11 +18,11 @@ replaces: a matrix [*lead, K, N] used as x @ w (the layers' q/k/v/o/gate/up/down
   plain   codes [*lead, N, Kp * bits / 8] uint8 (4 bits: per block, byte j holds k = j low and k = j + 16 high),
           scales [*lead, N] f32 (channel), [*lead, N, B] f16 (sym), [*lead, N, B, 2] f16 / f32 (s, m)
           (Kp = 32 B = K rounded up to 32). What loaders and checkpoints hold; dequantized by `jnp` (GPU, TPU, and
-          CPUs without the native kernel), where XLA may fuse it into the dot (see README, "Quantization").
+          CPUs without the native kernel), where XLA may fuse it into the dot (see README, "Quantized weights").
   panels  the native CPU kernel's (pallas_kernels/cpu_native/qmatmul.cc): codes [*lead, G, B, 256 | 512], scales
           [*lead, G, 16] / [*lead, G, B, 16] / [*lead, G, B, 2, 16] with columns in groups of 16 (G a multiple of 4).
-          Made once at load by `to_panels` where every product runs natively; read nowhere else but by the kernel
-          and `embedding_rows`.
+          Made once at load by `to_panels` where every product runs natively; read by the kernel, and by
+          `embedding_rows` / `dequantize` (index arithmetic on the panels).
 """
 
 from __future__ import annotations
