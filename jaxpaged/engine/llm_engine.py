@@ -790,6 +790,7 @@ class Engine:
             **self.startup_times,
             "host_s": times.host_s,
             "device_wait_s": times.wait_s,
+            **getattr(self.runner, "weight_info", {}),  # quantization, weight_bytes, weight_format(s)
         }
 
 

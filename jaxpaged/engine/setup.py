@@ -94,6 +94,11 @@ class EngineConfig:
               "$JAXPAGED_COMPILATION_CACHE, else ~/.cache/jaxpaged/xla)")
     # "paged" allocates a block when the last one fills; "contiguous" reserves max_model_len slots per request up
     # front, the scheme of systems before PagedAttention (for the memory-waste benchmark)
+    quantization: str | None = _option(
+        None, "weights: None (full width in dtype; a GGUF file is dequantized at load), int8 (the layer matmuls and "
+              "the LM head int8 per output channel), gguf (a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K tensors kept as they "
+              "are); quantized weights stay quantized in device memory and are dequantized inside the matmul",
+        (None, "int8", "gguf"))
     kv_allocation: str = _option("paged", "paged, or contiguous (reserve max_model_len per request; benchmarks)",
                                  ("paged", "contiguous"))
 
@@ -104,6 +109,10 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size="
+                             f"{self.tensor_parallel_size} > 1 (the Megatron split of quantized weights is not "
+                             "implemented); use quantization=None or tensor_parallel_size=1")
         # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
         self.speculative()
         self.distributed_config()
@@ -232,7 +241,7 @@ def _kv_budget_bytes(cache: CacheConfig, block_bytes: int) -> int:
     return budget
 
 
-def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def split_model(model: nnx.Module, dtype, quantization: str | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """`nnx.split` once, at load: (graphdef, state) with floating-point parameters (`nnx.Param`) cast to `dtype` and
     every array on the default device. Other variables (e.g. a model's own constant buffers) keep their dtype.
 
@@ -240,28 +249,36 @@ def split_model(model: nnx.Module, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     the LM head (`llama.keep_transposed_head`: XLA CPU converts a transposed 16-bit weight to float32 every step),
     and where every step's matmuls run by the native CPU kernel (`model_runner.native_matmul_rows`), their stacked
     bfloat16 layer matrices and the LM head are prepacked in its layout (`models.matmul.prepack_layer_weights`,
-    `prepack_head`). `model` itself is left as it was."""
+    `prepack_head`). `model` itself is left as it was.
+
+    quantization="int8" quantizes the model first (`jaxpaged.quantize`); quantized weights (that, or a GGUF's kept
+    formats) are laid out for the native quantized matmul where it runs (`quant_setup.native_quantized`)."""
+    from jaxpaged.engine import quant_setup
     from jaxpaged.models import gemma3, llama
     from jaxpaged.models.matmul import prepack_head, prepack_layer_weights
     from jaxpaged.worker.step import native_matmul_rows
 
     built_in = isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM))
-    transpose = (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
-                 and jnp.dtype(dtype).itemsize == 2)
+    tied_16bit = (built_in and model.config.tie_word_embeddings and jax.default_backend() == "cpu"
+                  and jnp.dtype(dtype).itemsize == 2)
     prepack = built_in and jnp.dtype(dtype) == jnp.bfloat16 and native_matmul_rows(None) > 0
-    if transpose or prepack:
-        # The caller's module stays as it was (`LLM.from_model`): the head goes on a copy, which shares the arrays.
+    if tied_16bit or prepack or quantization == "int8":
+        # The caller's module stays as it was (`LLM.from_model`): quantization and the transposed head go on a copy,
+        # which shares the arrays.
         model = nnx.clone(model)
-    if transpose:
+    quant_setup.quantize_model(model, quantization)
+    if tied_16bit and not quant_setup.is_quantized(model.embed[...]):  # a quantized tied head needs no transpose
         llama.keep_transposed_head(model, dtype)
     if prepack and getattr(model, "head_t", None) is not None:
         model.head_t = llama.TransposedHead(prepack_head(model.head_t[...]))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def cast(x):
+        if quant_setup.is_quantized(x):
+            return x  # quant_setup.prepare_for_device places it
         return jnp.asarray(x, dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else jnp.asarray(x)
 
-    params = jax.tree.map(cast, params)
+    params = quant_setup.prepare_for_device(jax.tree.map(cast, params, is_leaf=quant_setup.is_quantized), dtype)
     if prepack:
         pure = prepack_layer_weights(nnx.to_pure_dict(params))
         if "lm_head" in pure:
@@ -336,7 +353,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
         logger.info("dtype auto: %s on %s%s", dtype.name, jax.default_backend(),
                     " (bfloat16 dot instructions)" if dtype == jnp.bfloat16 and jax.default_backend() == "cpu" else "")
     if mesh is None:
-        graphdef, state = split_model(model, dtype)
+        graphdef, state = split_model(model, dtype, config.quantization)
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
     attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
@@ -385,6 +402,9 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                           draft_layers=draft_layers)
     if mesh is not None:
         _log_device_bytes(runner)
+    from jaxpaged.engine import quant_setup
+
+    runner.weight_info = quant_setup.describe_weights(state, config.quantization)  # Engine.stats() reports it
     return runner, cache, sched, max_model_len
 
 

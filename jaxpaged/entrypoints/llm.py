@@ -55,8 +55,12 @@ def load_engine(model: str | None = None, config: EngineConfig | None = None,
 
     multihost.check_joined(config.distributed_config())
     multihost.check_mesh_spans_processes(config.tensor_parallel_size)
+    from jaxpaged.loader import check_quantization_source
+
+    check_quantization_source(model, config.quantization)
     t0 = time.perf_counter()
-    loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size)
+    loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size,
+                        quantization=config.quantization)
     load_s = time.perf_counter() - t0
     engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
     engine.startup_times["load_s"] = load_s

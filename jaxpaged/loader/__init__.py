@@ -30,12 +30,14 @@ from jaxpaged.loader.checkpoint import (
     CONFIG_NAME,
     PARAMS_DIR,
     is_checkpoint,
+    is_quantized_checkpoint,
     read_checkpoint,
     read_checkpoint_sharded,
     write_checkpoint,
 )
 from jaxpaged.loader.hf import SUPPORTED_MODEL_TYPES, is_hf_directory
 from jaxpaged.models import families
+from jaxpaged.models.quant import check_method, dequantize, is_quantized, map_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +80,13 @@ def numpy_dtype(dtype: str):
 
 def cast_params(params: dict, dtype) -> dict:
     """Every array as `dtype` (no copy for arrays already in it); a nested dict. Device arrays (a checkpoint
-    restored into a mesh's shardings) stay on their devices."""
+    restored into a mesh's shardings) stay on their devices; quantized weights as they are (their dtype is set when
+    the engine places them)."""
     def cast(v):
         if isinstance(v, dict):
             return cast_params(v, dtype)
+        if is_quantized(v):
+            return v
         if isinstance(v, jax.Array):
             return v if v.dtype == dtype else v.astype(dtype)
         return np.asarray(v).astype(dtype, copy=False)
@@ -89,14 +94,48 @@ def cast_params(params: dict, dtype) -> dict:
     return {k: cast(v) for k, v in params.items()}
 
 
+def check_quantization_source(path: str | None, quantization: str | None) -> None:
+    """Before anything loads: quantization="gguf" needs a .gguf file or a checkpoint holding quantized weights
+    (ValueError naming the option otherwise); any other value fits any source."""
+    check_method(quantization)
+    if quantization != "gguf":
+        return
+    path = path or default_model_path()
+    from jaxpaged.loader.gguf_file import is_gguf_file
+
+    if os.path.isfile(path) and is_gguf_file(path) or os.path.isdir(path) and is_quantized_checkpoint(path):
+        return
+    raise ValueError(f"quantization='gguf' keeps the quantized tensors of a GGUF file, and {path!r} is not one (nor a "
+                     "checkpoint saved from one); use quantization='int8' to quantize this model, or None")
+
+
+def _apply_quantization(params: dict, quantization: str | None, path: str) -> dict:
+    """A checkpoint's quantized weights for the requested `quantization`: dequantized for None (full-width weights
+    asked for), kept for "gguf" and for "int8" when they are int8; GGUF formats under "int8" are refused."""
+    found = {q.format for q in jax.tree.leaves(params, is_leaf=is_quantized) if is_quantized(q)}
+    if not found:
+        return params
+    if quantization is None:
+        logger.info("%s holds quantized weights (%s); quantization=None dequantizes them at load", path,
+                    ", ".join(sorted(found)))
+        return map_quantized(lambda q: np.asarray(dequantize(q, np.float32)), params)
+    if quantization == "int8" and found != {"int8"}:
+        raise ValueError(f"quantization='int8', but {path!r} holds weights in {', '.join(sorted(found))}: load it with "
+                         "quantization='gguf' (kept as they are) or None (dequantized)")
+    return params
+
+
 def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str | None = None,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
     """Loads `path`: a .gguf file, a Hugging Face directory (config.json + model.safetensors or a sharded index)
     or a checkpoint written by `save_checkpoint`; None loads the default model (`default_model_path()`).
     With tensor_parallel_size > 1, a checkpoint whose heads split evenly is restored straight into the mesh's
     shardings (device arrays); every other source gives host arrays that the engine places shard by shard.
-    Raises FileNotFoundError / ValueError naming the path and what is wrong with it."""
+    quantization="gguf" keeps a GGUF file's quantized matrices as they are (`gguf_quant`); a checkpoint's quantized
+    weights are kept for "gguf" / "int8" and dequantized for None. Raises FileNotFoundError / ValueError naming the
+    path and what is wrong with it."""
     np_dtype = numpy_dtype(dtype)
+    check_quantization_source(path, quantization)
     path = path or default_model_path()
     if not os.path.exists(path):
         raise FileNotFoundError(f"no model at {path!r}: give a .gguf file, a Hugging Face directory "
@@ -109,7 +148,7 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
                              "jaxpaged checkpoints are directories")
         from jaxpaged.loader.cache import load_gguf_cached
 
-        config, params, tokenizer = load_gguf_cached(path, cache_dir)
+        config, params, tokenizer = load_gguf_cached(path, cache_dir, quantized=quantization == "gguf")
     elif is_checkpoint(path):
         from jaxpaged.loader.tokenizer import directory_tokenizer
 
@@ -131,6 +170,7 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
         raise ValueError(f"{path!r} is a directory but neither a Hugging Face model (config.json + safetensors, "
                          f"model_type one of {', '.join(SUPPORTED_MODEL_TYPES)}) nor a jaxpaged checkpoint "
                          f"({CONFIG_NAME} + {PARAMS_DIR}/)")
+    params = _apply_quantization(params, quantization, path)
     return LoadedModel(config, families.param_state(config, cast_params(params, np_dtype)), tokenizer, path)
 
 

@@ -1,7 +1,8 @@
 """The cache of converted GGUF files: one jaxpaged checkpoint per (file name, size, mtime).
 
 Converting a GGUF is slow (dequantizing every tensor, and building a fast tokenizer from its vocabulary), so the
-first load writes the float32 params, config and tokenizer under the cache directory and later loads read them.
+first load writes the float32 params, config and tokenizer under the cache directory and later loads read them; with
+quantization="gguf", the kept-quantized params in an entry of their own.
 """
 
 from __future__ import annotations
@@ -22,27 +23,36 @@ def cache_root(cache_dir: str | None) -> str:
     return cache_dir or os.environ.get(CACHE_ENV) or os.path.join(os.getcwd(), "checkpoints")
 
 
-def cache_path(gguf_path: str, cache_dir: str | None) -> str:
-    """A changed file (size or mtime) gets a new entry; the old one stays until deleted by hand."""
+# The converted copy's format version for quantization="gguf" (its quantized weights' layout): a new version gets a
+# new entry instead of misreading an old one.
+QUANTIZED_VERSION = 1
+
+
+def cache_path(gguf_path: str, cache_dir: str | None, quantized: bool = False) -> str:
+    """A changed file (size or mtime) gets a new entry; the old one stays until deleted by hand. quantized: the
+    entry of its kept-quantized form (`quantization="gguf"`), beside the float32 one."""
     st = os.stat(gguf_path)
     name = os.path.basename(gguf_path)
     key = hashlib.sha256(f"{name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return os.path.join(cache_root(cache_dir), f"{name.removesuffix('.gguf')}-{key}")
+    suffix = f"-gguf{QUANTIZED_VERSION}" if quantized else ""
+    return os.path.join(cache_root(cache_dir), f"{name.removesuffix('.gguf')}-{key}{suffix}")
 
 
-def load_gguf_cached(path: str, cache_dir: str | None):
-    """(config, float32 params, tokenizer) for a GGUF file, converting it on the first call."""
+def load_gguf_cached(path: str, cache_dir: str | None, quantized: bool = False):
+    """(config, params, tokenizer) for a GGUF file, converting it on the first call: float32 params, or with
+    `quantized` its matrices kept in their quantized formats (`gguf_quant.load_gguf_quantized`)."""
     from jaxpaged.loader.tokenizer import directory_tokenizer, gguf_tokenizer
 
-    cached = cache_path(path, cache_dir)
+    cached = cache_path(path, cache_dir, quantized)
     if is_checkpoint(cached):
         logger.info("loading %s from its converted copy %s", path, cached)
         config, params = read_checkpoint(cached)
         return config, params, directory_tokenizer(cached)
     from jaxpaged.loader.gguf_file import load_gguf
+    from jaxpaged.loader.gguf_quant import load_gguf_quantized
 
     logger.info("converting %s (first load; the result is cached in %s)", path, cached)
-    config, params = load_gguf(path)
+    config, params = load_gguf_quantized(path) if quantized else load_gguf(path)
     tokenizer = gguf_tokenizer(path)
     try:
         write_checkpoint(cached, config, params, tokenizer)

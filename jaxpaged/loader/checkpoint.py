@@ -2,7 +2,8 @@
 one), model_config.json (ModelConfig fields) and the tokenizer's files (save_pretrained).
 
 This is both the cache of converted GGUF files (`checkpoints/` by default) and a format users write with
-`jaxpaged.loader.save_checkpoint`, e.g. after fine-tuning. The config is `model_config.json`, not `config.json`,
+`jaxpaged.loader.save_checkpoint`, e.g. after fine-tuning. Quantized weights are stored as they are: their codes and
+scales in params/, their format in quantization.json. The config is `model_config.json`, not `config.json`,
 so the directory is never mistaken for a Hugging Face one (transformers reads config.json when loading a tokenizer).
 """
 
@@ -20,11 +21,13 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models import families
+from jaxpaged.models.quant import QuantizedWeight, is_quantized
 
 logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "model_config.json"
 PARAMS_DIR = "params"
+QUANTIZATION_NAME = "quantization.json"  # path -> static fields of each QuantizedWeight (its arrays are in params/)
 
 
 def is_checkpoint(directory: str) -> bool:
@@ -65,6 +68,10 @@ def write_checkpoint(directory: str, config: ModelConfig, params: dict | nnx.Sta
             ckpt.save(os.path.join(tmp, PARAMS_DIR), state)
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=1)
+        quantized = quantized_meta(nnx.to_pure_dict(state) if isinstance(state, nnx.State) else state)
+        if quantized:
+            with open(os.path.join(tmp, QUANTIZATION_NAME), "w") as f:
+                json.dump(quantized, f, indent=1)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if os.path.isdir(directory):
@@ -87,6 +94,43 @@ def read_config(directory: str) -> ModelConfig:
     return ModelConfig(**cfg)
 
 
+def quantized_meta(params: dict, prefix: str = "") -> dict:
+    """{"layers/wq": QuantizedWeight.meta(), ...} for the quantized weights of a params dict (saved as they are: the
+    codes and scales as arrays, the format beside them in quantization.json)."""
+    out = {}
+    for key, value in params.items():
+        path = f"{prefix}{key}"
+        if is_quantized(value):
+            if value.layout != "plain":
+                raise ValueError(f"{path}: a checkpoint stores quantized weights in the plain layout, not "
+                                 f"{value.layout!r} (the engine's own copy for the native kernel)")
+            out[path] = value.meta()
+        elif isinstance(value, dict):
+            out.update(quantized_meta(value, f"{path}/"))
+    return out
+
+
+def _restore_quantized(directory: str, params: dict) -> dict:
+    """params with the arrays of each weight listed in quantization.json put back into a QuantizedWeight."""
+    meta_path = os.path.join(directory, QUANTIZATION_NAME)
+    if not os.path.isfile(meta_path):
+        return params
+    with open(meta_path) as f:
+        quantized = json.load(f)
+    for path, meta in quantized.items():
+        *parents, name = path.split("/")
+        node = params
+        for key in parents:
+            node = node[key]
+        arrays = node[name].get("value", node[name])  # Orbax gives a saved nnx variable back as {"value": ...}
+        node[name] = QuantizedWeight.from_meta(meta, arrays["codes"], arrays["scales"])
+    return params
+
+
+def is_quantized_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, QUANTIZATION_NAME))
+
+
 def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, dict] | None:
     """(config, params as a nested dict of jax.Arrays already split over `mesh`): Orbax reads each device's shard
     of each tensor straight into it (in `dtype`), so no device ever holds a whole split tensor. None when the model's
@@ -98,7 +142,8 @@ def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, d
 
     _quiet_orbax()
     config = read_config(directory)
-    if not tensor_parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split:
+    if not tensor_parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, mesh.size).is_plain_split or \
+            is_quantized_checkpoint(directory):
         return None
     _, abstract = nnx.split(families.abstract_model(config))
     pure = nnx.to_pure_dict(abstract)
@@ -112,12 +157,13 @@ def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, d
 
 
 def read_checkpoint(directory: str) -> tuple[ModelConfig, dict]:
-    """(config, params as a nested dict of numpy arrays in the dtype they were saved in; `families.param_state` makes
-    it the module's state). Restored untargeted, so each array keeps its saved dtype."""
+    """(config, params as a nested dict of numpy arrays in the dtype they were saved in, quantized weights as
+    `QuantizedWeight`s; `families.param_state` makes it the module's state). Restored untargeted, so each array
+    keeps its saved dtype."""
     import orbax.checkpoint as ocp
 
     _quiet_orbax()
     config = read_config(directory)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore(os.path.join(os.path.abspath(directory), PARAMS_DIR))
-    return config, _pure_numpy(params)
+    return config, _restore_quantized(directory, _pure_numpy(params))

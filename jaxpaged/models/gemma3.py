@@ -34,6 +34,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
 from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
+from jaxpaged.models.quant import embedding_rows
 from jaxpaged.models.rope import rope_qk
 
 NEG_INF = -1e30
@@ -131,7 +132,7 @@ def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window:
 def embed(params: dict, token_ids: jax.Array, config: ModelConfig) -> jax.Array:
     """token_ids [T] int32 -> [T, H] in the params' dtype, scaled by embedding_multiplier rounded to that dtype
     (HF multiplies by the scale cast to the weight dtype: 25.30 is 25.25 in bf16)."""
-    h = params["embed"][token_ids]
+    h = embedding_rows(params["embed"], token_ids)
     if config.embedding_multiplier != 1.0:
         h = h * jnp.asarray(config.embedding_multiplier, h.dtype)
     return h

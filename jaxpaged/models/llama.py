@@ -29,6 +29,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
+from jaxpaged.models.quant import embedding_rows, is_quantized
 from jaxpaged.models.rope import rope_qk
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 
@@ -78,7 +79,10 @@ def lm_head(model: nnx.Module) -> jax.Array:
     if not model.config.tie_word_embeddings:
         return model.lm_head[...]
     head_t = getattr(model, "head_t", None)
-    return head_t[...] if head_t is not None else model.embed[...].T
+    if head_t is not None:
+        return head_t[...]
+    embed = model.embed[...]
+    return embed if is_quantized(embed) else embed.T  # a quantized table multiplies as x @ table.T
 
 
 class LlamaDecoderLayer(nnx.Module):
@@ -170,7 +174,7 @@ class LlamaForCausalLM(nnx.Module):
                  attn: AttentionBackend, num_layers: int | None = None) -> tuple[jax.Array, KVPool]:
         """token_ids [T] int32 -> (hidden [T, H] before the final norm, kv_pool with the step's K/V written).
         num_layers: run only the first this many layers (a self-speculative draft: the same weights and pool)."""
-        h = self.embed[...][token_ids]  # [T, H]
+        h = embedding_rows(self.embed[...], token_ids)  # [T, H]
         inv_freq = jnp.asarray(rope_inv_freq(self.config))  # [D/2] f32, a constant of the architecture
         angles = jnp.maximum(md.positions, 0).astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
         cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]

@@ -4,6 +4,7 @@
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
     y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
     logits = head_matmul(h, head)         # h [S, H] @ head [H, V] (or prepacked) -> float32 logits
+    h = embedding_rows(table, token_ids)  # table [V, H] (full width or quantized) -> [T, H]
     prepack_layer_weights(state)          # the native kernels' layout for every stacked matrix, once at load
 
 `layer_matmul` is XLA's dot of the slice `w[layer]`, unless the step is traced inside `native_matmul(max_rows)`:
@@ -15,6 +16,10 @@ more than its arithmetic (benchmarks/step_anatomy.py). At prefill sizes the two 
 (benchmarks/matmul.py), and the native one writes its bf16 result directly. `layer_glu` is, under the same
 conditions, one native pass over both weights that writes act(gate) * up (`cpu_native.matmul_glu_native`): XLA
 would write both [M, N] products and read them back for the activation.
+
+Quantized weights (`jaxpaged.models.quant.QuantizedWeight`, `quantization="int8"` or `"gguf"`) take the same calls
+and are read in their quantized form: by the native kernel qmatmul.cc where the engine laid them out for it, else
+dequantized to x's dtype right before XLA's dot.
 
 `prepack_layer_weights` lays the stacked matrices out once, at load, as the native kernel reads them
 (`cpu_native.prepack_weight`, [L, N/32, K/2, 64]): a decode step's few rows then stream each weight from memory
@@ -31,6 +36,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxpaged.models.quant import is_quantized, qglu, qmatmul
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
 _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
@@ -83,12 +90,24 @@ def _layer(w: jax.Array, layer: jax.Array | int) -> jax.Array:
 
 
 def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
-    """x [M, K] @ w[layer] for w [L, K, N] stacked over layers (or prepacked); `matmul`'s numbers, in x's dtype."""
+    """x [M, K] @ w[layer] for w [L, K, N] stacked over layers (or prepacked, or a `quant.QuantizedWeight`: read in
+    its quantized form); `matmul`'s numbers, in x's dtype."""
+    if is_quantized(w):
+        return qmatmul(x, w, layer, rows=_live_rows(x))
     if uses_native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
     return matmul(x, _layer(w, layer))
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w [K, N] (full width, or a `quant.QuantizedWeight` read in its quantized form) in x's dtype: what
+    `jaxpaged.quantize`'s `QuantizedLinear` runs."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = qmatmul(x2, w, rows=_live_rows(x2)) if is_quantized(w) else matmul(x2, w)
+    return y.reshape(*lead, y.shape[-1])
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
@@ -99,7 +118,9 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
     is "silu" or "gelu_tanh" (the weights stacked or prepacked). Natively the roundings are the same (each product,
     act(gate), their product) and
     only act's float32 approximation differs from XLA's (an occasional bf16 rounding step)."""
-    if uses_native(x, w_gate) and w_up.dtype == w_gate.dtype:
+    if is_quantized(w_gate) and is_quantized(w_up):
+        return qglu(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
+    if not is_quantized(w_gate) and uses_native(x, w_gate) and w_up.dtype == w_gate.dtype:
         from pallas_kernels.cpu_native import matmul_glu_native
 
         return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
@@ -109,7 +130,10 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
 def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:
     """h [S, H] @ head [H, V] accumulated and returned in float32: the LM head. A head prepacked as a one-layer
     stack ([1, V/32, H/2, 64], `prepack_head`) runs natively inside `native_matmul` (bfloat16 h), on its live rows;
-    elsewhere XLA's dot (of the unpacked head)."""
+    elsewhere XLA's dot (of the unpacked head). A quantized head (`quant.QuantizedWeight`, a matrix or the tied
+    embedding table) is read in its quantized form."""
+    if is_quantized(head):
+        return qmatmul(h, head, None if head.table or not head.lead else 0, jnp.float32, rows=_live_rows(h))
     if head.ndim == 4 and uses_native(h, head):
         from pallas_kernels.cpu_native import matmul_native
 
@@ -131,6 +155,8 @@ def _prepacked_if_it_fits(w: jax.Array) -> jax.Array:
 def prepack_head(head: jax.Array) -> jax.Array:
     """A bfloat16 LM head [H, V] prepacked as a one-layer stack for `head_matmul` where its shape allows (H even, V a
     multiple of 32); else as it is."""
+    if is_quantized(head):
+        return head
     packed = _prepacked_if_it_fits(head[None]) if head.ndim == 2 else head
     return head if packed.ndim == 3 else packed
 
@@ -144,6 +170,6 @@ def prepack_layer_weights(state: dict) -> dict:
     N a multiple of 32); the rest as it is. For a step that runs its matmuls natively (`native_matmul`)."""
     layers = dict(state["layers"])
     for name in LAYER_MATRICES:
-        if name in layers:
+        if name in layers and not is_quantized(layers[name]):
             layers[name] = _prepacked_if_it_fits(layers[name])
     return {**state, "layers": layers}

@@ -1,0 +1,73 @@
+"""The engine's side of weight quantization at start-up: quantize or check the model for `EngineConfig.quantization`,
+lay quantized weights out for the kernel that multiplies them, and describe the weights (start-up log, stats()).
+
+Where the products run: on a CPU whose native quantized matmul has its AVX-512 VNNI path (`native_quantized`), by
+that kernel (pallas_kernels/cpu_native/qmatmul.cc) from the panel layout; elsewhere (GPU, TPU, other CPUs) the plain
+layout is dequantized by `jnp` inside the jitted step, next to XLA's dot (`jaxpaged.models.quant.qmatmul`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from flax import nnx
+
+from jaxpaged.models.quant import is_quantized, weight_summary
+from jaxpaged.models.quantize import prepare_for_device as _prepare
+from jaxpaged.models.quantize import quantize
+
+logger = logging.getLogger(__name__)
+
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k")
+
+
+def native_quantized() -> bool:
+    """Whether quantized products run by the native CPU kernel here (CPU backend, its VNNI path built)."""
+    if jax.default_backend() != "cpu":
+        return False
+    from pallas_kernels.cpu_native.quantized import qmatmul_is_fast
+
+    return qmatmul_is_fast()
+
+
+def _quantized_leaves(tree) -> list:
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_quantized) if is_quantized(x)]
+
+
+def quantize_model(model: nnx.Module, quantization: str | None) -> None:
+    """"int8": quantizes the model in place (`jaxpaged.quantize`; weights already quantized stay as they are).
+    "gguf": checks that the model holds a GGUF file's quantized weights (ValueError otherwise). None: nothing."""
+    if quantization == "int8":
+        quantize(model, "int8")
+    elif quantization == "gguf":
+        kept = [x for x in _quantized_leaves(nnx.state(model)) if x.format != "int8"]
+        if not kept:
+            raise ValueError("quantization='gguf' keeps the quantized tensors of a GGUF file, and this model holds "
+                             "none: load a .gguf file (or a checkpoint saved from one with quantization='gguf'), or "
+                             "use quantization='int8'")
+
+
+def prepare_for_device(params, dtype):
+    """The split params with every quantized weight in the layout its products run from, on the device."""
+    return _prepare(params, native_quantized(), dtype)
+
+
+def describe_weights(state, quantization: str | None) -> dict:
+    """{"quantization", "weight_bytes", "weight_format", "weight_formats": {format: bytes}} of the engine's state,
+    logged once: what the weights occupy as the device holds them (panel padding included)."""
+    summary = weight_summary(state)
+    quantized = [name for name in summary["weight_formats"] if name in GGUF_FORMATS + ("int8",)]
+    fmt = "+".join(quantized) if quantized else next(iter(summary["weight_formats"]), "none")
+    where = ""
+    if quantized:
+        where = "; products by the native CPU kernel (int8 activations, VPDPBUSD)" if native_quantized() else \
+            "; dequantized inside the step next to XLA's dot"
+    logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
+                ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
+                where)
+    return {"quantization": quantization, "weight_bytes": summary["weight_bytes"], "weight_format": fmt,
+            "weight_formats": summary["weight_formats"]}
+
+
+__all__ = ["native_quantized", "quantize_model", "prepare_for_device", "describe_weights", "is_quantized"]

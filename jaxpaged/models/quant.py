@@ -1,0 +1,356 @@
+"""Quantized weights: kept in their quantized form in device memory and dequantized inside the matmul.
+
+    qw = quantize_int8(w)                  # w [*lead, K, N] (x @ w) -> int8 per output channel, symmetric
+    y = qmatmul(x, qw, layer)              # x [M, K] @ w[layer] -> [M, N] in x's dtype (float32 accumulation)
+    h = embedding_rows(table, token_ids)   # a table [V, H] (dense or quantized) -> [T, H]
+    jaxpaged.quantize(module, "int8")      # a model's matrices in place (built-in modules, or any nnx.Linear)
+
+A `QuantizedWeight` stands where a full-width array stood in a model's parameters (inside its `nnx.Param`): a pytree
+of two arrays, the unsigned codes u and their scales, with the format as static data. Every weight w of column n,
+k in block b of 32 is w = s * u + m (see `SCALE_MODES`): int8 per output channel (u = q + 128, m = -128 s), GGUF's
+Q8_0 and Q4_0 (one float16 s per block, m = -offset s), Q4_1 (float16 s and m per block) and Q4_K (float32 s and m
+per block: its d * scale is exact in float32). What a GGUF file holds is re-laid out, not re-quantized
+(`jaxpaged.loader.gguf_quant`).
+
+Storage orientation: [*lead, N, K], output channels first, blocks along K (GGUF's), for both kinds of array it
+replaces: a matrix [*lead, K, N] used as x @ w (the layers' q/k/v/o/gate/up/down, an untied LM head) and a table
+[N, K] (an embedding: rows looked up, and x @ table.T when it is the tied LM head). Two layouts:
+  plain   codes [*lead, N, Kp * bits / 8] uint8 (4 bits: per block, byte j holds k = j low and k = j + 16 high),
+          scales [*lead, N] f32 (channel), [*lead, N, B] f16 (sym), [*lead, N, B, 2] f16 / f32 (s, m)
+          (Kp = 32 B = K rounded up to 32). What loaders and checkpoints hold; dequantized by `jnp` (GPU, TPU, and
+          CPUs without the native kernel), where XLA may fuse it into the dot (see README, "Quantized weights").
+  panels  the native CPU kernel's (pallas_kernels/cpu_native/qmatmul.cc): codes [*lead, G, B, 256 | 512], scales
+          [*lead, G, 16] / [*lead, G, B, 16] / [*lead, G, B, 2, 16] with columns in groups of 16 (G a multiple of 4).
+          Made once at load by `to_panels` where every product runs natively; read by the kernel, and by
+          `embedding_rows` / `dequantize` (index arithmetic on the panels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # k per block
+GROUP = 16  # columns per group of the panel layout
+PANEL_GROUPS = 4  # groups per native work item: G is a multiple of it
+
+# scale modes (qmatmul.cc's ScaleMode): w = s * (u - offset), or s * u + m
+CHANNEL, BLOCK_SYM, BLOCK_F16, BLOCK_F32 = 0, 1, 2, 3
+SCALE_MODES = {CHANNEL: "float32 s per column, m = -128 s", BLOCK_SYM: "float16 s per block, m = -offset s",
+               BLOCK_F16: "float16 s, m per block", BLOCK_F32: "float32 s, m per block"}
+FORMATS = {(8, CHANNEL): "int8", (8, BLOCK_SYM): "q8_0", (4, BLOCK_SYM): "q4_0", (4, BLOCK_F16): "q4_1",
+           (8, BLOCK_F16): "q8_1", (4, BLOCK_F32): "q4_k", (8, BLOCK_F32): "q8_k"}
+METHODS = (None, "int8", "gguf")  # EngineConfig.quantization's values
+
+
+def offset(bits: int, scale_mode: int) -> int:
+    """The code of weight zero where it is implicit (m = -offset s)."""
+    return 128 if bits == 8 or scale_mode == CHANNEL else 8
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"],
+                   meta_fields=["bits", "scale_mode", "dense_shape", "table", "layout", "compute_dtype", "sources"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized matrix or table; see the module docstring for the layouts. `shape`, `ndim` and `dtype` are those
+    of the full-width array it replaces (so shape checks and `x.ndim` tests of the models pass unchanged)."""
+
+    codes: jax.Array  # uint8, layout's shape
+    scales: jax.Array  # float16 or float32, layout's shape
+    bits: int  # 4 or 8
+    scale_mode: int  # CHANNEL, BLOCK_SYM, BLOCK_F16, BLOCK_F32
+    dense_shape: tuple[int, ...]  # [*lead, K, N] for a matrix, [N, K] for a table
+    table: bool = False
+    layout: str = "plain"  # or "panels"
+    compute_dtype: str = "float32"  # the dtype dequantized values take outside a matmul (embedding rows)
+    sources: tuple[str, ...] = ()  # what it was made from: GGUF tensor types, or "int8"
+
+    @property
+    def format(self) -> str:
+        return FORMATS[(self.bits, self.scale_mode)]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.dense_shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.dense_shape)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+    @property
+    def k(self) -> int:
+        return self.dense_shape[-1] if self.table else self.dense_shape[-2]
+
+    @property
+    def n(self) -> int:
+        return self.dense_shape[-2] if self.table else self.dense_shape[-1]
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return () if self.table else self.dense_shape[:-2]
+
+    @property
+    def nbytes(self) -> int:
+        scale_bytes = int(np.prod(self.scales.shape)) * np.dtype(self.scales.dtype).itemsize
+        return int(np.prod(self.codes.shape)) + scale_bytes
+
+    def __getitem__(self, key):
+        """`param[...]` of the `nnx.Param` holding it gives it back whole (the models read their params so)."""
+        if key is Ellipsis:
+            return self
+        raise TypeError("a QuantizedWeight is read by qmatmul / embedding_rows, not indexed; dequantize() it first")
+
+    def replace(self, **changes) -> QuantizedWeight:
+        return dataclasses.replace(self, **changes)
+
+    def meta(self) -> dict:
+        """Its static fields, JSON-ready (checkpoints store them beside the arrays)."""
+        return {"bits": self.bits, "scale_mode": self.scale_mode, "dense_shape": list(self.dense_shape),
+                "table": self.table, "layout": self.layout, "compute_dtype": self.compute_dtype,
+                "sources": list(self.sources)}
+
+    @classmethod
+    def from_meta(cls, meta: dict, codes, scales) -> QuantizedWeight:
+        return cls(codes, scales, int(meta["bits"]), int(meta["scale_mode"]), tuple(meta["dense_shape"]),
+                   bool(meta["table"]), meta["layout"], meta["compute_dtype"], tuple(meta["sources"]))
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, QuantizedWeight)
+
+
+def _xp(a):
+    return np if isinstance(a, np.ndarray) else jnp
+
+
+# ---- quantizing ------------------------------------------------------------------------------------------------------
+
+
+def check_method(quantization) -> None:
+    """ValueError naming `quantization` for a value it does not take."""
+    if quantization not in METHODS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use one of "
+                         f"{', '.join(map(repr, METHODS))}")
+
+
+def quantize_int8(w, table: bool = False) -> QuantizedWeight:
+    """Symmetric int8 per output channel of a full-width w: a matrix [*lead, K, N] (x @ w) or a table [N, K] (its rows
+    are the channels). s = max|w| / 127 per channel, q = round(w / s) in [-127, 127], stored as u = q + 128 (plain
+    layout); dequantized, q * s. numpy or jax arrays (float32 math either way)."""
+    xp = _xp(w)
+    dense_shape, compute_dtype = tuple(w.shape), str(np.dtype(w.dtype))
+    if xp is jnp and w.ndim == 3:  # a stacked device array: one layer at a time (float32 temporaries of one layer)
+        layers = [quantize_int8(w[i]) for i in range(w.shape[0])]
+        return QuantizedWeight(jnp.stack([q.codes for q in layers]), jnp.stack([q.scales for q in layers]), 8,
+                               CHANNEL, dense_shape, table, compute_dtype=compute_dtype, sources=("int8",))
+    w = xp.asarray(w, xp.float32)
+    if not table:
+        w = xp.swapaxes(w, -1, -2)  # [*lead, N, K]
+    amax = xp.max(xp.abs(w), axis=-1)  # [*lead, N]
+    s = amax / xp.float32(127.0)
+    inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, 1), 0).astype(xp.float32)
+    q = xp.clip(xp.rint(w * inv[..., None]), -127, 127)
+    k = w.shape[-1]
+    kp = -(-k // BLOCK) * BLOCK
+    codes = (q + 128).astype(xp.uint8)
+    if kp != k:  # padded k: code 128, weight 0
+        pad = [(0, 0)] * (codes.ndim - 1) + [(0, kp - k)]
+        codes = xp.pad(codes, pad, constant_values=128)
+    return QuantizedWeight(codes, s.astype(xp.float32), 8, CHANNEL, dense_shape, table,
+                           compute_dtype=compute_dtype, sources=("int8",))
+
+
+# ---- dequantizing (jnp or numpy) -------------------------------------------------------------------------------------
+
+
+def _codes_plain(codes, bits: int):
+    """[*, N, Kp * bits / 8] uint8 -> [*, N, Kp] codes."""
+    if bits == 8:
+        return codes
+    xp = _xp(codes)
+    c = codes.reshape(*codes.shape[:-1], -1, BLOCK // 2)  # [*, N, B, 16]
+    return xp.concatenate([c & 15, c >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+
+
+def _values_plain(qw: QuantizedWeight, codes, scales):
+    """float32 weights [*, N, K] from plain codes [*, N, ...] and scales of the same leading dims."""
+    xp = _xp(codes)
+    u = _codes_plain(codes, qw.bits).astype(xp.float32)  # [*, N, Kp]
+    kp = u.shape[-1]
+    if qw.scale_mode == CHANNEL:
+        w = (u - 128.0) * scales[..., None]
+    else:
+        ub = u.reshape(*u.shape[:-1], kp // BLOCK, BLOCK)  # [*, N, B, 32]
+        if qw.scale_mode == BLOCK_SYM:
+            w = (ub - float(offset(qw.bits, qw.scale_mode))) * scales.astype(xp.float32)[..., None]
+        else:
+            s, m = scales[..., 0].astype(xp.float32), scales[..., 1].astype(xp.float32)
+            w = ub * s[..., None] + m[..., None]
+        w = w.reshape(u.shape)
+    return w[..., :qw.k]
+
+
+def _panel_rows(qw: QuantizedWeight, codes, scales, rows):
+    """Plain-layout codes [T, Kp * bits / 8] and scales of columns `rows` [T] of a panel-layout weight (no lead)."""
+    xp = _xp(codes)
+    g, j = rows // GROUP, rows % GROUP
+    c = codes[g]  # [T, B, 256 | 512]
+    t = rows.shape[0]
+    if qw.bits == 8:
+        lanes = c.reshape(t, c.shape[1], 8, GROUP, 4)  # [T, B, q, j, t]
+        u = xp.take_along_axis(lanes, j[:, None, None, None, None], axis=3)[:, :, :, 0]  # [T, B, 8, 4]
+        plain = u.reshape(t, -1)
+    else:
+        lanes = c.reshape(t, c.shape[1], 4, GROUP, 4)
+        byte = xp.take_along_axis(lanes, j[:, None, None, None, None], axis=3)[:, :, :, 0]  # [T, B, 4, 4]
+        low, high = (byte & 15).reshape(t, -1, 16), (byte >> 4).reshape(t, -1, 16)  # k = 0..15, 16..31 of a block
+        plain = (low | (high << 4)).astype(xp.uint8).reshape(t, -1)
+    s = scales[g]  # [T, 16] | [T, B, 16] | [T, B, 2, 16]
+    s = xp.take_along_axis(s, j.reshape((t,) + (1,) * (s.ndim - 1)), axis=-1)[..., 0]
+    return plain, s
+
+
+def dequantize(qw: QuantizedWeight, dtype=None, layer=None):
+    """The full-width array qw stands for, in `dtype` (default: its compute dtype): dense_shape, or the matrix of
+    `layer` of a stacked weight. For checks and fallbacks: the models never build it (qmatmul, embedding_rows)."""
+    dtype = jnp.dtype(dtype or qw.compute_dtype)
+    codes, scales = qw.codes, qw.scales
+    if layer is not None:
+        codes, scales = codes[layer], scales[layer]
+    if qw.layout == "panels":
+        xp = _xp(codes)
+        if codes.ndim == 4:
+            return xp.stack([dequantize(qw, dtype, i) for i in range(codes.shape[0])])
+        codes, scales = _panel_rows(qw, codes, scales, xp.arange(qw.n))
+    w = _values_plain(qw, codes, scales)  # [*, N, K]
+    w = w if qw.table else _xp(w).swapaxes(w, -1, -2)
+    return w.astype(dtype)
+
+
+def embedding_rows(table, token_ids: jax.Array) -> jax.Array:
+    """table[token_ids] for a full-width table [V, H] or a quantized one (its rows dequantized: [T, H])."""
+    if not is_quantized(table):
+        return table[token_ids]
+    codes, scales = table.codes, table.scales
+    if table.layout == "panels":
+        codes, scales = _panel_rows(table, codes, scales, token_ids)
+    else:
+        codes, scales = codes[token_ids], scales[token_ids]
+    return _values_plain(table, codes, scales).astype(table.compute_dtype)
+
+
+# ---- multiplying -----------------------------------------------------------------------------------------------------
+
+
+def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=None, mode: str | None = None):
+    """x [M, K] @ the quantized matrix (the matrix of `layer` for a stacked one; a table: x @ table.T) -> [M, N] in
+    out_dtype (default x's), float32 accumulation. Panel layout: the native CPU kernel (`rows`: how many leading
+    rows of x are real, an int32 scalar; the rest come back as zeros; `mode`: "int8" or "bf16", the kernel's way to
+    multiply, default `NATIVE_MODE`). Plain layout: dequantized to x's dtype and XLA's dot (the numbers of the same
+    weights dequantized at load)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if qw.layout == "panels":
+        from pallas_kernels.cpu_native.quantized import qmatmul_native
+
+        return qmatmul_native(x, qw.codes, qw.scales, 0 if layer is None else layer, rows, n=qw.n, bits=qw.bits,
+                              scale_mode=qw.scale_mode, mode=mode or NATIVE_MODE, out_dtype=out_dtype)
+    codes, scales = (qw.codes, qw.scales) if layer is None else (qw.codes[layer], qw.scales[layer])
+    w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]: XLA fuses it into the dot where it can
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
+
+
+def qglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight, layer, activation: str, rows=None):
+    """act(x @ gate[layer]) * (x @ up[layer]) [M, N] in x's dtype (a gated MLP's first half): by one native call where
+    both are in the panel layout of one format, else as two `qmatmul`s and the activation in `jnp`."""
+    from jaxpaged.models.matmul import ACTIVATIONS
+
+    if gate.layout == up.layout == "panels" and gate.format == up.format and gate.shape == up.shape and \
+            NATIVE_MODE == "int8":
+        from pallas_kernels.cpu_native.quantized import qmatmul_glu_native
+
+        return qmatmul_glu_native(x, (gate.codes, gate.scales), (up.codes, up.scales), 0 if layer is None else layer,
+                                  rows, n=gate.n, bits=gate.bits, scale_mode=gate.scale_mode, activation=activation)
+    return ACTIVATIONS[activation](qmatmul(x, gate, layer, rows=rows)) * qmatmul(x, up, layer, rows=rows)
+
+
+# The native kernel's way to multiply (benchmarks/quantization.py --kernel measured both): int8 activations with
+# VPDPBUSD, at every row count.
+NATIVE_MODE = "int8"
+
+
+# ---- the native layout -----------------------------------------------------------------------------------------------
+
+
+def to_panels(qw: QuantizedWeight) -> QuantizedWeight:
+    """The plain-layout qw in the native kernel's panel layout (numpy, on the host; see qmatmul.cc): columns padded
+    to a multiple of 64 with zero codes and scales."""
+    if qw.layout == "panels":
+        return qw
+    codes, scales = np.asarray(qw.codes), np.asarray(qw.scales)
+    lead = codes.shape[:-2]
+    n = codes.shape[-2]
+    groups = -(-n // (GROUP * PANEL_GROUPS)) * PANEL_GROUPS
+    pad_n = groups * GROUP - n
+    u = _codes_plain(codes, qw.bits)  # [*lead, N, Kp]
+    u = np.pad(u, [(0, 0)] * len(lead) + [(0, pad_n), (0, 0)])
+    blocks = u.shape[-1] // BLOCK
+    if qw.bits == 8:
+        u = u.reshape(*lead, groups, GROUP, blocks, 8, 4)  # [.., g, j, b, q, t]
+        nl = len(lead)
+        u = u.transpose(*range(nl), nl, nl + 2, nl + 3, nl + 1, nl + 4)  # [.., g, b, q, j, t]
+        packed = u.reshape(*lead, groups, blocks, 512)
+    else:
+        u = u.reshape(*lead, groups, GROUP, blocks, 2, 4, 4)  # [.., g, j, b, half, q, t]
+        nl = len(lead)
+        u = u.transpose(*range(nl), nl, nl + 2, nl + 4, nl + 1, nl + 5, nl + 3)  # [.., g, b, q, j, t, half]
+        packed = (u[..., 0] | (u[..., 1] << 4)).astype(np.uint8).reshape(*lead, groups, blocks, 256)
+    s = np.pad(scales, [(0, 0)] * len(lead) + [(0, pad_n)] + [(0, 0)] * (scales.ndim - len(lead) - 1))
+    nl = len(lead)
+    if qw.scale_mode == CHANNEL:
+        s = s.reshape(*lead, groups, GROUP)
+    elif qw.scale_mode == BLOCK_SYM:
+        s = s.reshape(*lead, groups, GROUP, blocks).swapaxes(-1, -2)  # [.., g, b, j]
+    else:
+        s = s.reshape(*lead, groups, GROUP, blocks, 2).transpose(*range(nl), nl, nl + 2, nl + 3, nl + 1)
+    return qw.replace(codes=np.ascontiguousarray(packed), scales=np.ascontiguousarray(s), layout="panels")
+
+
+# ---- module and state helpers ----------------------------------------------------------------------------------------
+
+
+def map_quantized(fn, tree):
+    """tree with every QuantizedWeight replaced by fn(it) (other leaves as they are)."""
+    return jax.tree.map(lambda x: fn(x) if is_quantized(x) else x, tree, is_leaf=is_quantized)
+
+
+def weight_summary(state) -> dict:
+    """Bytes of a model state's arrays and its weights' formats: {"weight_bytes", "weight_formats": {format: bytes},
+    "quantized_bytes"}; full-width arrays count under their dtype's name."""
+    formats: dict[str, int] = {}
+    for leaf in jax.tree.leaves(state, is_leaf=is_quantized):
+        if is_quantized(leaf):
+            name, size = leaf.format, leaf.nbytes
+        elif hasattr(leaf, "dtype") and hasattr(leaf, "shape"):
+            name, size = str(np.dtype(leaf.dtype)), int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        else:
+            continue
+        formats[name] = formats.get(name, 0) + size
+    quantized = sum(v for k, v in formats.items() if k in FORMATS.values())
+    return {"weight_bytes": sum(formats.values()), "quantized_bytes": quantized,
+            "weight_formats": dict(sorted(formats.items(), key=lambda kv: -kv[1]))}
+
+
+__all__ = ["QuantizedWeight", "quantize_int8", "dequantize", "embedding_rows", "qmatmul", "to_panels",
+           "is_quantized", "map_quantized", "weight_summary", "check_method", "METHODS", "FORMATS"]
