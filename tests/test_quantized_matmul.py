@@ -28,7 +28,7 @@ from pallas_kernels.cpu_native.quantized import (
     reference_int8,
 )
 
-pytestmark = pytest.mark.skipif(not native.available("qmatmul"), reason="the native quantized matmul could not be built")
+pytestmark = pytest.mark.skipif(not native.available("qmatmul"), reason="no native quantized matmul here")
 
 # (bits, scale mode): what each format is stored as
 FORMS = {"int8": (8, quant.CHANNEL), "q8_0": (8, quant.BLOCK_SYM), "q4_0": (4, quant.BLOCK_SYM),

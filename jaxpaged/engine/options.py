@@ -44,3 +44,4 @@ class EngineOptions(TypedDict, total=False):
     show_progress: bool
     compilation_cache_dir: str | None
     kv_allocation: str
+    quantization: str | None

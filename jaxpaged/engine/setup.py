@@ -383,7 +383,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     logger.info("KV cache format: %s, %d bytes per token (K and V, all layers, on each device)",
                 kv_quant.describe(cache_dtype, getattr(attn, "kv_scales", None)), block_bytes // cache.block_size)
     if jax.default_backend() == "cpu":
-        _log_native_kernels(attn.name, dtype, mesh)
+        _log_native_kernels(attn.name, dtype, mesh, config.quantization is not None)
     sharding = None
     runner_class = ModelRunner
     if mesh is not None:
@@ -428,17 +428,20 @@ def speculation(spec: SpeculativeConfig | None, model: nnx.Module) -> tuple[int,
     return spec.num_speculative_tokens, spec.draft_num_layers
 
 
-def _log_native_kernels(attention: str, dtype, mesh) -> None:
+def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) -> None:
     """One INFO line: which native CPU kernels (pallas_kernels/cpu_native) this engine's steps run, which are built
     but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax
     where the layer matmuls run natively (`native_matmul_rows`), and those matmuls, the norms and rope with a
-    bfloat16 model."""
-    from jaxpaged.worker.model_runner import native_matmul_rows
+    bfloat16 model; the quantized matmul with quantized weights."""
+    from jaxpaged.engine import quant_setup
+    from jaxpaged.worker.step import native_matmul_rows
     from pallas_kernels import cpu_native
 
     in_use = ["attention"] if attention in ("native", "native_else_reference") else []
     if native_matmul_rows(mesh) > 0:
         in_use += ["argmax"] + (["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else [])
+    if quantized and quant_setup.native_quantized():
+        in_use.append("qmatmul")
     logger.info("%s", cpu_native.describe(in_use))
 
 
