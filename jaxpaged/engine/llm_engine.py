@@ -112,7 +112,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
-        self._host_pool: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # host block id -> (k, v) [L, BS, Hkv, D]
+        self._host_pool: dict[int, tuple[np.ndarray, ...]] = {}  # host block id -> (k, v[, draft k, v]) [L, BS, H, D]
         self._rng = np.random.default_rng(config.seed)
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
@@ -167,7 +167,7 @@ class Engine:
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
         # Speculates unless its logits need processing that depends on the tokens before each position.
         req.speculates = self.spec is not None and not req.needs_host_tokens and not params.logit_bias
-        if req.speculates and self.runner.draft_layers:
+        if req.speculates and self.runner.drafts:
             parent.spec_lookahead = self.spec.num_speculative_tokens
         return req
 
@@ -641,7 +641,7 @@ class Engine:
         running = self.scheduler.running
         on = gate.batch_enabled(len(running))
         row_of = self.runner.input_batch.row_of
-        k, draft = spec.num_speculative_tokens, self.runner.draft_layers
+        k, draft = spec.num_speculative_tokens, self.runner.drafts
         for seq in running:
             req = self.requests.get(seq.request_id)
             row = row_of.get(seq.seq_id)
@@ -720,16 +720,17 @@ class Engine:
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
         # already be the target of this step's swap-out.
+        # A host block holds each pool's K and V of one block (the target's, and a draft model's): [L, BS, Hkv, D].
         if swap_in:
-            k = np.stack([self._host_pool[h][0] for h, _ in swap_in], axis=1)
-            v = np.stack([self._host_pool[h][1] for h, _ in swap_in], axis=1)
-            self.runner.write_blocks([d for _, d in swap_in], k, v)
+            arrays = [np.stack([self._host_pool[h][i] for h, _ in swap_in], axis=1)
+                      for i in range(len(self._host_pool[swap_in[0][0]]))]
+            self.runner.write_blocks([d for _, d in swap_in], *arrays)
             for h, _ in swap_in:
                 del self._host_pool[h]
         if swap_out:
-            k, v = self.runner.read_blocks([d for d, _ in swap_out])
+            arrays = self.runner.read_blocks([d for d, _ in swap_out])
             for j, (_, h) in enumerate(swap_out):
-                self._host_pool[h] = (k[:, j], v[:, j])
+                self._host_pool[h] = tuple(a[:, j] for a in arrays)
 
     # ---- observability ------------------------------------------------------------------------------------------
 

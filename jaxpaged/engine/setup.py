@@ -11,13 +11,14 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
+from jaxpaged.models.contract import ModelSpec
 from jaxpaged.parallel.multihost import DistributedConfig
 from jaxpaged.runtime.compilation_cache import enable_compilation_cache
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.worker import kv_quant
 from jaxpaged.worker.attention import ATTENTION_BACKENDS, PagedAttention, attention_backend
 from jaxpaged.worker.kv_pool import pool_block_bytes, pool_format
-from jaxpaged.worker.model_runner import ModelRunner
+from jaxpaged.worker.model_runner import DraftModel, ModelRunner
 from pallas_kernels.validation import SUPPORTED_BLOCK_SIZES
 
 logger = logging.getLogger(__name__)
@@ -357,6 +358,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     else:
         graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
     attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
+    draft, draft_config = draft_model(config.speculative(), model, config, dtype, attn, cache_dtype)
     attn = kv_quant.with_scales(attn, cache_dtype, model_config.num_layers, model_config.head_dim,  # fp8 scales
                                 keys_normalized=kv_quant.keys_normalized(model_config))
     # One device's bytes of a K + V block: on TPU with the row-major pool's tile padding (2.67x for SmolLM2 in
@@ -366,10 +368,12 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     fmt = pool_format(jax.devices()[0])
     block_bytes = pool_block_bytes(device_spec, cache.block_size, cache_dtype, fmt)
     kv_quant.warn_without_saving(device_spec, cache.block_size, cache_dtype, block_bytes, fmt)
+    # A draft model's pool has a block for each of the target's: the budget pays for both.
+    draft_block_bytes = pool_block_bytes(draft_config, cache.block_size, cache_dtype, fmt) if draft else 0
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
-        num_blocks = _kv_budget_bytes(cache, block_bytes) // block_bytes
+        num_blocks = _kv_budget_bytes(cache, block_bytes + draft_block_bytes) // (block_bytes + draft_block_bytes)
     usable = num_blocks - 1  # block 0 is the null block that padding writes into
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if usable < blocks_per_seq:
@@ -399,7 +403,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
                           max_num_batched_tokens=sched.max_num_batched_tokens, attn=attn, cache_dtype=cache_dtype,
                           block_bytes=block_bytes, mesh=mesh, pool_sharding=sharding,
                           truncate_tables=config.kv_allocation == "contiguous", spec_width=spec_width,
-                          draft_layers=draft_layers)
+                          draft_layers=draft_layers, draft=draft)
     if mesh is not None:
         _log_device_bytes(runner)
     from jaxpaged.engine import quant_setup
@@ -411,21 +415,39 @@ def build_runner(model: nnx.Module, config: EngineConfig):
 def speculation(spec: SpeculativeConfig | None, model: nnx.Module) -> tuple[int, int]:
     """(proposals a step may verify per sequence, layers of the self-speculative draft; 0 for none) for the model.
     The draft of `draft_num_layers` is the model's own first layers (the built-in models' `num_layers=` call): same
-    weights, same KV pool."""
+    weights, same KV pool. A draft model (`speculative_config.model`) is `draft_model`'s."""
     if spec is None:
         return 0, 0
-    if spec.method == "ngram":
+    if spec.method == "ngram" or spec.model is not None:
         return spec.num_speculative_tokens, 0
     from jaxpaged.models import gemma3, llama
 
-    if spec.model is not None:
-        raise ValueError("speculative_config.model: a separate draft model is not supported by this engine yet; "
-                         "use speculative_config.draft_num_layers (the model's own first layers) or method='ngram'")
     if not isinstance(model, (llama.LlamaForCausalLM, gemma3.Gemma3ForCausalLM)):
         raise ValueError(f"speculative_config.draft_num_layers makes a draft of a built-in model's first layers "
                          f"(LlamaForCausalLM, Gemma3ForCausalLM), not {type(model).__name__}; use method='ngram'")
     spec.check_target(model.config.num_layers)
     return spec.num_speculative_tokens, spec.draft_num_layers
+
+
+def draft_model(spec: SpeculativeConfig | None, model: nnx.Module, config: EngineConfig, dtype, base_attn,
+                cache_dtype) -> tuple[DraftModel | None, ModelSpec | None]:
+    """The separate draft model of `speculative_config.model` (a path or a module with the target's vocabulary),
+    split as the target is, with an attention backend of its own shapes; (None, None) without one."""
+    if spec is None or spec.model is None:
+        return None, None
+    from jaxpaged.spec_decode.draft import load_draft
+
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config.model: a draft model runs with tensor_parallel_size=1 (use "
+                         "draft_num_layers or method='ngram' under tensor parallelism)")
+    draft = load_draft(spec, model, config.model_dtype)  # the vocabulary checked before its weights load
+    refusal = base_attn.refusal(draft.config.head_dim, dtype, cache_dtype)
+    if refusal is not None:
+        raise ValueError(f"speculative_config.model: {refusal}")
+    graphdef, state = split_model(draft, dtype)
+    attn = kv_quant.with_scales(base_attn, cache_dtype, draft.config.num_layers, draft.config.head_dim,
+                                keys_normalized=kv_quant.keys_normalized(draft.config))
+    return DraftModel(graphdef, state, draft.config, attn), draft.config
 
 
 def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) -> None:

@@ -39,6 +39,7 @@ from jaxpaged.worker.kv_pool import (
 )
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step import (
+    DraftSpec,
     VerifiedOutput,
     batch_buckets,
     jit_step,
@@ -67,6 +68,17 @@ class StepHandle:
 
 
 @dataclasses.dataclass
+class DraftModel:
+    """A separate draft model for speculative decoding: split once at load, with its own attention backend (its
+    layers, kv heads and head size; fp8 scales of its own) and its own KV pool of the target's num_blocks."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    config: ModelSpec
+    attn: AttentionBackend
+
+
+@dataclasses.dataclass
 class StepResult:
     """A step's sampled tokens on the host, one per step row (rows that do not sample hold garbage). A verifying
     step (speculative decoding) gives each row num_accepted + 1 tokens, `emitted`, and the draft's proposals."""
@@ -90,7 +102,7 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  attn: AttentionBackend, cache_dtype, block_bytes: int, mesh: Mesh | None = None,
                  pool_sharding: NamedSharding | None = None, truncate_tables: bool = False, spec_width: int = 0,
-                 draft_layers: int = 0):
+                 draft_layers: int = 0, draft: DraftModel | None = None):
         self.config = config
         self.graphdef = graphdef
         self.params = state
@@ -110,6 +122,17 @@ class ModelRunner:
         self.host_block_bytes = pool_block_bytes(config, block_size, cache_dtype, None)
         # Zero-filled: unused slots never hold NaN (the attention masks V as well, for pools that do).
         self.kv_pool = zeros_pool(shape, cache_dtype, self.pool_format)  # K, V [L, NB, BS, Hkv, D]
+        # A draft model's pool: the same blocks (one block table addresses both), its own layers and heads.
+        self.draft = draft
+        self.draft_leaves, self.draft_pool, draft_spec = (), (), None
+        if draft is not None:
+            leaves, draft_treedef = jax.tree.flatten(draft.state)
+            self.draft_leaves = tuple(leaves)
+            c = draft.config
+            self.draft_pool = zeros_pool((c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim),
+                                         cache_dtype, self.pool_format)
+            self.host_block_bytes += pool_block_bytes(c, block_size, cache_dtype, None)
+            draft_spec = DraftSpec(draft.graphdef, draft_treedef, draft.attn)
         max_width = -(-max_model_len // block_size)
         self.max_width = max_width
         self.width_buckets = pow2_buckets(min(4, max_width), max_width)
@@ -127,7 +150,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
         self._step_fn = jit_step(graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh,
-                                 leaf_shardings, native_matmul_rows(mesh), draft_layers)
+                                 leaf_shardings, native_matmul_rows(mesh), draft_layers, draft_spec)
         # The backend's native block write where it has one (CPU: XLA's scatter into a 16-bit pool converts it whole);
         # under tensor parallelism XLA's scatter, which works on the sharded pool as it is.
         set_blocks = getattr(attn, "block_write", None) if mesh is None else None
@@ -150,6 +173,11 @@ class ModelRunner:
             self._read_fn = jax.jit(lambda pool, idx: (pool.k[:, idx], pool.v[:, idx]),
                                     out_shardings=(self._device, self._device))
         self.prev_tokens = self._put(np.zeros(self.max_rows, np.int32))  # [max_rows] the last step's tokens
+
+    @property
+    def drafts(self) -> bool:
+        """Whether verifying steps propose the next step's tokens on the device (a self-draft or a draft model)."""
+        return bool(self.draft_layers) or self.draft is not None
 
     # ---- shapes -------------------------------------------------------------------------------------------------
 
@@ -223,7 +251,8 @@ class ModelRunner:
         """The step lowered for one layout (for compiling, and for tests that read its HLO)."""
         extras = tuple(jax.ShapeDtypeStruct(shape, e.dtype)
                        for e, shape in zip(EXTRAS, self._extra_shapes(layout.num_seqs), strict=True))
-        return lower_step(self._step_fn, self.param_leaves, self.kv_pool, self.prev_tokens, layout, extras)
+        return lower_step(self._step_fn, self.param_leaves, self.kv_pool, self.prev_tokens, layout, extras,
+                          self.draft_leaves, self.draft_pool)
 
     def _executable(self, layout: StepLayout):
         key = layout.key
@@ -264,8 +293,9 @@ class ModelRunner:
         """Queues the step on the device and returns at once; its sampled tokens become the next step's
         `prev_tokens` and start their copy to the host."""
         step = self._executable(inputs.layout)
-        tokens, out, self.kv_pool = step(self.param_leaves, self.kv_pool, self.prev_tokens, self._arg(inputs.buf),
-                                         self._extras(inputs))
+        tokens, out, self.kv_pool, self.draft_pool = step(self.param_leaves, self.kv_pool, self.prev_tokens,
+                                                          self._arg(inputs.buf), self._extras(inputs),
+                                                          self.draft_leaves, self.draft_pool)
         self.prev_tokens = tokens
         tokens.copy_to_host_async()
         handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter())
@@ -322,7 +352,8 @@ class ModelRunner:
 
     def pool_alive(self) -> bool:
         """False once a donated pool buffer is gone (a step that raised after taking it)."""
-        return not (self.kv_pool.k.is_deleted() or self.kv_pool.v.is_deleted())
+        pools = (self.kv_pool, self.draft_pool) if self.draft is not None else (self.kv_pool,)
+        return not any(p.k.is_deleted() or p.v.is_deleted() for p in pools)
 
     # ---- block copies -------------------------------------------------------------------------------------------
 
@@ -336,22 +367,29 @@ class ModelRunner:
         self.copy_block_arrays(src, dst)
 
     def copy_block_arrays(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """src, dst [N] int32, padded (0 -> 0)."""
+        """src, dst [N] int32, padded (0 -> 0). A draft model's pool gets the same copies."""
         self.kv_pool = self._copy_fn(self.kv_pool, self._arg(src), self._arg(dst))
+        if self.draft is not None:
+            self.draft_pool = self._copy_fn(self.draft_pool, self._arg(src), self._arg(dst))
 
-    def read_blocks(self, blocks: list[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Swap-out: the given device blocks as host arrays [L, N, BS, Hkv, D]."""
+    def read_blocks(self, blocks: list[int] | np.ndarray) -> tuple[np.ndarray, ...]:
+        """Swap-out: the given device blocks as host arrays [L, N, BS, Hkv, D]: K and V (then the draft model's K
+        and V, with a draft model)."""
         idx = np.asarray(blocks, np.int32)
         if not self.multihost:
-            return np.asarray(self.kv_pool.k[:, idx]), np.asarray(self.kv_pool.v[:, idx])
+            pools = (self.kv_pool, self.draft_pool) if self.draft is not None else (self.kv_pool,)
+            return tuple(np.asarray(x[:, idx]) for p in pools for x in (p.k, p.v))
         k, v = self._read_fn(self.kv_pool, self._arg(idx))
         return np.asarray(k), np.asarray(v)
 
-    def write_blocks(self, blocks: list[int] | np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray) -> None:
-        """Swap-in: host arrays [L, N, BS, Hkv, D] into the given device blocks."""
+    def write_blocks(self, blocks: list[int] | np.ndarray, k_blocks: np.ndarray, v_blocks: np.ndarray,
+                     *draft_blocks: np.ndarray) -> None:
+        """Swap-in: host arrays [L, N, BS, Hkv, D] into the given device blocks (`read_blocks`' arrays)."""
         idx = np.asarray(blocks, np.int32)
         self.kv_pool = self._write_fn(self.kv_pool, self._arg(idx), self._arg(np.asarray(k_blocks)),
                                       self._arg(np.asarray(v_blocks)))
+        if draft_blocks:
+            self.draft_pool = self._write_fn(self.draft_pool, self._arg(idx), *map(self._arg, draft_blocks))
 
 
 __all__ = ["MAX_LOGPROBS", "ModelRunner", "StepHandle", "StepResult"]

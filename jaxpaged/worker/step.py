@@ -81,15 +81,29 @@ class VerifiedOutput:
     top_logprobs: jax.Array  # [S, K + 1, MAX_LOGPROBS] float32
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """A separate draft model (speculative decoding), static in the step: its split structure and its attention
+    backend (its own layer count and head size: its own KV pool, addressed by the target's block tables)."""
+
+    graphdef: nnx.GraphDef
+    treedef: object
+    attn: AttentionBackend
+
+
 def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
-          layout: StepLayout, *, treedef, graphdef: nnx.GraphDef, attn: AttentionBackend, max_rows: int,
-          mesh: Mesh | None = None, native_matmul_rows: int = 0, draft_layers: int = 0
-          ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool]:
+          draft_leaves: tuple, draft_pool: KVPool | tuple, layout: StepLayout, *, treedef, graphdef: nnx.GraphDef,
+          attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
+          draft_layers: int = 0, draft: DraftSpec | None = None
+          ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool, KVPool | tuple]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
-    buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each.
+    buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each;
+    draft_leaves, draft_pool: a separate draft model's state leaves and KV pool (empty tuples without one).
     Returns (tokens [max_rows] int32: each row's last sampled token (rows past S are 0), the sampler's output over S
-    rows (a VerifiedOutput for a verifying layout), the pool). draft_layers: > 0, a verifying step then proposes
-    K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft)."""
+    rows (a VerifiedOutput for a verifying layout), the pool, the draft's pool). draft_layers: > 0, a verifying step
+    then proposes K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft);
+    with `draft`, the draft model runs over every step's tokens (its pool holds what the target's holds) and
+    proposes instead."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -97,6 +111,13 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
     with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
         hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
+        drafter = None
+        if draft is not None:  # the draft's K/V of the same tokens, at the same slots of its own pool
+            draft_model = nnx.merge(draft.graphdef, jax.tree.unflatten(draft.treedef, draft_leaves))
+            _, draft_pool = draft_model(token_ids, draft_pool, md, draft.attn)
+            drafter = (draft_model, draft.attn, None)
+        elif draft_layers:
+            drafter = (model, attn, draft_layers)
     # The LM head runs only on the rows that need logits: one per sequence (K + 1 per sequence in a verifying
     # step), not one per token; natively, only on the step's sequences' rows (the rest of S is padding: context
     # length 0).
@@ -110,23 +131,24 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     native = native_matmul_rows > 0
     if layout.spec_width:
-        out, kv_pool = _verify(model, logits, kv_pool, buf, md, sm, layout, attn, native, draft_layers,
-                               native_matmul_rows)
+        out, kv_pool, draft_pool = _verify(logits, kv_pool, draft_pool, buf, md, sm, layout, native, drafter,
+                                           native_matmul_rows)
         last = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]  # [S]
         tokens = jnp.zeros(max_rows, jnp.int32).at[:last.shape[0]].set(last)
-        return tokens, out, kv_pool
+        return tokens, out, kv_pool, draft_pool
     out = sampler.sample(logits, sm, native=native)
     tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
-    return tokens, out, kv_pool
+    return tokens, out, kv_pool, draft_pool
 
 
-def _verify(model, logits: jax.Array, kv_pool: KVPool, buf: jax.Array, md: AttentionMetadata, sm: SamplingMetadata,
-            layout: StepLayout, attn: AttentionBackend, native: bool, draft_layers: int,
-            native_matmul_rows: int) -> tuple[VerifiedOutput, KVPool]:
+def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf: jax.Array, md: AttentionMetadata,
+            sm: SamplingMetadata, layout: StepLayout, native: bool, drafter: tuple | None,
+            native_matmul_rows: int) -> tuple[VerifiedOutput, KVPool, KVPool | tuple]:
     """Speculative decoding's verification (`rejection_sampler`), then the draft loop. logits [S (K + 1), V] f32:
     each row's K + 1 positions. Rows that verify proposals never ask for processed logits (penalties, bias, bans,
     grammars: the engine lets no such row speculate), so processing applies at each row's first position only,
-    where a row that verifies nothing samples its one token as the plain sampler does."""
+    where a row that verifies nothing samples its one token as the plain sampler does. drafter: (model, attention,
+    layers) of the draft (the target's first layers over its pool, or a draft model over its own pool), or None."""
     s, k = layout.num_seqs, layout.spec_width
     logits = logits.reshape(s, k + 1, -1)  # [S, K + 1, V]
     raw = logits
@@ -150,21 +172,27 @@ def _verify(model, logits: jax.Array, kv_pool: KVPool, buf: jax.Array, md: Atten
 
     chosen, top_ids, top_lps = jax.lax.cond(sm.want_logprobs, with_logprobs, without, raw)
     proposals = jnp.zeros((s, k), jnp.int32)
-    if draft_layers:
+    if drafter is not None:
+        model, attn, layers = drafter
         last = jnp.take_along_axis(v.tokens, v.num_accepted[:, None], axis=1)[:, 0]  # [S] the token drafts follow
         live = draft_flag & (md.context_lens > 0)
-        proposals, kv_pool = _draft(model, kv_pool, last, emit_pos + v.num_accepted, live, md.block_tables, k,
-                                    attn, draft_layers, native_matmul_rows)
-    return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool
+        pool = kv_pool if layers else draft_pool
+        proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
+                                 layers, native_matmul_rows)
+        kv_pool, draft_pool = (pool, draft_pool) if layers else (kv_pool, pool)
+    return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool, draft_pool
 
 
 def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live: jax.Array, tables: jax.Array,
-           k: int, attn: AttentionBackend, draft_layers: int, native_matmul_rows: int) -> tuple[jax.Array, KVPool]:
-    """Greedy proposals of the model's first `draft_layers` layers: k one-token steps per live row from `first` at
-    `first_pos` [S]. The draft's layers are the target's first layers, so the K/V they need for every earlier
-    position are the ones the target wrote there (this step's included); its own writes (k positions from
-    first_pos, slots the scheduler allocated ahead) are overwritten by the next step's verification. Returns
-    (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample` verifies it as n-gram's."""
+           k: int, attn: AttentionBackend, draft_layers: int | None, native_matmul_rows: int
+           ) -> tuple[jax.Array, KVPool]:
+    """Greedy proposals of the draft: k one-token steps per live row from `first` at `first_pos` [S]. A
+    self-speculative draft is the model's first `draft_layers` layers over the target's pool: the K/V they need for
+    every earlier position are the ones the target wrote there (this step's included). A draft model (draft_layers
+    None) reads its own pool, which its run over every step's tokens keeps beside the target's. The draft's own
+    writes (k positions from first_pos, slots the scheduler allocated ahead) are overwritten by the next step's
+    verification. Returns (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample`
+    verifies it as n-gram's."""
     s, width = tables.shape
     bs = kv_pool.shape[2]
     rows = jnp.arange(s)
@@ -179,7 +207,8 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
             query_start_loc=jnp.arange(s + 1, dtype=jnp.int32), logits_indices=rows.astype(jnp.int32),
             tile_size=1, decode_blocks=s * width)
         with native_matmul(native_matmul_rows, live_rows=(s, s)):
-            hidden, pool = model(token, pool, md, attn, num_layers=draft_layers)
+            hidden, pool = (model(token, pool, md, attn, num_layers=draft_layers) if draft_layers
+                            else model(token, pool, md, attn))
             nxt = sampler._argmax(model.logits(hidden), native_matmul_rows > 0)  # [S]
         return nxt, pool, proposals.at[:, j].set(nxt)
 
@@ -201,7 +230,7 @@ def native_matmul_rows(mesh: Mesh | None) -> int:
 
 def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
              max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0,
-             draft_layers: int = 0):
+             draft_layers: int = 0, draft: DraftSpec | None = None):
     """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
     load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
     the native CPU kernel (`native_matmul_rows`).
@@ -211,17 +240,20 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     split by kv head, and the inputs and the sampler's output are replicated over the mesh.
     """
     step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
-                             native_matmul_rows=native_rows, draft_layers=draft_layers)
-    if mesh is not None:
+                             native_matmul_rows=native_rows, draft_layers=draft_layers, draft=draft)
+    if mesh is not None:  # (a draft model is refused under tensor parallelism: its args are empty)
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
-        return jax.jit(step, static_argnums=(5,), donate_argnums=(1,),
-                       in_shardings=(leaf_shardings, pool, rep, rep, rep), out_shardings=(rep, rep, pool))
+        return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),
+                       in_shardings=(leaf_shardings, pool, rep, rep, rep, rep, rep),
+                       out_shardings=(rep, rep, pool, rep))
     if fmt is None:
-        return jax.jit(step, static_argnums=(5,), donate_argnums=(1,))
+        return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6))
     device = fmt.sharding
     pool = KVPool(fmt, fmt)
-    return jax.jit(step, static_argnums=(5,), donate_argnums=(1,),
-                   in_shardings=(device, pool, device, device, device), out_shardings=(device, device, pool))
+    draft_pool = pool if draft is not None else device
+    return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),
+                   in_shardings=(device, pool, device, device, device, device, draft_pool),
+                   out_shardings=(device, device, pool, draft_pool))
 
 
 def step_compiler_options(params) -> dict[str, str]:
@@ -247,9 +279,10 @@ def step_matmul_precision(params) -> str | None:
     return "highest" if floats and all(jnp.dtype(d) == jnp.float32 for d in floats) else None
 
 
-def lower_step(step_fn, param_leaves, kv_pool: KVPool, prev_tokens, layout: StepLayout, extras: tuple):
+def lower_step(step_fn, param_leaves, kv_pool: KVPool, prev_tokens, layout: StepLayout, extras: tuple,
+               draft_leaves: tuple = (), draft_pool: KVPool | tuple = ()):
     """Lowers the step for one layout; the arguments may be arrays or jax.ShapeDtypeStructs. The matmul precision is
     set for this trace only (`step_matmul_precision`), not process-wide."""
     buf = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
     with jax.default_matmul_precision(step_matmul_precision(param_leaves)):
-        return step_fn.lower(param_leaves, kv_pool, prev_tokens, buf, extras, layout)
+        return step_fn.lower(param_leaves, kv_pool, prev_tokens, buf, extras, draft_leaves, draft_pool, layout)
