@@ -97,6 +97,10 @@ BAD = {
                     "acceptance_window=0 must be >= 1"),
     "cooldown_negative": ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_cooldown": -1}, ValueError,
                           "acceptance_cooldown=-1 must be >= 0"),
+    "quantization_unknown": ({"model": "/a/draft", "num_speculative_tokens": 2, "quantization": "fp4"}, ValueError,
+                             "speculative_config.quantization='fp4'"),
+    "quantization_without_model": ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"},
+                                   ValueError, "quantization is for a draft model"),
 }
 
 

@@ -5,12 +5,14 @@ everything; a weak draft accepts little and changes nothing; rollback leaves no 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxpaged import SamplingParams
 from jaxpaged.models import families, gemma3
 from tests.test_async_scheduling import checked
-from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
+from tests.tiny import CharTokenizer, random_params, random_prompts, tiny_config, tiny_llm
 
 CONFIG = tiny_config(vocab_size=96, layers=4)
 PARAMS = random_params(CONFIG)
@@ -116,6 +118,29 @@ def test_rows_that_process_their_logits_do_not_speculate(plain):
     want, _, _ = reference(plain, "penalized", penalized)
     got, stats, _ = generate(penalized, NGRAM)
     assert got == want and stats["spec_proposed_tokens"] == 0
+
+
+class OneTokenWords(CharTokenizer):
+    """A word is one token with or without its leading space (as in real vocabularies): a one-token ban."""
+
+    def encode(self, text, add_special_tokens=False):
+        return super().encode(text.strip())
+
+
+def test_bad_words_do_not_speculate(plain):
+    """A banned word is masked in decoding, not in verification: such a request decodes one token per step and
+    never emits the word, which greedy decoding would."""
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    banned_id = OneTokenWords().encode("t")[0]
+    assert any(banned_id in ids for ((ids, _, _),) in reference(plain, "free", free)[0])
+    runs = []
+    for spec in (None, FULL_DRAFT):
+        llm = tiny_llm(CONFIG, PARAMS, speculative_config=spec, max_num_seqs=8, num_blocks=80)
+        llm.engine.tokenizer = OneTokenWords()
+        outs = llm.generate(PROMPTS, dataclasses.replace(free, bad_words=["t"]), use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.stats()["spec_proposed_tokens"]))
+    assert runs[1] == (runs[0][0], 0)
+    assert all(banned_id not in ids for ids in runs[0][0])
 
 
 def test_disable_by_batch_size_turns_it_off_for_large_batches():

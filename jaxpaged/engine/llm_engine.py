@@ -165,8 +165,10 @@ class Engine:
                           fork_pending=params.n - 1, stop_ids=stop_ids)
         req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
-        # Speculates unless its logits need processing that depends on the tokens before each position.
-        req.speculates = self.spec is not None and not req.needs_host_tokens and not params.logit_bias
+        # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
+        # bias or bans: bad words and logit_bias decode one token a step).
+        req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias
+                          and not bad_words_ids)
         if req.speculates and self.runner.drafts:
             parent.spec_lookahead = self.spec.num_speculative_tokens
         return req

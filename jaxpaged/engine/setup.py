@@ -444,7 +444,7 @@ def draft_model(spec: SpeculativeConfig | None, model: nnx.Module, config: Engin
     refusal = base_attn.refusal(draft.config.head_dim, dtype, cache_dtype)
     if refusal is not None:
         raise ValueError(f"speculative_config.model: {refusal}")
-    graphdef, state = split_model(draft, dtype)
+    graphdef, state = split_model(draft, dtype, spec.quantization)
     attn = kv_quant.with_scales(base_attn, cache_dtype, draft.config.num_layers, draft.config.head_dim,
                                 keys_normalized=kv_quant.keys_normalized(draft.config))
     return DraftModel(graphdef, state, draft.config, attn), draft.config

@@ -46,6 +46,9 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.0  # per request; 0 = never switch a request off (see the module docstring)
     acceptance_window: int = 32  # verification steps the rate is measured over
     acceptance_cooldown: int = 256  # decode steps a switched-off request waits before trying again; 0 = never
+    # a draft model's weights (vLLM's key): None, "int8", or "gguf" (a GGUF draft kept in its file's formats: e.g.
+    # the target's own 4-bit file as its draft)
+    quantization: str | None = None
 
     def __post_init__(self):
         k = self.num_speculative_tokens
@@ -95,6 +98,7 @@ class SpeculativeConfig:
         if self.acceptance_cooldown < 0:
             raise ValueError(f"speculative_config.acceptance_cooldown={self.acceptance_cooldown} must be >= 0 "
                              "(0 = a switched-off request never speculates again)")
+        self._check_quantization()
 
     def _check_ngram(self) -> None:
         for name in ("model", "draft_num_layers"):
@@ -114,6 +118,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in (None, "int8", "gguf"):
+            raise ValueError(f"speculative_config.quantization={self.quantization!r}: use None, 'int8' or 'gguf'")
+        if self.quantization is not None and self.model is None:
+            raise ValueError("speculative_config.quantization is for a draft model (speculative_config.model)")
 
     def _check_draft(self) -> None:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):

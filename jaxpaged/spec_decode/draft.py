@@ -124,6 +124,7 @@ def load_draft(spec: SpeculativeConfig, target: nnx.Module, dtype: str = "float3
     from jaxpaged.loader import load_model
     from jaxpaged.models import families
 
-    loaded = load_model(os.fspath(spec.model), dtype=dtype)
+    loaded = load_model(os.fspath(spec.model), dtype=dtype,
+                        quantization="gguf" if spec.quantization == "gguf" else None)
     check_vocabulary(target.config.vocab_size, loaded.config.vocab_size)
     return families.from_params(loaded.config, loaded.params)
