@@ -83,7 +83,9 @@ class EngineConfig:
     speculative_config: dict | SpeculativeConfig | None = _option(
         None, "speculative decoding, vLLM's keys: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
               "\"prompt_lookup_max\": 4} (prompt lookup), or {\"draft_num_layers\": 8, \"num_speculative_tokens\": "
-              "4} (a draft made of the model's own first layers); JSON on the command line")
+              "4} (a draft made of the model's own first layers), or {\"model\": PATH, \"quantization\": \"gguf\", "
+              "\"num_speculative_tokens\": 3} (a draft model, e.g. the default GGUF kept 4-bit); JSON on the "
+              "command line")
     async_scheduling: bool = _option(True, "schedule and dispatch each step before reading the previous one's "
                                            "tokens, so the device never waits for the host (requests with grammars, "
                                            "penalties, multi-token bad words or beam search run synchronously)")
