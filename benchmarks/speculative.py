@@ -6,7 +6,7 @@ same run, at batch 1 and batch 48, on two workloads:
     free       free generation (stories, explanations), where nothing in the prompt predicts the answer
 
 Configurations: none; n-gram prompt lookup (k=4, n in 2..4); a self-speculative draft of the model's first layers
-(k=4). Every run is greedy, so each configuration's tokens must equal the plain run's (checked: a mismatch is a
+(k=4); the model's own GGUF kept 4-bit as a draft model (k=3). Every run is greedy, so each configuration's tokens must equal the plain run's (checked: a mismatch is a
 bug, and the table says so). Speculation turns itself off above `disable_by_batch_size` (8 here), so batch 48
 should cost nothing. Prints tokens/s, the speed-up over the plain run of the same batch and workload, acceptance
 rate and mean accepted length, with the CPU's name; writes results/speculative.json.
@@ -55,7 +55,19 @@ CONFIGS = {
     "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
                   "disable_by_batch_size": 8},
     "draft 10/30 layers k=4": {"draft_num_layers": 10, "num_speculative_tokens": 4, "disable_by_batch_size": 8},
+    # the model's own GGUF file kept in its 4-bit formats as the draft of the full-width model
+    "4-bit draft k=3": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 3,
+                        "disable_by_batch_size": 8},
 }
+
+
+def spec_of(config_name: str) -> dict | None:
+    from jaxpaged.loader import default_model_path
+
+    spec = CONFIGS[config_name]
+    if spec is not None and spec.get("model") == "<default GGUF>":
+        spec = {**spec, "model": default_model_path()}
+    return spec
 
 
 def prompts_for(llm, workload: str, batch: int) -> list[dict]:
@@ -67,7 +79,7 @@ def prompts_for(llm, workload: str, batch: int) -> list[dict]:
 def run(config_name: str, workload: str, batch: int, args) -> dict:
     from jaxpaged import LLM, SamplingParams
 
-    spec = CONFIGS[config_name]
+    spec = spec_of(config_name)
     llm = LLM(max_num_seqs=max(batch, 8), max_model_len=1024, speculative_config=spec, show_progress=False)
     prompts = prompts_for(llm, workload, batch)
     sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens)
