@@ -1,7 +1,8 @@
 """The native CPU kernels built for an x86 CPU without AVX-512 (JAXPAGED_NATIVE_MARCH=x86-64-v2: SSE4.2, no AVX):
-the portable kernels (attention and its pool writes, norm, rope, argmax) build and give pure JAX's numbers, the
-engine's greedy tokens through them equal the reference backend's, and the AVX-512-only matmul reports itself
-unavailable with the reason instead of disabling the others.
+the portable kernels (attention and its pool writes, norm, rope, argmax, the quantized matmul) build and give pure
+JAX's numbers (the quantized matmul's plain loops: tests/test_quantized_matmul.py), the engine's greedy tokens through
+them equal the reference backend's, and the AVX-512-only matmul reports itself unavailable with the reason instead of
+disabling the others.
 
 The builds (~10-60 s of g++ on 2 cores) are shared by the module: `python -m pallas_kernels.cpu_native --build`
 fills a temporary cache once, and each check runs in a child process that finds them there (tests/
@@ -20,7 +21,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PORTABLE = ("attention", "norm", "rope", "argmax")
+PORTABLE = ("attention", "norm", "rope", "argmax", "qmatmul")
 
 pytestmark = [
     pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-march=x86-64-v2 is an x86 target"),
@@ -54,7 +55,7 @@ def test_prebuild_builds_the_portable_kernels_and_reports_the_matmul_unavailable
     env, out = portable
     assert "-march=x86-64-v2" in out and env["JAXPAGED_NATIVE_CACHE"] in out
     lines = kernel_lines(out)
-    assert set(lines) == {"attention", "matmul", "norm", "rope", "argmax"}, out
+    assert set(lines) == {*PORTABLE, "matmul"}, out
     for name in PORTABLE:
         assert re.fullmatch(r"native \(built in [\d.]+ s\): .*", lines[name]), lines[name]
     assert lines["matmul"].startswith("unavailable: ") and "AVX512BF16" in lines["matmul"], lines["matmul"]

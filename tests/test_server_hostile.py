@@ -207,8 +207,8 @@ def test_health_answers_while_megabytes_of_grammar_arrive(server):
 @pytest.mark.parametrize("rcvbuf", [None, 64 * 2**20])
 def test_a_stream_whose_client_never_reads_is_aborted_after_the_write_timeout(server, rcvbuf):
     """However large the socket buffers: the client keeps the kernel's default receive buffer, or asks for the
-    largest the kernel gives (8 MiB here), and reads nothing; the stream's megabytes of output would take 20 s or
-    more to generate, all of which the buffers of old absorbed (the server's send buffer autotunes to 4 MiB)."""
+    largest the kernel gives (8 MiB here), and reads nothing; the stream's megabytes of output take several times the
+    timeout to generate, all of which the buffers of old absorbed (the server's send buffer autotunes to 4 MiB)."""
     n, max_tokens = 16, MAX_MODEL_LEN - 64
     flood = {**CMPL, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "stream": True}
     before = stats(server)
@@ -226,7 +226,9 @@ def test_a_stream_whose_client_never_reads_is_aborted_after_the_write_timeout(se
     finally:
         sock.close()
     generated = after["generation_tokens"] - before["generation_tokens"]
-    assert generated < n * max_tokens / 3, generated  # aborted early, not finished into the buffers
+    # Cut short: a stream that finished into the buffers would have generated every token (ignore_eos); the
+    # whole stream takes about three times the timeout on this project's CPU.
+    assert generated < n * max_tokens * 0.8, generated
     # The timeout, plus while the client's window still grows (TCP opens a large buffer to a client step by step).
     assert freed_after < WRITE_TIMEOUT + 6, freed_after
     alive_and_well(server)
