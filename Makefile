@@ -25,7 +25,7 @@ serve: setup
 	$(PY) server.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest tests $(ARGS)
+	$(PY) -m pytest tests -n auto --maxprocesses 4 --dist loadfile $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

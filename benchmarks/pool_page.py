@@ -3,7 +3,7 @@ embedded SmolLM2-135M-Instruct), several chat clients streaming beside the page'
 
     .venv/bin/python benchmarks/pool_page.py [--model PATH] [--out benchmarks/results/pool_page.png]
 
-Needs Debian's chromium + chromium-driver and selenium (tests/test_pool_page.py installs Chromium when missing).
+Needs Debian's chromium + chromium-driver and selenium (tests/server/test_pool_page.py installs Chromium when missing).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_pool_page import KEY, QUESTIONS, SYSTEM, read_page  # noqa: E402
-from tests.test_server import Server  # noqa: E402
+from tests.server.harness import Server  # noqa: E402
+from tests.server.test_pool_page import KEY, QUESTIONS, SYSTEM, read_page  # noqa: E402
 
 NAME = "SmolLM2-135M-Instruct"
 

@@ -74,7 +74,7 @@ row-major on the way in and back on the way out (four whole-pool copies per step
 at 30 layers x 1000 blocks in bfloat16). So on TPU the engine allocates the pool, and compiles its step, block copy
 and swap-in write with the pool in and out, in an explicit row-major format,
 `jax.experimental.layout.Format(Layout(major_to_minor=(0, 1, 2, 3, 4)), sharding)` (`pool_format` in
-jaxpaged/model_runner.py); the compiled step then holds no copy of the pool (tests/test_tpu_pool_layout.py). XLA
+jaxpaged/model_runner.py); the compiled step then holds no copy of the pool (tests/kernels/test_tpu_pool_layout.py). XLA
 tiles that layout's (Hkv, D) = (3, 64) as (4, 128): the pool takes 8/3 of its logical bytes in HBM (938 MiB for
 352 MiB of K/V there), and the KV budget counts the padded bytes (`pool_block_bytes`, read from XLA's compiled
 allocation). A TPU-first pool layout would remove the padding.

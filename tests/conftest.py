@@ -8,6 +8,8 @@ or use the `tiny_hf_model` fixture: `path = tiny_hf_model("mistral", sliding_win
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache
@@ -19,8 +21,11 @@ __all__ = ["KINDS", "TINY_VOCAB", "make_tiny_hf_model", "make_tiny_tokenizer", "
 def pytest_configure(config):
     # The test session owns its process, as the server and CLI do: JAX's persistent compilation cache keeps a rerun's
     # engines from compiling their steps again (the library turns it on only when asked; test_public_api.py checks
-    # that in a fresh process).
-    enable_compilation_cache(default_directory())
+    # that in a fresh process). The processes the tests start (tensor-parallel workers, examples, native-kernel
+    # checks) get it through JAX's own environment variables.
+    directory = enable_compilation_cache(default_directory())
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=directory, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 @pytest.fixture
@@ -32,3 +37,9 @@ def tiny_hf_model(tmp_path):
         return make_tiny_hf_model(tmp_path / f"{kind}-{next(counter)}", kind, **kwargs)
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first: with `-n` (pytest-xdist, `make test`), each worker takes whole modules in this order,
+    so the longest modules start early instead of leaving one worker running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import re
 
+# custom-call targets of a Pallas GPU (Triton) kernel in compiled HLO, and of a Pallas TPU (Mosaic) kernel
+TRITON_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
+TPU_KERNEL = 'custom_call_target="tpu_custom_call"'
+
 
 def pool_copies(hlo: str, pool_shape: tuple[int, ...]) -> list[str]:
     """HLO instructions that copy a pool-shaped array (synchronous or asynchronous copies)."""

@@ -112,3 +112,17 @@ class Collector:
 def drain(engine) -> dict[str, list[int]]:
     """Steps `engine` until it has no work left; returns each finished request's token ids (sample 0)."""
     return Collector(engine).drain()
+
+
+def checked(engine):
+    """engine.step that checks, after every step, the pool's invariants and that the runner's persistent block
+    tables equal the pool's."""
+    original = engine.step
+
+    def step():
+        outs = original()
+        engine.runner.input_batch.check_tables(engine.block_manager.tables)
+        engine.block_manager.check_invariants()
+        return outs
+
+    return step

@@ -10,6 +10,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+
+import jax
 
 from jaxpaged.loader.checkpoint import is_checkpoint, read_checkpoint, write_checkpoint
 
@@ -54,6 +57,14 @@ def load_gguf_cached(path: str, cache_dir: str | None, quantized: bool = False):
     logger.info("converting %s (first load; the result is cached in %s)", path, cached)
     config, params = load_gguf_quantized(path) if quantized else load_gguf(path)
     tokenizer = gguf_tokenizer(path)
+    if jax.process_count() > 1:
+        # Orbax saves collectively (process 0 writes what all processes hold), so a process of a multi-host run
+        # saving on its own would leave an entry without params; each process converts the file instead.
+        logger.info("not caching the converted model: this is one of %d processes", jax.process_count())
+        return config, params, tokenizer
+    if os.path.isdir(cached) and not is_checkpoint(cached):  # the cache's own name, left incomplete: replace it
+        logger.warning("replacing %s, which is not a whole checkpoint", cached)
+        shutil.rmtree(cached, ignore_errors=True)
     try:
         write_checkpoint(cached, config, params, tokenizer)
     except OSError as e:  # a read-only cache must not stop the model from loading

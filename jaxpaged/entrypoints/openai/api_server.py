@@ -463,8 +463,9 @@ async def serve(app: web.Application, host: str, port: int, grace_s: float, keep
         await lifecycle.wait_idle(deadline - reserve / 2 - loop.time())
     await runner.cleanup()  # stops listening; cancels what is left (a stream whose client does not read)
     app[SERVING].close()
-    # If the engine thread is inside a long step it is left behind (a daemon thread): the grace is what counts.
-    await loop.run_in_executor(None, engine.close, max(0.05, deadline - loop.time()))
+    # If the engine thread is inside a long step it is left behind (a daemon thread): the grace is what counts, and
+    # its last part (reserve / 4) is left for the process's exit.
+    await loop.run_in_executor(None, engine.close, max(0.05, deadline - reserve / 4 - loop.time()))
     logger.info("stopped")
 
 

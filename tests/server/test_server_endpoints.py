@@ -1,0 +1,233 @@
+"""vLLM's small endpoints (/tokenize, /detokenize, /version, `echo`, /v1/models' max_model_len) and the pool view
+(/pool, the page at /) against a real `server.py` process with an API key, on the tiny model of test_server.py."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from importlib import metadata
+
+import pytest
+
+from tests.server.harness import MODEL, PROMPT, Server, post, request
+from tests.tiny_hf import make_tiny_hf_model
+
+pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
+
+KEY = "endpoints-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 512
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_model"), "llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY,
+                 "--max-model-len", str(MAX_MODEL_LEN), "--max-prompt-chars", "5000")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(KEY)
+
+
+def call(server, method: str, path: str, body: dict | None = None, auth: bool = True) -> tuple[int, dict]:
+    return request(method, server.url + path, json.dumps(body).encode() if body is not None else None,
+                   AUTH if auth else None)
+
+
+def assert_400(status_body: tuple[int, dict], param: str) -> dict:
+    status, body = status_body
+    assert status == 400, body
+    assert body["error"]["param"] == param and body["error"]["type"] == "invalid_request_error", body
+    return body["error"]
+
+
+# ---- /tokenize and /detokenize ------------------------------------------------------------------------------------
+
+def test_tokenize_then_detokenize_round_trips(server, tokenizer):
+    for text in (PROMPT, "  two  spaces, (brackets) and\nnewlines.", "caf\u00e9 \u2013 \u00fcber"):
+        status, tok = call(server, "POST", "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": False})
+        assert status == 200, tok
+        assert tok["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MAX_MODEL_LEN
+        status, detok = call(server, "POST", "/detokenize", {"model": MODEL, "tokens": tok["tokens"]})
+        assert status == 200 and detok == {"prompt": text}, detok
+
+
+def test_tokenize_counts_what_completions_feeds_the_model(server, client):
+    status, tok = call(server, "POST", "/tokenize", {"prompt": PROMPT, "return_token_strs": True})
+    assert status == 200, tok
+    usage = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+    assert tok["count"] == usage.prompt_tokens
+    assert len(tok["token_strs"]) == tok["count"] and all(isinstance(s, str) and s for s in tok["token_strs"])
+    # the ids themselves: sent back as a token prompt, the model sees the same prompt
+    usage_ids = client.completions.create(model=MODEL, prompt=tok["tokens"], max_tokens=1).usage
+    assert usage_ids.prompt_tokens == tok["count"]
+
+
+def test_tokenize_of_a_chat_equals_the_chat_endpoints_prompt_tokens(server, client):
+    status, tok = call(server, "POST", "/tokenize", {"model": MODEL, "messages": CHAT})
+    assert status == 200, tok
+    usage = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
+    assert tok["count"] == usage.prompt_tokens
+    status, bare = call(server, "POST", "/tokenize", {"messages": CHAT, "add_generation_prompt": False})
+    assert status == 200 and bare["count"] < tok["count"]
+    assert tok["tokens"][:bare["count"]] == bare["tokens"]  # the generation prompt is a suffix
+
+
+def test_bad_tokenize_and_detokenize_values_are_400_naming_the_field(server, tokenizer):
+    vocab = len(tokenizer)
+    err = assert_400(call(server, "POST", "/detokenize", {"tokens": [1, vocab]}), "tokens")
+    assert f"tokens[1]={vocab}" in err["message"]
+    assert_400(call(server, "POST", "/detokenize", {"tokens": [-1]}), "tokens")
+    assert_400(call(server, "POST", "/detokenize", {"tokens": "12"}), "tokens")
+    assert_400(call(server, "POST", "/detokenize", {"tokens": [True]}), "tokens.0")
+    assert_400(call(server, "POST", "/detokenize", {}), "tokens")
+    assert_400(call(server, "POST", "/tokenize", {}), "prompt")
+    assert_400(call(server, "POST", "/tokenize", {"prompt": "a", "messages": CHAT}), "messages")
+    assert_400(call(server, "POST", "/tokenize", {"prompt": 5}), "prompt")
+    assert_400(call(server, "POST", "/tokenize", {"messages": []}), "messages")
+    assert_400(call(server, "POST", "/tokenize", {"messages": [{"role": "bot", "content": "x"}]}), "messages.0.role")
+    assert_400(call(server, "POST", "/tokenize", {"messages": CHAT, "add_special_tokens": True}), "add_special_tokens")
+    err = assert_400(call(server, "POST", "/tokenize", {"prompt": "x" * 5001}), "prompt")  # --max-prompt-chars
+    assert "5001 characters" in err["message"]
+    status, body = call(server, "POST", "/tokenize", {"model": "nope", "prompt": "a"})
+    assert status == 404 and body["error"]["param"] == "model"
+
+
+def test_tokenize_reports_prompts_longer_than_the_context_without_refusing(server):
+    text = "x " * 2400  # within --max-prompt-chars, beyond max_model_len tokens
+    status, tok = call(server, "POST", "/tokenize", {"prompt": text})
+    assert status == 200 and tok["count"] > tok["max_model_len"] == MAX_MODEL_LEN
+
+
+# ---- /version, /v1/models, auth -----------------------------------------------------------------------------------
+
+def test_version_is_the_package_version(server):
+    assert call(server, "GET", "/version") == (200, {"version": metadata.version("jaxpaged")})
+
+
+def test_models_list_max_model_len(client):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+                                         ("GET", "/pool")])
+def test_new_routes_need_the_key(server, method, path):
+    status, body = call(server, method, path, {"prompt": "a", "tokens": [1]} if method == "POST" else None,
+                        auth=False)
+    assert status == 401 and body["error"]["code"] == "missing_api_key"
+
+
+def test_the_page_is_served_without_the_key_and_holds_no_data(server):
+    status, body = request("GET", server.url + "/")
+    page = body["raw"]
+    assert status == 200 and page.startswith("<!doctype html>") and "/v1/chat/completions" in page and "/pool" in page
+    assert KEY not in page and MODEL not in page
+
+
+# ---- echo ---------------------------------------------------------------------------------------------------------
+
+def test_echo_prepends_the_prompt_streamed_and_not(client, tokenizer):
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt=PROMPT, **kw).choices[0].text
+    echoed = client.completions.create(prompt=PROMPT, echo=True, **kw)
+    assert echoed.choices[0].text == PROMPT + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=PROMPT, echo=True, stream=True,
+                                                                             **kw) if c.choices)
+    assert streamed == PROMPT + plain
+    # a token prompt is echoed as its decoded text
+    ids = tokenizer(PROMPT)["input_ids"]
+    by_ids = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    assert by_ids == tokenizer.decode(ids, skip_special_tokens=False) + plain
+
+
+# ---- /pool --------------------------------------------------------------------------------------------------------
+
+def pool(server, **query) -> dict:
+    qs = "&".join(f"{k}={v}" for k, v in query.items())
+    status, view = call(server, "GET", "/pool" + (f"?{qs}" if qs else ""))
+    assert status == 200, view
+    return view
+
+
+def test_pool_shows_a_running_request_then_its_cached_prefix(server, client):
+    before = pool(server)
+    total = before["device"]["num_blocks"]
+    assert sum(before["device"]["counts"].values()) == total and before["requests"] == []
+    stream = client.completions.create(model=MODEL, prompt=PROMPT * 4, max_tokens=340, n=2, temperature=1.0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    deadline, seen = time.time() + 60, None
+    while time.time() < deadline and seen is None:
+        view = pool(server)
+        mine = [i for i, r in enumerate(view["requests"]) if r["id"] == first.id]
+        if mine and view["device"]["counts"]["shared"] > 0:
+            seen = view, mine[0]
+    assert seen is not None, "the request never showed in /pool"
+    view, index = seen
+    d = view["device"]
+    owned = [s for s, o in zip(d["state"], d["owner"], strict=True) if o == index]
+    assert owned and set(owned) <= {1, 2}  # used or shared
+    assert view["requests"][index]["num_seqs"] == 2 and view["num_running"] >= 2
+    for _ in stream:  # let it finish
+        pass
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        after = pool(server)
+        if not after["requests"]:
+            break
+        time.sleep(0.1)
+    counts = after["device"]["counts"]
+    assert after["requests"] == [] and counts["used"] == counts["shared"] == 0
+    assert counts["cached"] > 0 and counts["free"] + counts["cached"] == total
+
+
+def test_pool_is_bounded_and_max_cells_is_checked(server):
+    view = pool(server, max_cells=5)
+    d = view["device"]
+    assert len(d["state"]) <= 5 and d["downsampled"] and d["blocks_per_cell"] * len(d["state"]) >= d["num_blocks"]
+    for bad in ("0", "4097", "x", "-1", "1.5"):
+        assert_400(call(server, "GET", f"/pool?max_cells={bad}"), "max_cells")
+
+
+def test_many_pool_watchers_do_not_stall_a_stream(server, client):
+    """8 clients polling /pool as fast as they can (they share one view per 0.2 s, drawn between steps) while a
+    stream runs: every poll answers and the stream completes."""
+    stop = threading.Event()
+    polls = []
+
+    def watch():
+        while not stop.is_set():
+            polls.append(call(server, "GET", "/pool")[0])
+
+    threads = [threading.Thread(target=watch) for _ in range(8)]
+    for t in threads:
+        t.start()
+    try:
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0,
+                                        extra_body={"ignore_eos": True}, timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert out.usage.completion_tokens == 64 and polls and set(polls) == {200}
+    assert post(f"{server.url}/v1/completions", {"prompt": "a"})[0] == 401  # still keyed (sanity)
+
