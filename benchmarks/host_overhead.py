@@ -116,16 +116,17 @@ def device_step_ms(engine, calls: int = 20) -> float:
     step = runner._executable(layout)
     inputs, _ = runner.input_batch.build(inflight.out, layout)  # the last step's rows again
     buf, extras = inputs.buf, runner._extras(inputs)
-    pool, prev = runner.kv_pool, runner.prev_tokens
+    pool, draft_pool, prev = runner.kv_pool, runner.draft_pool, runner.prev_tokens
     jax.block_until_ready(engine.runner.fetch(inflight.handle).tokens)
     engine._inflight = None
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        tokens, _, pool = step(runner.param_leaves, pool, prev, buf, extras)
+        tokens, _, pool, draft_pool = step(runner.param_leaves, pool, prev, runner._arg(buf), extras,
+                                           runner.draft_leaves, draft_pool)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t0)
-    runner.kv_pool = pool
+    runner.kv_pool, runner.draft_pool = pool, draft_pool
     return 1e3 * float(np.median(times[3:]))
 
 
