@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 ARGS ?=
+# pytest-xdist workers for `make test`: one more than the cores (tests wait on processes and sockets part of the
+# time), at most 4
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 < 4 ? n + 1 : 4 )))
 
 .PHONY: setup run serve test lint bench
 
@@ -25,7 +28,7 @@ serve: setup
 	$(PY) server.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest tests -n auto --maxprocesses 4 --dist loadfile $(ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -39,7 +39,15 @@ def tiny_hf_model(tmp_path):
     return make
 
 
+# The folders whose slow modules take longest (processes in pairs, real models), in that order.
+LONGEST_FIRST = ("parallel", "models", "spec_decode", "server", "project", "kernels")
+
+
 def pytest_collection_modifyitems(config, items):
-    """The slow tier first: with `-n` (pytest-xdist, `make test`), each worker takes whole modules in this order,
-    so the longest modules start early instead of leaving one worker running alone at the end."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The slow tier first, its longest folders first: with `-n` (pytest-xdist, `make test`) each worker takes whole
+    modules in this order, so the longest start early instead of leaving one worker running alone at the end."""
+    def rank(item) -> tuple[bool, int]:
+        folder = item.path.parent.name
+        return item.get_closest_marker("slow") is None, LONGEST_FIRST.index(folder) if folder in LONGEST_FIRST else 9
+
+    items.sort(key=rank)

@@ -31,7 +31,7 @@ devices (each process runs the same steps), so nothing of them crosses processes
 Failure: `jax.distributed` runs a coordination service with heartbeats. If a process dies, a collective in flight
 fails at once (gloo on CPU: "Connection closed by peer"), and an idle process is terminated by the coordination
 service once the dead one has missed heartbeats for `heartbeat_timeout` seconds
-(tests/parallel/test_multihost.py measures it). Nobody waits forever.
+(tests/parallel/test_multihost_lifecycle.py measures it). Nobody waits forever.
 """
 
 from __future__ import annotations

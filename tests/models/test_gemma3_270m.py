@@ -134,13 +134,16 @@ def test_greedy_tokens_match_transformers(ours, device_params, hf, prompt):
 
 
 @pytest.fixture(scope="module")
-def llm(gguf_path, tmp_path_factory):
+def llm(gguf_path, tmp_path_factory, ours):
     """The engine on the GGUF, its conversion cached in a fresh directory (the first load converts and writes it).
-    The CPU default attention: the native kernel for decode steps, the reference for prefill."""
+    The CPU default attention: the native kernel for decode steps, the reference for prefill. The conversion's
+    tensors are `ours` (load_gguf's, checked against transformers above), not read from the file a second time."""
     from jaxpaged import LLM
+    from jaxpaged.loader import gguf_file
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXPAGED_CACHE_DIR", str(tmp_path_factory.mktemp("gemma_cache")))
+        mp.setattr(gguf_file, "load_gguf", lambda p: ours if os.path.samefile(p, gguf_path) else pytest.fail(p))
         yield LLM(model=gguf_path, dtype="float32", max_model_len=256, block_size=16, num_blocks=40, max_num_seqs=4,
                   precompile=False, show_progress=False)
 

@@ -4,138 +4,35 @@ with 2 fake CPU devices (XLA_FLAGS set in the child's environment before JAX sta
 Tolerance: the same text as one process with 4 fake devices at tp 4 with the same options (greedy; seeded sampling
 with n=2, which copies a shared partial block: a COPY_BLOCKS op; three long greedy generations in a 12-block pool,
 which preempt by swapping: READ_BLOCKS and WRITE_BLOCKS ops); chosen tokens' log-probs within 1e-4 (float32; the
-reductions of the two runs may be ordered differently).
+reductions of the two runs may be ordered differently). Processes that die, peers that never come and the CLI
+across processes: test_multihost_lifecycle.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
 from jaxpaged.parallel import multihost
 from jaxpaged.parallel.multihost import DistributedConfig, Header, Op
-from tests import ROOT
+from tests.parallel.multihost_procs import (
+    REQUESTS,
+    SERVER,
+    STARTUP_S,
+    Proc,
+    complete,
+    free_port,
+    needs_default_model,
+    start_pair,
+    stats,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
 LOGPROB_TOL = 1e-4
-ENGINE = ["--dtype", "float32", "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "128",
-          "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-show-progress", "--num-blocks", "12",
-          "--swap-space", "0.05", "--preemption-mode", "swap"]
-SERVER = [*ENGINE, "--shutdown-grace", "5"]
-STARTUP_S = 240
-KILL_BOUND_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def needs_default_model():
-    from jaxpaged.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-class Proc:
-    """A server.py child (or `command`: python's arguments) with its log file."""
-
-    def __init__(self, name: str, log_dir, devices: int, args: list[str], env: dict[str, str],
-                 command: tuple[str, ...] = ("server.py",)):
-        self.name, self.log_path = name, os.path.join(log_dir, f"{name}.log")
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": str(ROOT), **env}
-        for key in multihost.ENV.values():
-            env.setdefault(key, "")
-        self.log = open(self.log_path, "w")
-        self.popen = subprocess.Popen([sys.executable, *command, *args], cwd=ROOT, env=env, stdout=self.log,
-                                      stderr=subprocess.STDOUT)
-
-    def text(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.text()[-3000:]}")
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait(10)
-        self.log.close()
-
-
-def start_pair(log_dir, heartbeat_s: int = 100, extra: list[str] | None = None,
-               command: tuple[str, ...] = ("server.py",)) -> tuple[Proc, Proc, int]:
-    """Process 0 (serving on a free port) and process 1, joined through a free coordinator port given by the
-    environment; the other options are flags."""
-    coordinator, http = free_port(), free_port()
-    procs = []
-    for pid in (0, 1):
-        env = {"JAXPAGED_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXPAGED_NUM_PROCESSES": "2",
-               "JAXPAGED_PROCESS_ID": str(pid)}
-        args = [*ENGINE, "--distributed-heartbeat-timeout", str(heartbeat_s), *(extra or [])]
-        if command == ("server.py",):
-            args += ["--shutdown-grace", "5", "--port", str(http)]
-        procs.append(Proc(f"process{pid}", log_dir, 2, args, env, command))
-    return procs[0], procs[1], http
-
-
-def wait_healthy(port: int, procs: list[Proc], timeout: float = STARTUP_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.popen.poll() is not None:
-                pytest.fail(f"{p.name} exited {p.popen.returncode} during start-up:\n{p.text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"no /health on port {port} within {timeout} s:\n" + "\n".join(p.text()[-2000:] for p in procs))
-
-
-def complete(port: int, body: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as r:
-        return json.loads(r.read())
-
-
-REQUESTS = [
-    {"prompt": ["The capital of France is", "def fibonacci(n):"], "max_tokens": 12, "temperature": 0,
-     "logprobs": 1},
-    {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.8, "seed": 3, "n": 2, "logprobs": 1},
-    # 3 x 5 blocks do not fit 11: sequences are swapped out to the host and back
-    {"prompt": ["Tell me about dogs.", "List the planets.", "Why is the sky blue?"], "max_tokens": 48,
-     "temperature": 0, "ignore_eos": True, "logprobs": 1},
-]
-
-
-def stats(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/stats", timeout=10) as r:
-        return json.loads(r.read())
-
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
@@ -179,90 +76,6 @@ def test_sigterm_to_process_0_stops_both_processes_cleanly(servers):
                                        .split(", "))}
     assert counts["STEP"] > 0 and counts["COPY_BLOCKS"] > 0 and counts["STOP"] == 1
     assert counts["READ_BLOCKS"] > 0 and counts["WRITE_BLOCKS"] > 0
-
-
-@pytest.mark.parametrize("when", ["idle", "in_a_request"])
-def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path, when):
-    """SIGKILL to process 1. Idle: the coordination service misses its heartbeats and ends process 0 (non-zero, the
-    reason in its log). In a request: the step's collective fails at once, the request gets an error, the engine is
-    dead, and the heartbeat timeout ends process 0 as well. Within the heartbeat timeout plus detection, not never."""
-    import threading
-
-    needs_default_model()
-    p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
-    try:
-        wait_healthy(port, [p0, p1])
-        complete(port, REQUESTS[0])
-        answer: list = []
-        if when == "in_a_request":
-            def long_request():
-                try:
-                    answer.append(complete(port, {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True}))
-                except (urllib.error.URLError, OSError) as e:  # HTTP 500, or the connection ends with process 0
-                    answer.append(e)
-
-            thread = threading.Thread(target=long_request, daemon=True)
-            thread.start()
-            time.sleep(3)  # some decode steps in
-        t0 = time.monotonic()
-        p1.popen.kill()
-        rc = p0.wait(KILL_BOUND_S)
-        elapsed = time.monotonic() - t0
-        log = p0.text()
-        assert rc != 0, log[-3000:]
-        assert "heartbeat" in log or "unhealthy" in log, log[-3000:]
-        if when == "in_a_request":
-            thread.join(30)
-            assert len(answer) == 1 and isinstance(answer[0], Exception), answer  # an error, not 120 tokens
-        print(f"{when}: process 0 exited {rc} {elapsed:.1f} s after process 1 was killed (heartbeat timeout 5 s)")
-    finally:
-        p0.kill()
-        p1.kill()
-
-
-def test_process_1_exits_with_an_error_when_process_0_dies(tmp_path):
-    """SIGKILL to process 0: process 1, waiting for the next op in a collective, gets the error and exits 1."""
-    needs_default_model()
-    p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
-    try:
-        wait_healthy(port, [p0, p1])
-        p0.popen.kill()
-        assert p1.wait(KILL_BOUND_S) == 1, p1.text()[-3000:]
-        assert "process 0 is gone; this worker stops" in p1.text()
-    finally:
-        p0.kill()
-        p1.kill()
-
-
-def test_a_process_whose_peers_never_come_exits_with_an_error(tmp_path):
-    """Process 0 alone, distributed_initialization_timeout 5 s: jax.distributed gives up (DEADLINE_EXCEEDED while
-    registering) and the process ends non-zero, ~10 s here, without loading anything."""
-    env = {"JAXPAGED_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAXPAGED_NUM_PROCESSES": "2",
-           "JAXPAGED_PROCESS_ID": "0"}
-    p = Proc("alone", tmp_path, 2, [*SERVER, "--distributed-initialization-timeout", "5"], env)
-    try:
-        t0 = time.monotonic()
-        assert p.wait(60) != 0
-        assert "DEADLINE_EXCEEDED" in p.text() and "loaded in" not in p.text()
-        print(f"alone: exited after {time.monotonic() - t0:.1f} s")
-    finally:
-        p.kill()
-
-
-def test_the_cli_generates_across_two_processes(tmp_path):
-    """`python -m jaxpaged.entrypoints.cli generate` on both processes: process 0 prints the text, both exit 0."""
-    needs_default_model()
-    cli = ("-m", "jaxpaged.entrypoints.cli", "generate", "--prompt", "The capital of France is", "--raw",
-           "--max-tokens", "6")
-    p0, p1, _ = start_pair(tmp_path, command=cli)
-    try:
-        assert p0.wait(STARTUP_S) == 0, p0.text()[-3000:]
-        assert p1.wait(60) == 0, p1.text()[-3000:]
-        assert "### The capital of France is\n" in p0.text() and "[6 tokens in" in p0.text()
-        assert "### " not in p1.text() and "worker done: 6 STEP" in p1.text()  # one prefill, then 5 decode steps
-    finally:
-        p0.kill()
-        p1.kill()
 
 
 def test_a_mesh_must_span_every_process(tmp_path):
