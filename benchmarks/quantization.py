@@ -9,9 +9,10 @@ hit every format of a round alike; medians over rounds, minimum beside them):
           by qmatmul.cc in both of its ways (int8 activations with VPDPBUSD; bf16 dequantized in registers with
           VDPBF16PS). The weights (94-270 MB) do not fit the 32 MB L3, so at 1 row this is a pass over memory.
   engine  the model through `LLM` per format (bf16 = quantization None): batch-1 decode tokens/s end to end (one
-          request, --decode-tokens greedy tokens) with the device step's share (the jitted step's wall time, from
-          Engine.stats()'s device_s, and the host's), then the throughput workload (benchmarks/workload.py's
-          48 prompts of 24-320 tokens, 96 new tokens each, greedy; --throughput-prompts to shorten it).
+          request, --decode-tokens greedy tokens) with the step's parts (the host's wait for the device, from
+          Engine.stats()'s device_wait_s, and the host's own time), then the throughput workload
+          (benchmarks/workload.py's 48 prompts of 24-320 tokens, 96 new tokens each, greedy; --throughput-prompts
+          to shorten it).
 
     python benchmarks/quantization.py                              # kernel + engine on the default model (SmolLM2)
     python benchmarks/quantization.py --parts kernel --rows 1 64
@@ -179,7 +180,7 @@ def engine_part(args) -> tuple[list[dict], list[dict]]:
             after = llm.stats()
             steps = max(after["steps"] - before["steps"], 1)
             per[name]["tok_s"].append(args.decode_tokens / wall)
-            per[name]["device_ms"].append(1e3 * (after["device_s"] - before["device_s"]) / steps)
+            per[name]["device_ms"].append(1e3 * (after["device_wait_s"] - before["device_wait_s"]) / steps)
             per[name]["host_ms"].append(1e3 * (after["host_s"] - before["host_s"]) / steps)
             tokens[name] = out[0].outputs[0].token_ids
     decode_rows = []
@@ -197,7 +198,7 @@ def engine_part(args) -> tuple[list[dict], list[dict]]:
           "(median; device ms: the jitted step's wall time per step)")
     print_table(decode_rows, [("format", "format", "s"), ("weight_mib", "weights MiB", ".1f"),
                               ("tok_s", "tok/s", ".1f"), ("tok_s_max", "best tok/s", ".1f"),
-                              ("speedup", "x bf16", ".2f"), ("device_ms", "device ms/step", ".2f"),
+                              ("speedup", "x bf16", ".2f"), ("device_ms", "device wait ms/step", ".2f"),
                               ("device_ms_min", "min", ".2f"), ("device_speedup", "x bf16 (device)", ".2f"),
                               ("host_ms", "host ms/step", ".2f"),
                               ("greedy_agreement", "same tokens as bf16", ".2f")])
