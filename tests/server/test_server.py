@@ -10,7 +10,6 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -18,24 +17,10 @@ import pytest
 
 from jaxpaged.runtime.tcmalloc import tcmalloc_path
 from tests.server.harness import MAX_BODY, MODEL, PROMPT, Server, get, post, still_serves
-from tests.tiny_hf import make_tiny_hf_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
 MAX_MODEL_LEN = 128
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    # Logits are spread (no near-ties), which the batch-invariance checks below rely on; every id decodes.
-    return Path(make_tiny_hf_model(tmp_path_factory.mktemp("tiny_model"), "llama"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")

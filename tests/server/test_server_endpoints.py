@@ -11,7 +11,6 @@ from importlib import metadata
 import pytest
 
 from tests.server.harness import MODEL, PROMPT, Server, post, request
-from tests.tiny_hf import make_tiny_hf_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -19,18 +18,6 @@ KEY = "endpoints-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 512
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": PROMPT}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny_model"), "llama")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from tests.server.harness import (
     request,
     wait_for,
 )
-from tests.tiny_hf import make_tiny_hf_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -41,18 +40,6 @@ TIMEOUT = 2.0  # the keyed server's --keepalive-timeout, --body-timeout and --wr
 FLOOD = {"model": MODEL, "prompt": PROMPT, "n": 64, "max_tokens": 460, "logprobs": 20, "ignore_eos": True,
          "temperature": 1.0, "stream": True}
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return Path(make_tiny_hf_model(tmp_path_factory.mktemp("tiny_model"), "llama"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    import transformers
-
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
 @pytest.fixture(scope="module")
