@@ -60,9 +60,14 @@
 #endif
 #endif
 
+#include "vec_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+#if JAXPAGED_QMATMUL_VNNI
+using jaxpaged_native::Exp16;
+using jaxpaged_native::Tanh16;
+#endif
 
 namespace {
 
@@ -448,23 +453,6 @@ inline __m512 RoundBf16(__m512 v) {  // float32 -> nearest-even bfloat16 -> floa
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// exp(x) on 16 lanes, x clamped to [-87, 88]: 2^n e^r, n = round(x / ln 2), e^r by Cephes' expf polynomial.
-inline __m512 Exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-  poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-  poly = _mm512_add_ps(_mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(poly, n);
-}
-
 // Activate's operations on 16 lanes (bf16: every result rounded to bfloat16, as JAX's bfloat16 computation).
 template <bool Bf16>
 inline __m512 ActVec(int64_t act, __m512 g) {
@@ -477,10 +465,7 @@ inline __m512 ActVec(int64_t act, __m512 g) {
   const __m512 g3 = r(_mm512_mul_ps(r(_mm512_mul_ps(g, g)), g));
   const __m512 inner = r(_mm512_add_ps(g, r(_mm512_mul_ps(g3, _mm512_set1_ps(Bf16 ? 0.0446777344f : 0.044715f)))));
   const __m512 z = r(_mm512_mul_ps(inner, _mm512_set1_ps(Bf16 ? 0.796875f : 0.7978845608f)));
-  // tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2 |z|)
-  const __m512 e = Exp16(_mm512_mul_ps(_mm512_set1_ps(-2.0f), _mm512_abs_ps(z)));
-  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-  t = r(_mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t));
+  const __m512 t = r(Tanh16(z));
   return r(_mm512_mul_ps(g, r(_mm512_mul_ps(r(_mm512_add_ps(t, one)), _mm512_set1_ps(0.5f)))));
 }
 
