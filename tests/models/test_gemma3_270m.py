@@ -149,8 +149,6 @@ def llm(gguf_path, tmp_path_factory, ours):
 
 
 def test_the_engine_serves_the_gemma_module_and_the_cache_reloads_it(llm, gguf_path, ours):
-    import os
-
     from flax import nnx
 
     from jaxpaged.loader import load_model
