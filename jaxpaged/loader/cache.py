@@ -51,12 +51,16 @@ def load_gguf_cached(path: str, cache_dir: str | None, quantized: bool = False):
         logger.info("loading %s from its converted copy %s", path, cached)
         config, params = read_checkpoint(cached)
         return config, params, directory_tokenizer(cached)
+    from gguf import GGUFReader
+
     from jaxpaged.loader.gguf_file import load_gguf
     from jaxpaged.loader.gguf_quant import load_gguf_quantized
 
     logger.info("converting %s (first load; the result is cached in %s)", path, cached)
-    config, params = load_gguf_quantized(path) if quantized else load_gguf(path)
-    tokenizer = gguf_tokenizer(path)
+    reader = GGUFReader(path)  # parsed once for the tensors and the chat template
+    config, params = load_gguf_quantized(path, reader) if quantized else load_gguf(path, reader)
+    tokenizer = gguf_tokenizer(path, reader)
+    del reader
     if jax.process_count() > 1:
         # Orbax saves collectively (process 0 writes what all processes hold), so a process of a multi-host run
         # saving on its own would leave an entry without params; each process converts the file instead.

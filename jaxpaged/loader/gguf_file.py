@@ -192,11 +192,12 @@ def dequantize(tensor) -> np.ndarray:
     return np.asarray(data, np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, dict]:
-    """Params in float32 (what the cache stores), dequantized one tensor at a time from the memory-mapped file."""
+def load_gguf(path: str, reader=None) -> tuple[ModelConfig, dict]:
+    """Params in float32 (what the cache stores), dequantized one tensor at a time from the memory-mapped file.
+    reader: the file's `gguf.GGUFReader`, if the caller parsed it already (a large vocabulary takes seconds)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    reader = reader or GGUFReader(path)
     config = model_config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture == "llama"
@@ -237,11 +238,12 @@ GEMMA3_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 
 
-def chat_template_of(path: str) -> str | None:
-    """The file's tokenizer.chat_template; for a gemma3 file without one, Gemma 3's (GEMMA3_CHAT_TEMPLATE)."""
+def chat_template_of(path: str, reader=None) -> str | None:
+    """The file's tokenizer.chat_template; for a gemma3 file without one, Gemma 3's (GEMMA3_CHAT_TEMPLATE).
+    reader: the file's `gguf.GGUFReader`, if the caller parsed it already."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    reader = reader or GGUFReader(path)
     template = field(reader, "tokenizer.chat_template")
     if template is None and field(reader, "general.architecture") == "gemma3":
         return GEMMA3_CHAT_TEMPLATE

@@ -174,12 +174,13 @@ def stacked_weight(planes: list[Planes], dense_shape: tuple[int, ...], table: bo
                            dense_shape, table, sources=sources)
 
 
-def load_gguf_quantized(path: str) -> tuple[ModelConfig, dict]:
+def load_gguf_quantized(path: str, reader=None) -> tuple[ModelConfig, dict]:
     """(config, params) with the matrices and the embedding as QuantizedWeight (plain layout, numpy) and the rest
-    float32, in the loader's layout. Logs a warning per type that could not be kept, naming it and its tensors."""
+    float32, in the loader's layout. Logs a warning per type that could not be kept, naming it and its tensors.
+    reader: the file's `gguf.GGUFReader`, if the caller parsed it already."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    reader = reader or GGUFReader(path)
     config = model_config_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}
     permuted = config.architecture == "llama"

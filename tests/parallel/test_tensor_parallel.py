@@ -17,6 +17,7 @@ import pytest
 
 from jaxpaged.parallel.tensor_parallel import HeadLayout
 from tests import ROOT
+from tests.default_model import default_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -135,12 +136,7 @@ def test_tensor_parallel_size_must_divide_the_devices():
 def test_default_model_at_tp_1_2_and_4():
     """SmolLM2-135M (real weights, 9 query / 3 kv heads: kv heads replicated, query heads padded at tp 2 and 4) at
     tp 1, 2 and 4: the same greedy, seeded n=2, prefix-cached and beam-search tokens, log-probs within 1e-4."""
-    from jaxpaged.loader import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    default_model()  # converted once, not by the worker
     results, _ = run_worker("default", "1,2,4")
     assert_same_generations(results)
 

