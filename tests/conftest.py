@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# Before anything loads OpenMP (torch does, for the transformers references): its idle threads sleep instead of
+# spinning. `make test` runs more workers than cores, and spinning threads burned the CPU the other workers needed
+# (tests/models/test_default_model_parity.py alone: 84 s of CPU spinning, 52 s passive, on 2 cores). The processes
+# the tests start inherit it. Our native kernels do not use OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache
-from tests.tiny_hf import KINDS, TINY_VOCAB, make_tiny_hf_model, make_tiny_tokenizer, write_tiny_gguf
+import pytest  # noqa: E402
+
+from jaxpaged.runtime.compilation_cache import default_directory, enable_compilation_cache  # noqa: E402
+from tests.tiny_hf import KINDS, TINY_VOCAB, make_tiny_hf_model, make_tiny_tokenizer, write_tiny_gguf  # noqa: E402
 
 __all__ = ["KINDS", "TINY_VOCAB", "make_tiny_hf_model", "make_tiny_tokenizer", "write_tiny_gguf"]
 
