@@ -74,10 +74,9 @@ namespace {
 
 constexpr int64_t kGroup = 16;         // columns per group (one 16-lane accumulator)
 constexpr int64_t kBlock = 32;         // k per block (one scale, one activation scale)
-constexpr int64_t kPanelGroups = 4;    // the layout's groups per panel (64 columns): G is a multiple of it
-constexpr int64_t kItemsPerChunk = 64; // work items per chunk of rows, at least a group (16 columns) each
-constexpr int64_t kSoloRows = 8;       // a product of at most this many rows and
-constexpr int64_t kSoloBytes = 0;      // less than this many bytes of weight runs on the caller alone
+constexpr int64_t kPanelGroups = 4;    // groups per panel (64 columns): G is a multiple of it; a work item's size
+constexpr int64_t kStreamRows = 8;     // a product of at most this many rows streams its weight (memory-bound):
+constexpr int64_t kStreamGroups = 16;  // its work items are this many groups (256 columns), not a panel's 4
 constexpr int64_t kChunkRows = 128;    // rows per work item
 constexpr int kRows = 8;               // rows per register block
 
@@ -652,10 +651,10 @@ struct PhaseWork {
 
 // `items` work items of `phase` on the caller and on helpers of XLA's pool; returns when all are done.
 void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts, int phase, int64_t items,
-              int64_t chunk_items, bool solo = false) {
+              int64_t chunk_items) {
   auto work = std::make_shared<PhaseWork>();
   work->parts = parts, work->phase = phase, work->total = items, work->chunk_items = chunk_items;
-  const int64_t helpers = solo ? 0 : std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work->Drain(); });
   work->Drain();
   for (int spin = 0; spin < 4000 && work->done.load(std::memory_order_acquire) < items; ++spin) {
@@ -730,13 +729,16 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
     p.a->xb.resize(p.m * p.kp);
   }
   const int64_t row_chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  // Items of a few groups of 16 columns: at a decode step's one row a projection of 576 columns is 36 groups, and 2
-  // threads sharing them by panels of 4 (as the layout groups them) would leave one thread a ninth of it alone.
+  // Work items of consecutive groups of 16 columns (consecutive in memory too). At a few rows the product is a pass
+  // over the weight, and a long run of it per item streams faster than a panel's (the prefetchers follow one run,
+  // where 2 threads taking small items in turn hop between them), even where 2 threads then share a product unevenly
+  // (a 576-column one is 3 items); more rows are compute-bound and take items of one panel, which share evenly
+  // (docs/quantization.md has the measurements).
   int64_t chunk_items = 0;
   for (QState& part : *parts) {
     part.a = p.a;
     part.live_groups = (part.n + kGroup - 1) / kGroup;
-    part.item_groups = std::max<int64_t>(1, part.live_groups / kItemsPerChunk);
+    part.item_groups = p.m <= kStreamRows ? kStreamGroups : kPanelGroups;
     part.col_items = (part.live_groups + part.item_groups - 1) / part.item_groups;
     chunk_items += part.col_items;
   }
@@ -746,11 +748,7 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
   } else {
     RunPhase(pool, parts, 1, row_chunks, 0);
   }
-  int64_t weight_bytes = 0;
-  for (const QState& part : *parts)
-    weight_bytes += part.live_groups * p.blocks * (CodeBytes(p.bits) + ScaleBytes(p.scale_mode)) * (part.act >= 0 ? 2 : 1);
-  const bool solo = row_chunks == 1 && p.m <= kSoloRows && weight_bytes < kSoloBytes;
-  RunPhase(pool, parts, 2, row_chunks * chunk_items, chunk_items, solo);
+  RunPhase(pool, parts, 2, row_chunks * chunk_items, chunk_items);
   return ffi::Error::Success();
 }
 

@@ -189,8 +189,8 @@ def test_three_products_in_one_call_equal_three_calls(fmt, m):
 
 
 def test_a_wide_product_shares_several_groups_per_item():
-    """N past 64 groups of 16 columns (an LM head): the work items take several groups each; every column is still
-    x's quantized product with the weight, the last, partly padded group too."""
+    """A wide N (an LM head) at a decode step's few rows, whose work items are runs of 16 groups of 16 columns, the
+    last one short: every column is still x's quantized product with the weight, the partly padded group too."""
     rng = np.random.default_rng(12)
     qw = random_weight(rng, "q8_0", 1, 64, 16 * 64 * 2 + 5)
     x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
