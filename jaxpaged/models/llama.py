@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul
+from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul, layer_matmul3
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
 from jaxpaged.models.quant import embedding_rows, is_quantized
 from jaxpaged.models.rope import rope_qk
@@ -120,7 +120,7 @@ class LlamaDecoderLayer(nnx.Module):
             return layer_matmul(x, p[...], layer)
 
         x = layer_rms_norm(h, self.attn_norm[...], layer, eps)
-        q, k, v = mm(x, self.wq), mm(x, self.wk), mm(x, self.wv)
+        q, k, v = layer_matmul3(x, (self.wq[...], self.wk[...], self.wv[...]), layer)
         if c.attention_bias:
             q, k, v = q + vec(self.bq), k + vec(self.bk), v + vec(self.bv)
         q = q.reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]

@@ -2,6 +2,7 @@
 
     y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
+    q, k, v = layer_matmul3(x, (wq, wk, wv), layer)   # three of them (one native call for quantized weights)
     y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
     logits = head_matmul(h, head)         # h [S, H] @ head [H, V] (or prepacked) -> float32 logits
     h = embedding_rows(table, token_ids)  # table [V, H] (full width or quantized) -> [T, H]
@@ -37,7 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.quant import is_quantized, qglu, qmatmul
+from jaxpaged.models.quant import is_quantized, qglu, qmatmul, qmatmul3
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
 _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
@@ -99,6 +100,15 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Arra
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
     return matmul(x, _layer(w, layer))
+
+
+def layer_matmul3(x: jax.Array, ws: tuple[jax.Array, jax.Array, jax.Array],
+                  layer: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x @ each of three stacked weights at `layer` (an attention layer's q, k, v): `layer_matmul`'s numbers; three
+    quantized weights of one format go through one native call (x quantized once, one call's fixed cost)."""
+    if all(is_quantized(w) for w in ws):
+        return qmatmul3(x, tuple(ws), layer, rows=_live_rows(x))
+    return tuple(layer_matmul(x, w, layer) for w in ws)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -271,6 +271,21 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
     return y.astype(out_dtype)
 
 
+def qmatmul3(x: jax.Array, weights: tuple[QuantizedWeight, ...], layer=None, rows=None) -> tuple[jax.Array, ...]:
+    """x @ each of three quantized matrices (an attention layer's q, k, v) in x's dtype: one native call where all
+    three are in the panel layout of one format and K and stacked alike (x prepared once, one call's fixed cost
+    instead of three), else three `qmatmul`s. The same numbers either way."""
+    first = weights[0]
+    if len(weights) == 3 and all(w.layout == "panels" and w.format == first.format and w.k == first.k
+                                 and w.lead == first.lead and not w.table for w in weights):
+        from pallas_kernels.cpu_native.quantized import qmatmul3_native
+
+        return qmatmul3_native(x, tuple((w.codes, w.scales) for w in weights), 0 if layer is None else layer, rows,
+                               ns=tuple(w.n for w in weights), bits=first.bits, scale_mode=first.scale_mode,
+                               mode=NATIVE_MODE)
+    return tuple(qmatmul(x, w, layer, rows=rows) for w in weights)
+
+
 def qglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight, layer, activation: str, rows=None):
     """act(x @ gate[layer]) * (x @ up[layer]) [M, N] in x's dtype (a gated MLP's first half): by one native call where
     both are in the panel layout of one format, else as two `qmatmul`s and the activation in `jnp`."""

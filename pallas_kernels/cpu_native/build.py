@@ -64,7 +64,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("norm", ("norm.cc",), ("JaxpagedRmsNorm", "JaxpagedAddRound"), what="bfloat16 RMSNorm and residual adds"),
     Kernel("rope", ("rope.cc",), ("JaxpagedRope",), what="bfloat16 rotary embedding"),
     Kernel("argmax", ("argmax.cc",), ("JaxpagedArgmax",), what="the sampler's argmax"),
-    Kernel("qmatmul", ("qmatmul.cc",), ("JaxpagedQMatmul", "JaxpagedQMatmulGlu"),
+    Kernel("qmatmul", ("qmatmul.cc",), ("JaxpagedQMatmul", "JaxpagedQMatmulGlu", "JaxpagedQMatmul3"),
            what="matmuls that read int8 / GGUF-quantized weights (VNNI where the CPU has it)"),
 )}
 

@@ -24,7 +24,8 @@
 //
 // JaxpagedQMatmulGlu is a gated MLP's first half in one call: out = act(x @ W_gate) * (x @ W_up), both weights of
 // one shape and format, act SiLU (0) or GELU-tanh (1), rounded as the unfused bf16 model rounds (each product,
-// act's every step, the product) when out is bfloat16; kInt8Dot only.
+// act's every step, the product) when out is bfloat16; kInt8Dot only. JaxpagedQMatmul3 is x @ W0, x @ W1, x @ W2 (an
+// attention layer's q, k, v: one format and K, each its own N) in one call: x prepared once, one sharing of the work.
 //
 // Two ways to multiply (attr `mode`), measured by benchmarks/quantization.py --kernel:
 //   kInt8Dot (0)  as llama.cpp does: each row of x is quantized on the fly to int8 per block of 32 (d = max|x| / 127,
@@ -73,7 +74,9 @@ namespace {
 
 constexpr int64_t kGroup = 16;         // columns per group (one 16-lane accumulator)
 constexpr int64_t kBlock = 32;         // k per block (one scale, one activation scale)
-constexpr int64_t kPanelGroups = 4;    // groups per work item (64 columns)
+constexpr int64_t kPanelGroups = 4;    // groups per panel (64 columns): G is a multiple of it; a work item's size
+constexpr int64_t kStreamRows = 8;     // a product of at most this many rows streams its weight (memory-bound):
+constexpr int64_t kStreamGroups = 16;  // its work items are this many groups (256 columns), not a panel's 4
 constexpr int64_t kChunkRows = 128;    // rows per work item
 constexpr int kRows = 8;               // rows per register block
 
@@ -127,6 +130,14 @@ inline int64_t ScaleBytes(int64_t mode) {  // per (group, block); kChannel: per 
 
 // ---- the problem ----------------------------------------------------------------------------------------------------
 
+// The activations as the products read them: int8 codes [m, kp], d and d * sum(q) per block [m, blocks], and the sum
+// of the latter per row [m] (kInt8Dot); bf16 [m, kp] (kBf16Dot).
+struct Activations {
+  std::vector<int8_t> qx;
+  std::vector<float> dx, sx, sx_row;
+  std::vector<uint16_t> xb;
+};
+
 struct QState {
   // shapes: x [m_all, k], out [m_all, n]; codes of this layer [groups, blocks, CodeBytes(bits)]
   int64_t m = 0, m_all = 0, k = 0, kp = 0, n = 0, groups = 0, blocks = 0;
@@ -141,12 +152,11 @@ struct QState {
   bool x_f32 = false;
   void* out = nullptr;
   bool out_f32 = false;
-  // the activations, prepared by phase 1: int8 codes [m, kp], d and d * sum(q) per block [m, blocks], and the sum of
-  // the latter per row [m] (kInt8Dot); bf16 [m, kp] (kBf16Dot)
-  std::vector<int8_t> qx;
-  std::vector<float> dx, sx, sx_row;
-  std::vector<uint16_t> xb;
-  int64_t row_chunks = 0, panels = 0;
+  // the activations, prepared by phase 1 (shared by the weights of one JaxpagedQMatmul3 call)
+  std::shared_ptr<Activations> a = std::make_shared<Activations>();
+  // phase 2's work: per chunk of rows, `col_items` items of `item_groups` groups each over the groups that hold
+  // columns (the padded ones are skipped)
+  int64_t live_groups = 0, item_groups = 0, col_items = 0;
 
   float XAt(int64_t r, int64_t kk) const {
     if (kk >= k) return 0.0f;
@@ -217,7 +227,7 @@ inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j, 
 // Row r quantized per block of 32 (kInt8Dot): d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)), all in float32
 // (quantized.py's reference repeats these operations).
 [[maybe_unused]] void QuantizeRow(QState& p, int64_t r) {
-  int8_t* q = p.qx.data() + r * p.kp;
+  int8_t* q = p.a->qx.data() + r * p.kp;
   float total = 0.0f;
   for (int64_t b = 0; b < p.blocks; ++b) {
     float v[kBlock], amax = 0.0f;
@@ -232,17 +242,17 @@ inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j, 
       q[b * kBlock + i] = static_cast<int8_t>(qi);
       sum += qi;
     }
-    p.dx[r * p.blocks + b] = d;
-    p.sx[r * p.blocks + b] = d * static_cast<float>(sum);
-    total += p.sx[r * p.blocks + b];
+    p.a->dx[r * p.blocks + b] = d;
+    p.a->sx[r * p.blocks + b] = d * static_cast<float>(sum);
+    total += p.a->sx[r * p.blocks + b];
   }
-  p.sx_row[r] = total;
+  p.a->sx_row[r] = total;
 }
 
 #if JAXPAGED_QMATMUL_VNNI
 // QuantizeRow's operations on 16 lanes (the same numbers: max, one division, the product rounded to nearest even).
 void QuantizeRowVec(QState& p, int64_t r) {
-  int8_t* q = p.qx.data() + r * p.kp;
+  int8_t* q = p.a->qx.data() + r * p.kp;
   float total = 0.0f;
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512 v[2];
@@ -264,16 +274,16 @@ void QuantizeRowVec(QState& p, int64_t r) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-    p.dx[r * p.blocks + b] = d;
-    p.sx[r * p.blocks + b] = d * static_cast<float>(sum);
-    total += p.sx[r * p.blocks + b];
+    p.a->dx[r * p.blocks + b] = d;
+    p.a->sx[r * p.blocks + b] = d * static_cast<float>(sum);
+    total += p.a->sx[r * p.blocks + b];
   }
-  p.sx_row[r] = total;
+  p.a->sx_row[r] = total;
 }
 #endif
 
 void Bf16Row(QState& p, int64_t r) {  // kBf16Dot: x as bf16, zero-padded to kp
-  uint16_t* out = p.xb.data() + r * p.kp;
+  uint16_t* out = p.a->xb.data() + r * p.kp;
   for (int64_t kk = 0; kk < p.kp; ++kk) {
     if (kk >= p.k)
       out[kk] = 0;
@@ -322,22 +332,22 @@ float DotPlain(const QState& p, int64_t r, int64_t g, int64_t j, bool up) {
     if (p.mode == kInt8Dot) {
       int32_t dot = 0;
       for (int64_t kk = 0; kk < kBlock; ++kk)
-        dot += CodeAt(p, g, b, kk, j, up) * static_cast<int32_t>(p.qx[r * p.kp + b * kBlock + kk]);
-      const float d = p.dx[r * p.blocks + b];
+        dot += CodeAt(p, g, b, kk, j, up) * static_cast<int32_t>(p.a->qx[r * p.kp + b * kBlock + kk]);
+      const float d = p.a->dx[r * p.blocks + b];
       if (p.scale_mode == kChannel) {
         acc = std::fma(static_cast<float>(dot), d, acc);
       } else {
         acc = std::fma(static_cast<float>(dot), s * d, acc);
-        acc = std::fma(m, p.sx[r * p.blocks + b], acc);
+        acc = std::fma(m, p.a->sx[r * p.blocks + b], acc);
       }
     } else {
       for (int64_t kk = 0; kk < kBlock; ++kk) {
         const float w = Bf16ToFloat(FloatToBf16(Dequantize(p, CodeAt(p, g, b, kk, j, up), s, m)));
-        acc += Bf16ToFloat(p.xb[r * p.kp + b * kBlock + kk]) * w;
+        acc += Bf16ToFloat(p.a->xb[r * p.kp + b * kBlock + kk]) * w;
       }
     }
   }
-  if (p.mode == kInt8Dot && p.scale_mode == kChannel) acc = s * (acc - 128.0f * p.sx_row[r]);
+  if (p.mode == kInt8Dot && p.scale_mode == kChannel) acc = s * (acc - 128.0f * p.a->sx_row[r]);
   return acc;
 }
 
@@ -413,6 +423,8 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* codes = p.GroupCodes(g, up);
+  const int8_t* qx = p.a->qx.data();
+  const float *dx = p.a->dx.data(), *sx = p.a->sx.data();
   const int64_t step = CodeBytes(Bits);
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
   if constexpr (Scale == kChannel) LoadScales<Bits, Scale>(p, g, 0, up, &s, &m);
@@ -422,7 +434,7 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
     if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g, b, up, &s, &m);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const int32_t* q = reinterpret_cast<const int32_t*>(p.qx.data() + (r0 + r) * p.kp + b * kBlock);
+      const int32_t* q = reinterpret_cast<const int32_t*>(qx + (r0 + r) * p.kp + b * kBlock);
       __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(q[0]));
       __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(q[1]));
       d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_set1_epi32(q[2]));
@@ -432,19 +444,19 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
       d0 = _mm512_dpbusd_epi32(d0, w[6], _mm512_set1_epi32(q[6]));
       d1 = _mm512_dpbusd_epi32(d1, w[7], _mm512_set1_epi32(q[7]));
       const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-      const float d = p.dx[(r0 + r) * p.blocks + b];
+      const float d = dx[(r0 + r) * p.blocks + b];
       if constexpr (Scale == kChannel) {
         acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d), acc[r]);
       } else {
         acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(p.sx[(r0 + r) * p.blocks + b]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(r0 + r) * p.blocks + b]), acc[r]);
       }
     }
   }
   if constexpr (Scale == kChannel) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * p.sx_row[r0 + r])));
+      acc[r] = _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * p.a->sx_row[r0 + r])));
   }
 }
 
@@ -535,7 +547,7 @@ __attribute__((noinline)) void Bf16Rows(const QState& p, int64_t r0, int64_t g) 
         const int64_t pair = b * (kBlock / 2) + 2 * q + h;
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(p.xb.data() + (r0 + r) * p.kp);
+          const int32_t* xr = reinterpret_cast<const int32_t*>(p.a->xb.data() + (r0 + r) * p.kp);
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(xr[pair]), wb);
         }
       }
@@ -599,28 +611,35 @@ void Group(const QState& p, int64_t r0, int64_t r1, int64_t g) { GroupPlain(p, r
 
 // ---- work sharing ---------------------------------------------------------------------------------------------------
 
+// The weights of one call: one (JaxpagedQMatmul, JaxpagedQMatmulGlu) or three that multiply the same x
+// (JaxpagedQMatmul3), the first one's activations shared by all.
+using Parts = std::vector<QState>;
+
 // One phase's work items, shared by the calling thread and helper tasks of XLA's thread pool. Each phase has its own
 // counters: a helper that starts late (after its phase ended) finds nothing to claim and touches nothing, and holds
 // the state it reads by shared_ptr, so it may outlive the call.
 struct PhaseWork {
-  std::shared_ptr<QState> state;
-  int phase = 1;  // 1: the activations, per chunk of rows; 2: the products, per (chunk of rows, panel)
-  int64_t total = 0;
+  std::shared_ptr<Parts> parts;
+  int phase = 1;  // 1: the activations, per chunk of rows; 2: the products, per (chunk of rows, part, few groups)
+  int64_t total = 0, chunk_items = 0;  // chunk_items: phase 2's items per chunk of rows, over all parts
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex mu;
   std::condition_variable cv;
 
   void Drain() {
-    QState& p = *state;
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
-      const int64_t r0 = (phase == 1 ? i : i / p.panels) * kChunkRows;
-      const int64_t r1 = std::min(r0 + kChunkRows, p.m);
       if (phase == 1) {
+        QState& p = parts->front();
+        const int64_t r0 = i * kChunkRows, r1 = std::min(r0 + kChunkRows, p.m);
         for (int64_t r = r0; r < r1; ++r) PrepareRow(p, r);
       } else {
-        const int64_t g0 = (i % p.panels) * kPanelGroups;
-        for (int64_t g = g0; g < std::min(g0 + kPanelGroups, p.groups); ++g) Group(p, r0, r1, g);
+        int64_t j = i % chunk_items, part = 0;
+        while (j >= (*parts)[part].col_items) j -= (*parts)[part++].col_items;
+        const QState& p = (*parts)[part];
+        const int64_t r0 = (i / chunk_items) * kChunkRows, r1 = std::min(r0 + kChunkRows, p.m);
+        const int64_t g0 = j * p.item_groups;
+        for (int64_t g = g0; g < std::min(g0 + p.item_groups, p.live_groups); ++g) Group(p, r0, r1, g);
       }
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
@@ -631,9 +650,10 @@ struct PhaseWork {
 };
 
 // `items` work items of `phase` on the caller and on helpers of XLA's pool; returns when all are done.
-void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state, int phase, int64_t items) {
+void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts, int phase, int64_t items,
+              int64_t chunk_items) {
   auto work = std::make_shared<PhaseWork>();
-  work->state = state, work->phase = phase, work->total = items;
+  work->parts = parts, work->phase = phase, work->total = items, work->chunk_items = chunk_items;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work->Drain(); });
   work->Drain();
@@ -699,34 +719,48 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer& x, ffi::Buffer<ffi::U8>& code
   return ffi::Error::Success();
 }
 
-ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<QState>& state) {
-  QState& p = *state;
-  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
+  QState& p = parts->front();  // every part has p's x, rows and format
+  if (p.m == 0) return ffi::Error::Success();
   if (p.mode == kInt8Dot) {
-    p.qx.resize(p.m * p.kp), p.dx.resize(p.m * p.blocks), p.sx.resize(p.m * p.blocks), p.sx_row.resize(p.m);
+    p.a->qx.resize(p.m * p.kp), p.a->dx.resize(p.m * p.blocks), p.a->sx.resize(p.m * p.blocks);
+    p.a->sx_row.resize(p.m);
   } else {
-    p.xb.resize(p.m * p.kp);
+    p.a->xb.resize(p.m * p.kp);
   }
-  p.row_chunks = (p.m + kChunkRows - 1) / kChunkRows;
-  p.panels = p.groups / kPanelGroups;
-  if (p.row_chunks == 1) {  // a decode step's few rows: prepared here, no helper woken for them
+  const int64_t row_chunks = (p.m + kChunkRows - 1) / kChunkRows;
+  // Work items of consecutive groups of 16 columns (consecutive in memory too). At a few rows the product is a pass
+  // over the weight, and a long run of it per item streams faster than a panel's (the prefetchers follow one run,
+  // where 2 threads taking small items in turn hop between them), even where 2 threads then share a product unevenly
+  // (a 576-column one is 3 items); more rows are compute-bound and take items of one panel, which share evenly
+  // (docs/quantization.md has the measurements).
+  int64_t chunk_items = 0;
+  for (QState& part : *parts) {
+    part.a = p.a;
+    part.live_groups = (part.n + kGroup - 1) / kGroup;
+    part.item_groups = p.m <= kStreamRows ? kStreamGroups : kPanelGroups;
+    part.col_items = (part.live_groups + part.item_groups - 1) / part.item_groups;
+    chunk_items += part.col_items;
+  }
+  if (chunk_items == 0) return ffi::Error::Success();
+  if (row_chunks == 1) {  // a decode step's few rows: prepared here, no helper woken for them
     for (int64_t r = 0; r < p.m; ++r) PrepareRow(p, r);
   } else {
-    RunPhase(pool, state, 1, p.row_chunks);
+    RunPhase(pool, parts, 1, row_chunks, 0);
   }
-  RunPhase(pool, state, 2, p.row_chunks * p.panels);
+  RunPhase(pool, parts, 2, row_chunks * chunk_items, chunk_items);
   return ffi::Error::Success();
 }
 
 ffi::Error QMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes, ffi::AnyBuffer scales,
                        ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits, int64_t scale_mode,
                        int64_t mode, ffi::Result<ffi::AnyBuffer> out) {
-  auto state = std::make_shared<QState>();
+  auto parts = std::make_shared<Parts>(1);
   if (auto e = Setup("qmatmul", x, codes, scales, nullptr, nullptr, layer.typed_data()[0], rows.typed_data()[0],
-                     bits, scale_mode, mode, out, *state);
+                     bits, scale_mode, mode, out, parts->front());
       e.failure())
     return e;
-  return Run(pool, state);
+  return Run(pool, parts);
 }
 
 ffi::Error QMatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> gate_codes,
@@ -734,13 +768,36 @@ ffi::Error QMatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits, int64_t scale_mode,
                           int64_t act, ffi::Result<ffi::AnyBuffer> out) {
   if (act != kSilu && act != kGeluTanh) return ffi::Error::InvalidArgument("qmatmul_glu: act must be 0 or 1");
-  auto state = std::make_shared<QState>();
-  state->act = act;
+  auto parts = std::make_shared<Parts>(1);
+  parts->front().act = act;
   if (auto e = Setup("qmatmul_glu", x, gate_codes, gate_scales, &up_codes, &up_scales, layer.typed_data()[0],
-                     rows.typed_data()[0], bits, scale_mode, kInt8Dot, out, *state);
+                     rows.typed_data()[0], bits, scale_mode, kInt8Dot, out, parts->front());
       e.failure())
     return e;
-  return Run(pool, state);
+  return Run(pool, parts);
+}
+
+// x @ W0, x @ W1, x @ W2 in one call (an attention layer's q, k and v): the weights of one format and K, each its own N;
+// x is prepared once and the three products' columns shared out as one call's.
+ffi::Error QMatmul3Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> codes0, ffi::AnyBuffer scales0,
+                        ffi::Buffer<ffi::U8> codes1, ffi::AnyBuffer scales1, ffi::Buffer<ffi::U8> codes2,
+                        ffi::AnyBuffer scales2, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> rows, int64_t bits,
+                        int64_t scale_mode, int64_t mode, ffi::Result<ffi::AnyBuffer> out0,
+                        ffi::Result<ffi::AnyBuffer> out1, ffi::Result<ffi::AnyBuffer> out2) {
+  auto parts = std::make_shared<Parts>(3);
+  ffi::Buffer<ffi::U8>* codes[3] = {&codes0, &codes1, &codes2};
+  ffi::AnyBuffer* scales[3] = {&scales0, &scales1, &scales2};
+  ffi::Result<ffi::AnyBuffer>* outs[3] = {&out0, &out1, &out2};
+  for (int i = 0; i < 3; ++i) {
+    if (auto e = Setup("qmatmul3", x, *codes[i], *scales[i], nullptr, nullptr, layer.typed_data()[0],
+                       rows.typed_data()[0], bits, scale_mode, mode, *outs[i], (*parts)[i]);
+        e.failure())
+      return e;
+  }
+  if ((*outs[0])->element_type() != (*outs[1])->element_type() ||
+      (*outs[0])->element_type() != (*outs[2])->element_type())
+    return ffi::Error::InvalidArgument("qmatmul3: the three outputs must have one dtype");
+  return Run(pool, parts);
 }
 
 }  // namespace
@@ -782,3 +839,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedQMatmulGlu, QMatmulGluImpl,
                                   .Attr<int64_t>("scale_mode")
                                   .Attr<int64_t>("act")
                                   .Ret<ffi::AnyBuffer>());        // out
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedQMatmul3, QMatmul3Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes of W0
+                                  .Arg<ffi::AnyBuffer>()          // scales of W0
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // W1
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // W2
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("scale_mode")
+                                  .Attr<int64_t>("mode")
+                                  .Ret<ffi::AnyBuffer>()          // x @ W0
+                                  .Ret<ffi::AnyBuffer>()          // x @ W1
+                                  .Ret<ffi::AnyBuffer>());        // x @ W2

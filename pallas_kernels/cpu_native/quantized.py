@@ -1,6 +1,7 @@
 """The native CPU matmul by quantized weights (qmatmul.cc): its Python entry and a numpy model of its numbers.
 
     y = qmatmul_native(x, codes, scales, layer, rows, n=N, bits=4, scale_mode=2, mode="int8")
+    q, k, v = qmatmul3_native(x, ((cq, sq), (ck, sk), (cv, sv)), layer, rows, ns=(Nq, Nk, Nv), bits=4, scale_mode=2)
 
 x [M, K] bfloat16 or float32; codes and scales in the panel layout of `jaxpaged.models.quant.to_panels` (stacked
 [L, ...] and read at `layer` in place, or one matrix); returns [M, N] in out_dtype (default x's). Only the first
@@ -63,6 +64,29 @@ def qmatmul_native(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax
                 bits=np.int64(bits), scale_mode=np.int64(scale_mode), mode=np.int64(MODES[mode]))
 
 
+def qmatmul3_native(x: jax.Array, weights: tuple[tuple[jax.Array, jax.Array], ...], layer: jax.Array | int = 0,
+                    rows: jax.Array | int | None = None, *, ns: tuple[int, int, int], bits: int, scale_mode: int,
+                    mode: str = "int8", out_dtype=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(x @ W0, x @ W1, x @ W2) in one call, each [M, N_i] in out_dtype (default x's): an attention layer's q, k and
+    v. weights: three (codes, scales) of one format (bits, scale_mode) and K, with their own N (`ns`); the numbers of
+    three `qmatmul_native` calls (x is prepared once, and the three products' columns shared out as one call's)."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if len(weights) != 3 or len(ns) != 3:
+        raise ValueError(f"weights and ns must be three, got {len(weights)} and {len(ns)}")
+    for (codes, _), n in zip(weights, ns, strict=True):
+        _check(x, codes, n, bits, out_dtype)
+        if codes.shape[:-3] != weights[0][0].shape[:-3]:
+            raise ValueError("the three weights must be stacked alike, got codes "
+                             f"{[list(c.shape) for c, _ in weights]}")
+    i32 = native._int32
+    call = native._ffi_call("JaxpagedQMatmul3", tuple(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype) for n in ns))
+    flat = [a for w in weights for a in w]
+    return tuple(call(x, *flat, i32("layer", layer, 0), i32("rows", x.shape[0] if rows is None else rows, 0),
+                      bits=np.int64(bits), scale_mode=np.int64(scale_mode), mode=np.int64(MODES[mode])))
+
+
 GLU_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -109,5 +133,6 @@ def reference_int8(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return xq @ np.asarray(w, np.float64)
 
 
-__all__ = ["qmatmul_native", "qmatmul_glu_native", "qmatmul_is_fast", "qmatmul_has_bf16_dot", "quantize_activations",
+__all__ = ["qmatmul_native", "qmatmul3_native", "qmatmul_glu_native",
+           "qmatmul_is_fast", "qmatmul_has_bf16_dot", "quantize_activations",
            "reference_int8"]

@@ -20,6 +20,7 @@ from jaxpaged.models import quant
 from jaxpaged.models.matmul import ACTIVATIONS
 from pallas_kernels.cpu_native import native
 from pallas_kernels.cpu_native.quantized import (
+    qmatmul3_native,
     qmatmul_glu_native,
     qmatmul_has_bf16_dot,
     qmatmul_is_fast,
@@ -170,6 +171,35 @@ def test_fused_gated_mlp_equals_two_products_and_the_bf16_activation(fmt, activa
     assert np.mean(got == want) > 0.98
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("m", [1, 13, 130])
+def test_three_products_in_one_call_equal_three_calls(fmt, m):
+    """q, k, v in one call (`quant.qmatmul3`: x quantized once, the three weights' columns shared out as one call's
+    work): exactly the three single calls' numbers, each of its own N, on the live rows only (zeros after)."""
+    rng = np.random.default_rng(11 + m)
+    ws = [panels(random_weight(rng, fmt, 2, 100, n)) for n in (130, 33, 64)]
+    x = jnp.asarray(rng.standard_normal((m, 100)), jnp.bfloat16)
+    for rows in (m, max(m - 5, 0)):
+        got = jax.jit(lambda x, r: quant.qmatmul3(x, tuple(ws), 1, rows=r))(x, jnp.int32(rows))
+        for w, y in zip(ws, got, strict=True):
+            assert y.shape == (m, w.n) and y.dtype == jnp.bfloat16
+            want = np.asarray(quant.qmatmul(x, w, 1, rows=rows), np.float32)
+            np.testing.assert_array_equal(np.asarray(y, np.float32), want)
+            assert not np.asarray(y, np.float32)[rows:].any()
+
+
+def test_a_wide_product_shares_several_groups_per_item():
+    """A wide N (an LM head) at a decode step's few rows, whose work items are runs of 16 groups of 16 columns, the
+    last one short: every column is still x's quantized product with the weight, the partly padded group too."""
+    rng = np.random.default_rng(12)
+    qw = random_weight(rng, "q8_0", 1, 64, 16 * 64 * 2 + 5)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
+    w = np.asarray(quant.dequantize(qw, np.float32, 0))
+    got = np.asarray(quant.qmatmul(x, panels(qw), 0, jnp.float32))
+    want = reference_int8(np.asarray(x, np.float32), w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_arguments_raise_naming_the_problem():
     rng = np.random.default_rng(7)
     p = quant.to_panels(random_weight(rng, "q4_1", 2, 64, 64))
@@ -185,6 +215,12 @@ def test_bad_arguments_raise_naming_the_problem():
         qmatmul_native(x, p.codes, p.scales, 0, n=64, bits=8, scale_mode=quant.BLOCK_F16)
     with pytest.raises(ValueError, match="activation"):
         qmatmul_glu_native(x, (p.codes, p.scales), (p.codes, p.scales), 0, activation="relu", **kw)
+    with pytest.raises(ValueError, match="three"):
+        qmatmul3_native(x, ((p.codes, p.scales),) * 2, 0, ns=(64, 64), bits=4, scale_mode=quant.BLOCK_F16)
+    one = quant.to_panels(random_weight(rng, "q4_1", 1, 64, 64))
+    with pytest.raises(ValueError, match="stacked alike"):
+        qmatmul3_native(x, ((p.codes, p.scales),) * 2 + ((one.codes[0], one.scales[0]),), 0, ns=(64,) * 3,
+                        bits=4, scale_mode=quant.BLOCK_F16)
     with pytest.raises(Exception, match="scales"):  # the kernel's own check: float32 scales for a float16 mode
         jax.block_until_ready(qmatmul_native(x, p.codes, jnp.asarray(p.scales, jnp.float32), 0, **kw))
 
