@@ -59,6 +59,8 @@ CONFIGS = {
     # the model's own GGUF file kept in its 4-bit formats as the draft of the full-width model
     "4-bit draft k=3": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 3,
                         "disable_by_batch_size": 8},
+    "4-bit draft k=5": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 5,
+                        "disable_by_batch_size": 8},
 }
 
 

@@ -313,6 +313,8 @@ class Engine:
         if self.spec is not None:
             self._propose()
         out = self.scheduler.schedule()
+        if out is not None and self.spec is not None and getattr(self.runner, "draft", None) is not None:
+            self._skip_draft(out)
         times.schedule_s += time.perf_counter() - t0
         launched = self._launch(out, outputs) if out is not None else None
         if self._inflight is not None:
@@ -647,7 +649,7 @@ class Engine:
         for seq in running:
             req = self.requests.get(seq.request_id)
             row = row_of.get(seq.seq_id)
-            ok = (on and req is not None and req.speculates
+            ok = (on and req is not None and req.speculates and not seq.draft_stale
                   and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens
                   and (row is None or bool(gate.allowed([row])[0])))
             if draft:
@@ -660,6 +662,17 @@ class Engine:
                     len(seq.token_ids) > seq.num_prompt_tokens:
                 seq.spec_tokens += ngram.propose(np.asarray(seq.token_ids, np.int32), k=k,
                                                  min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max).tolist()
+
+    def _skip_draft(self, out: SchedulerOutput) -> None:
+        """A separate draft model's run over a decode step's tokens only keeps its K/V current for proposals to come:
+        above disable_by_batch_size none come soon, and the step runs without it. Its sequences' draft K/V then has
+        a hole, so they do not speculate again (catching the draft up would be a prefill of every skipped position,
+        for the few tokens left once the batch has shrunk below the threshold; docs/speculative.md)."""
+        if out.is_prefill or self.spec_gate.batch_enabled(len(self.scheduler.running)):
+            return
+        out.draft_kv = False
+        for seq in out.seqs:
+            seq.draft_stale = True
 
     def _verified(self, out: SchedulerOutput, result: StepResult, i: int, seq: Sequence) -> list[int]:
         """A verifying step's row i: the tokens it emits (accepted proposals, then the target's), after the
