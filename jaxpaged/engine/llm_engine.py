@@ -109,6 +109,9 @@ class Engine:
         self.spec = config.speculative()
         self.spec_gate = SpeculationGate(self.spec, self.scheduler_config.max_num_seqs) if self.spec else None
         self.async_scheduling = config.async_scheduling and self.spec is None
+        # With speculation, plain decode steps still run asynchronously while no row may speculate (more than
+        # disable_by_batch_size running): a large batch keeps the host work hidden behind the device.
+        self._async_unless_speculating = config.async_scheduling and self.spec is not None
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
@@ -306,7 +309,8 @@ class Engine:
             raise EngineDeadError(self.dead)
         outputs: list[EngineOutput] = []
         times = self.step_times
-        if self._inflight is not None and (not self.async_scheduling or self._sync_requests):
+        sync = self._synchronous()
+        if self._inflight is not None and sync:
             outputs += self._complete(self._inflight)
             self._inflight = None
         t0 = time.perf_counter()
@@ -320,10 +324,21 @@ class Engine:
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
-        if launched is not None and (not self.async_scheduling or self._sync_requests):
+        # (a prefill-shaped step of a speculating engine is read at once: its rows' rollback sets their computed
+        # tokens, which the next step must see)
+        if launched is not None and (sync or launched.handle.layout.spec_width):
             outputs += self._complete(launched)
             self._inflight = None
         return outputs
+
+    def _synchronous(self) -> bool:
+        """Whether this step is read before the next one is scheduled: async_scheduling off, a request that needs
+        its tokens on the host, or speculation that may propose (proposals need the last tokens)."""
+        if self._sync_requests:
+            return True
+        if self.async_scheduling:
+            return False
+        return not (self._async_unless_speculating and not self.spec_gate.batch_enabled(len(self.scheduler.running)))
 
     def _launch(self, out: SchedulerOutput, failed: list[EngineOutput]) -> _InFlight | None:
         """Queues the step's swaps, copies and the step itself on the device; None when nothing runs."""
