@@ -42,7 +42,7 @@ class SchedulerOutput:
     num_spec: list[int] = dataclasses.field(default_factory=list)
     drafts: list[bool] = dataclasses.field(default_factory=list)
     # a separate draft model runs over the step's tokens (keeping its K/V beside the target's); the engine turns it
-    # off for decode steps where no row may speculate soon (above disable_by_batch_size)
+    # off for steps where no row may speculate soon (above disable_by_batch_size)
     draft_kv: bool = True
     # diffs since the previous step
     removed: list[int] = dataclasses.field(default_factory=list)  # seq ids that left the running set

@@ -679,11 +679,12 @@ class Engine:
                                                  min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max).tolist()
 
     def _skip_draft(self, out: SchedulerOutput) -> None:
-        """A separate draft model's run over a decode step's tokens only keeps its K/V current for proposals to come:
-        above disable_by_batch_size none come soon, and the step runs without it. Its sequences' draft K/V then has
-        a hole, so they do not speculate again (catching the draft up would be a prefill of every skipped position,
-        for the few tokens left once the batch has shrunk below the threshold; docs/speculative.md)."""
-        if out.is_prefill or self.spec_gate.batch_enabled(len(self.scheduler.running)):
+        """A separate draft model's run over a step's tokens only keeps its K/V current for proposals to come: above
+        disable_by_batch_size none come soon, and the step (prompt chunks too) runs without it and without its loop.
+        Its sequences' draft K/V then has holes, so they do not speculate again (catching the draft up would be a
+        prefill of every skipped position, for the few tokens left once the batch has shrunk below the threshold;
+        docs/speculative.md)."""
+        if self.spec_gate.batch_enabled(len(self.scheduler.running)):
             return
         out.draft_kv = False
         for seq in out.seqs:

@@ -55,7 +55,7 @@ class StepLayout:
     tile_size: int
     decode_blocks: int | None
     spec_width: int = 0  # K: proposals a row may verify (0: a plain step)
-    draft_kv: bool = True  # a separate draft model runs over the step's tokens (False: a decode step without it)
+    draft_kv: bool = True  # a separate draft model runs over the step's tokens and proposes (False: not at all)
 
     @property
     def key(self) -> tuple:

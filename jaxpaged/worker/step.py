@@ -103,7 +103,7 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     rows (a VerifiedOutput for a verifying layout), the pool, the draft's pool). draft_layers: > 0, a verifying step
     then proposes K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft);
     with `draft`, the draft model runs over the step's tokens (its pool holds what the target's holds) and proposes
-    instead; a decode layout with draft_kv False skips it (no row of the step speculates soon)."""
+    instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.

@@ -121,8 +121,8 @@ def skipping_run(spec, prompts, params):
 
 
 def test_a_draft_model_skips_the_steps_where_no_row_speculates():
-    """Above disable_by_batch_size the decode steps run without the draft (their layouts say so, and no such step
-    runs the draft model: the draft pool misses those positions). A sequence that lived through such steps does not
+    """Above disable_by_batch_size the steps run without the draft (their layouts say so, and no such step runs
+    the draft model: the draft pool misses those positions). A sequence that lived through such steps does not
     speculate again (its draft K/V has holes: a perfect draft would then propose wrong tokens); one that arrives
     after the batch shrank speculates with a complete draft K/V, and every proposal of the perfect draft is
     accepted. Every sequence gets its plain tokens and every block comes back."""
@@ -132,17 +132,15 @@ def test_a_draft_model_skips_the_steps_where_no_row_speculates():
     spec = {"model": same_model(), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
     got, stats, layouts = skipping_run(spec, prompts, params)
     assert got == plain_tokens
-    skipped = [lay for lay in layouts if not lay.draft_kv]
-    assert skipped and all(lay.spec_width == 0 for lay in skipped)
+    assert any(not lay.draft_kv for lay in layouts) and any(lay.draft_kv and lay.spec_width for lay in layouts)
     # the fourth request alone speculates: at most its 30 tokens' worth of verification steps, all accepted
     assert 0 < stats["spec_verify_steps"] < 30
     assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
 
 
 def test_skipped_draft_steps_leave_holes_in_the_draft_pool():
-    """The skip is real: after a run whose decode steps all ran above the threshold, the draft pool holds zeros at
-    the decoded positions past the k its loop wrote after the prefill (the one step that ran it, the batch still
-    empty), where the target's pool holds K/V; the prompt's positions hold the draft's K/V."""
+    """The skip is real: three requests above the threshold of 2 from their first step (the prompts' prefill too):
+    the target's pool holds K/V at every computed position of theirs, the draft's pool none."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 8, 8, seed=12)]
     llm = tiny_llm(CONFIG, PARAMS, max_num_seqs=3, num_blocks=80, enable_prefix_caching=False,
                    speculative_config={"model": same_model(), "num_speculative_tokens": 3,
@@ -159,9 +157,9 @@ def test_skipped_draft_steps_leave_holes_in_the_draft_pool():
     runner = llm.engine.runner
     bs = runner.block_size
     target_k, draft_k = np.asarray(runner.kv_pool.k, np.float32), np.asarray(runner.draft_pool.k, np.float32)
+    assert len(tables) == 3
     for table in tables.values():
-        slots = [(table[p // bs], p % bs) for p in range(8 + 9)]  # 8 prompt tokens, then 9 decoded ones' K/V
-        for p, (b, o) in enumerate(slots):
+        for p in range(8 + 9):  # 8 prompt tokens, then 9 decoded ones' K/V
+            b, o = table[p // bs], p % bs
             assert np.abs(target_k[:, b, o]).sum() > 0
-            if p < 8 or p >= 8 + 3:  # (8..10: the loop's writes, in blocks the rollback may have handed back)
-                assert (np.abs(draft_k[:, b, o]).sum() > 0) == (p < 8), p
+            assert np.abs(draft_k[:, b, o]).sum() == 0, p
