@@ -6,11 +6,11 @@ same run, at batch 1 and batch 48, on two workloads:
     free       free generation (stories, explanations), where nothing in the prompt predicts the answer
 
 Configurations: none; n-gram prompt lookup (k=4, n in 2..4); a self-speculative draft of the model's first layers
-(k=4); the model's own GGUF kept 4-bit as a draft model (k=3). Every run is greedy, so each configuration's tokens
-must equal the plain run's (checked: a mismatch is a bug, and the table says so). Speculation turns itself off above
-`disable_by_batch_size` (8 here), so batch 48 should cost nothing. Prints tokens/s, the speed-up over the plain run of
-the same batch and workload, acceptance rate and mean accepted length, with the CPU's name; writes
-results/speculative.json.
+(k=4); the model's own GGUF kept 4-bit as a draft model (k=3 and k=5). Every run is greedy, so each configuration's
+tokens must equal the plain run's (checked: a mismatch is a bug, and the table says so). Speculation turns itself
+off above `disable_by_batch_size` (8 here), so batch 48 should cost nothing (a draft model skips its run in those
+steps). Prints tokens/s, the speed-up over the plain run of the same batch and workload, acceptance rate and mean
+accepted length, with the CPU's name; writes results/speculative.json.
 
     python benchmarks/speculative.py                       # both workloads, batch 1 and 48
     python benchmarks/speculative.py --batches 1 --new-tokens 64 --workloads grounded   # a quick look
@@ -58,6 +58,8 @@ CONFIGS = {
     "draft 10/30 layers k=4": {"draft_num_layers": 10, "num_speculative_tokens": 4, "disable_by_batch_size": 8},
     # the model's own GGUF file kept in its 4-bit formats as the draft of the full-width model
     "4-bit draft k=3": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 3,
+                        "disable_by_batch_size": 8},
+    "4-bit draft k=5": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 5,
                         "disable_by_batch_size": 8},
 }
 

@@ -64,6 +64,9 @@ class Sequence:
     # the step's tokens that the step's draft loop writes into (a draft model's proposals for the step after)
     spec_tokens: list[int] = dataclasses.field(default_factory=list)
     spec_lookahead: int = 0
+    # a separate draft model skipped some of its tokens (a decode step without the draft's run): the draft's K/V
+    # has holes, so the sequence does not speculate with it again
+    draft_stale: bool = False
     token_limit: int = 0  # set in __post_init__: the length at which it stops for max_tokens or max_model_len
 
     def __post_init__(self):

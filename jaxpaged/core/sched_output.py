@@ -41,6 +41,9 @@ class SchedulerOutput:
     # and these), and whether the step's draft loop proposes for it afterwards (slots allocated ahead for that)
     num_spec: list[int] = dataclasses.field(default_factory=list)
     drafts: list[bool] = dataclasses.field(default_factory=list)
+    # a separate draft model runs over the step's tokens (keeping its K/V beside the target's); the engine turns it
+    # off for steps where no row may speculate soon (above disable_by_batch_size)
+    draft_kv: bool = True
     # diffs since the previous step
     removed: list[int] = dataclasses.field(default_factory=list)  # seq ids that left the running set
     changed_tables: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # seq id -> its whole table

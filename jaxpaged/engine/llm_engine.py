@@ -109,6 +109,9 @@ class Engine:
         self.spec = config.speculative()
         self.spec_gate = SpeculationGate(self.spec, self.scheduler_config.max_num_seqs) if self.spec else None
         self.async_scheduling = config.async_scheduling and self.spec is None
+        # With speculation, plain decode steps still run asynchronously while no row may speculate (more than
+        # disable_by_batch_size running): a large batch keeps the host work hidden behind the device.
+        self._async_unless_speculating = config.async_scheduling and self.spec is not None
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
@@ -306,22 +309,36 @@ class Engine:
             raise EngineDeadError(self.dead)
         outputs: list[EngineOutput] = []
         times = self.step_times
-        if self._inflight is not None and (not self.async_scheduling or self._sync_requests):
+        sync = self._synchronous()
+        if self._inflight is not None and sync:
             outputs += self._complete(self._inflight)
             self._inflight = None
         t0 = time.perf_counter()
         if self.spec is not None:
             self._propose()
         out = self.scheduler.schedule()
+        if out is not None and self.spec is not None and getattr(self.runner, "draft", None) is not None:
+            self._skip_draft(out)
         times.schedule_s += time.perf_counter() - t0
         launched = self._launch(out, outputs) if out is not None else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
-        if launched is not None and (not self.async_scheduling or self._sync_requests):
+        # (a prefill-shaped step of a speculating engine is read at once: its rows' rollback sets their computed
+        # tokens, which the next step must see)
+        if launched is not None and (sync or launched.handle.layout.spec_width):
             outputs += self._complete(launched)
             self._inflight = None
         return outputs
+
+    def _synchronous(self) -> bool:
+        """Whether this step is read before the next one is scheduled: async_scheduling off, a request that needs
+        its tokens on the host, or speculation that may propose (proposals need the last tokens)."""
+        if self._sync_requests:
+            return True
+        if self.async_scheduling:
+            return False
+        return not (self._async_unless_speculating and not self.spec_gate.batch_enabled(len(self.scheduler.running)))
 
     def _launch(self, out: SchedulerOutput, failed: list[EngineOutput]) -> _InFlight | None:
         """Queues the step's swaps, copies and the step itself on the device; None when nothing runs."""
@@ -647,7 +664,7 @@ class Engine:
         for seq in running:
             req = self.requests.get(seq.request_id)
             row = row_of.get(seq.seq_id)
-            ok = (on and req is not None and req.speculates
+            ok = (on and req is not None and req.speculates and not seq.draft_stale
                   and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens
                   and (row is None or bool(gate.allowed([row])[0])))
             if draft:
@@ -660,6 +677,18 @@ class Engine:
                     len(seq.token_ids) > seq.num_prompt_tokens:
                 seq.spec_tokens += ngram.propose(np.asarray(seq.token_ids, np.int32), k=k,
                                                  min_n=spec.prompt_lookup_min, max_n=spec.prompt_lookup_max).tolist()
+
+    def _skip_draft(self, out: SchedulerOutput) -> None:
+        """A separate draft model's run over a step's tokens only keeps its K/V current for proposals to come: above
+        disable_by_batch_size none come soon, and the step (prompt chunks too) runs without it and without its loop.
+        Its sequences' draft K/V then has holes, so they do not speculate again (catching the draft up would be a
+        prefill of every skipped position, for the few tokens left once the batch has shrunk below the threshold;
+        docs/speculative.md)."""
+        if self.spec_gate.batch_enabled(len(self.scheduler.running)):
+            return
+        out.draft_kv = False
+        for seq in out.seqs:
+            seq.draft_stale = True
 
     def _verified(self, out: SchedulerOutput, result: StepResult, i: int, seq: Sequence) -> list[int]:
         """A verifying step's row i: the tokens it emits (accepted proposals, then the target's), after the

@@ -55,10 +55,12 @@ class StepLayout:
     tile_size: int
     decode_blocks: int | None
     spec_width: int = 0  # K: proposals a row may verify (0: a plain step)
+    draft_kv: bool = True  # a separate draft model runs over the step's tokens and proposes (False: not at all)
 
     @property
     def key(self) -> tuple:
-        return self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks, self.spec_width
+        return (self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks, self.spec_width,
+                self.draft_kv)
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, int]]:

@@ -190,10 +190,13 @@ class ModelRunner:
         return pow2_buckets(min(max(num_seqs, 16), most), most)
 
     def all_shapes(self) -> list[tuple]:
-        """Every (tokens, seqs, width, tile, decode_blocks) the engine can produce."""
-        shapes = [(s, s, self.max_width, 1, b, 0) for s in self.decode_buckets for b in self.flat_block_buckets(s)]
-        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, self.spec_width)
-                   for t in self.prefill_buckets for w in self.width_buckets]
+        """Every (tokens, seqs, width, tile, decode_blocks, spec_width, draft_kv) the engine can produce."""
+        # with a separate draft model, each shape twice: with the draft's run over its tokens and without
+        draft_kv = (True, False) if self.draft is not None else (True,)
+        shapes = [(s, s, self.max_width, 1, b, 0, d) for s in self.decode_buckets for b in self.flat_block_buckets(s)
+                  for d in draft_kv]
+        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, self.spec_width, d)
+                   for t in self.prefill_buckets for w in self.width_buckets for d in draft_kv]
         return shapes
 
     def _prefill_seqs(self, num_tokens: int) -> int:
@@ -226,10 +229,11 @@ class ModelRunner:
             # a draft loop writes up to K slots past a row's context: the tables cover them
             widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
             return StepLayout(num_tokens, self._prefill_seqs(num_tokens), pick_bucket(self.width_buckets, widest),
-                              tile, None, k)
+                              tile, None, k, out.draft_kv or self.draft is None)
         s = pick_bucket(self.decode_buckets, n)
         blocks = int((-(-ends // bs)).sum())  # the blocks the step's sequences read
-        return StepLayout(s, s, self.max_width, 1, pick_bucket(self.flat_block_buckets(s), blocks), 0)
+        return StepLayout(s, s, self.max_width, 1, pick_bucket(self.flat_block_buckets(s), blocks), 0,
+                          out.draft_kv or self.draft is None)
 
     def all_layouts(self) -> list[StepLayout]:
         return [StepLayout(*shape) for shape in self.all_shapes()]

@@ -102,8 +102,8 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     Returns (tokens [max_rows] int32: each row's last sampled token (rows past S are 0), the sampler's output over S
     rows (a VerifiedOutput for a verifying layout), the pool, the draft's pool). draft_layers: > 0, a verifying step
     then proposes K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft);
-    with `draft`, the draft model runs over every step's tokens (its pool holds what the target's holds) and
-    proposes instead."""
+    with `draft`, the draft model runs over the step's tokens (its pool holds what the target's holds) and proposes
+    instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -112,7 +112,7 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
         hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
         drafter = None
-        if draft is not None:  # the draft's K/V of the same tokens, at the same slots of its own pool
+        if draft is not None and layout.draft_kv:  # the draft's K/V of the same tokens, at the same slots of its pool
             draft_model = nnx.merge(draft.graphdef, jax.tree.unflatten(draft.treedef, draft_leaves))
             _, draft_pool = draft_model(token_ids, draft_pool, md, draft.attn)
             drafter = (draft_model, draft.attn, None)
@@ -150,15 +150,18 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
     where a row that verifies nothing samples its one token as the plain sampler does. drafter: (model, attention,
     layers) of the draft (the target's first layers over its pool, or a draft model over its own pool), or None."""
     s, k = layout.num_seqs, layout.spec_width
-    logits = logits.reshape(s, k + 1, -1)  # [S, K + 1, V]
-    raw = logits
+    raw = logits.reshape(s, k + 1, -1)  # [S, K + 1, V]
     drafts, num_draft, emit_pos, draft_flag = layout.spec_fields(buf)
     asked = sm.penalized | sm.constrained | jnp.any(sm.bias_ids >= 0) | jnp.any(sm.banned >= 0)
-    first = jax.lax.cond(asked, lambda x: sampler.process_logits(x, sm), lambda x: x, logits[:, 0])
-    logits = logits.at[:, 0].set(first)
-    v = rejection_sample(logits, drafts, num_draft, None, temperature=sm.temperature, top_k=sm.top_k,
-                         top_p=sm.top_p, min_p=sm.min_p, seed_lo=sm.seed_lo, seed_hi=sm.seed_hi, step=sm.step,
-                         native=native)
+
+    def verify(logits):
+        return rejection_sample(logits, drafts, num_draft, None, temperature=sm.temperature, top_k=sm.top_k,
+                                top_p=sm.top_p, min_p=sm.min_p, seed_lo=sm.seed_lo, seed_hi=sm.seed_hi, step=sm.step,
+                                native=native)
+
+    # Each branch verifies whole: a step whose rows ask for no processing reads the logits as they are (a processed
+    # copy of [S, K + 1, V], or a cond passing them through, would copy them in every verifying step).
+    v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm))), verify, raw)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)  # [S, K + 1, V]
@@ -177,14 +180,15 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
         last = jnp.take_along_axis(v.tokens, v.num_accepted[:, None], axis=1)[:, 0]  # [S] the token drafts follow
         live = draft_flag & (md.context_lens > 0)
         pool = kv_pool if layers else draft_pool
+        num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)  # the step's sequences: rows 0..num_seqs - 1
         proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
-                                 layers, native_matmul_rows)
+                                 layers, native_matmul_rows, num_seqs)
         kv_pool, draft_pool = (pool, draft_pool) if layers else (kv_pool, pool)
     return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool, draft_pool
 
 
 def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live: jax.Array, tables: jax.Array,
-           k: int, attn: AttentionBackend, draft_layers: int | None, native_matmul_rows: int
+           k: int, attn: AttentionBackend, draft_layers: int | None, native_matmul_rows: int, num_seqs: jax.Array
            ) -> tuple[jax.Array, KVPool]:
     """Greedy proposals of the draft: k one-token steps per live row from `first` at `first_pos` [S]. A
     self-speculative draft is the model's first `draft_layers` layers over the target's pool: the K/V they need for
@@ -192,7 +196,7 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
     None) reads its own pool, which its run over every step's tokens keeps beside the target's. The draft's own
     writes (k positions from first_pos, slots the scheduler allocated ahead) are overwritten by the next step's
     verification. Returns (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample`
-    verifies it as n-gram's."""
+    verifies it as n-gram's. num_seqs: rows from it on are padding (the native matmuls and head skip them)."""
     s, width = tables.shape
     bs = kv_pool.shape[2]
     rows = jnp.arange(s)
@@ -206,7 +210,7 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
             block_tables=tables, context_lens=jnp.where(live, pos + 1, 0),
             query_start_loc=jnp.arange(s + 1, dtype=jnp.int32), logits_indices=rows.astype(jnp.int32),
             tile_size=1, decode_blocks=s * width)
-        with native_matmul(native_matmul_rows, live_rows=(s, s)):
+        with native_matmul(native_matmul_rows, live_rows=(s, num_seqs)):
             hidden, pool = (model(token, pool, md, attn, num_layers=draft_layers) if draft_layers
                             else model(token, pool, md, attn))
             nxt = sampler._argmax(model.logits(hidden), native_matmul_rows > 0)  # [S]

@@ -5,6 +5,7 @@ less; a draft of another vocabulary is refused before anything loads."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -100,3 +101,65 @@ def test_the_draft_pool_shares_the_kv_budget():
     both = tiny_llm(CONFIG, PARAMS, num_blocks=None, kv_cache_memory="1MiB",
                     speculative_config={"model": same_model(), "num_speculative_tokens": 2})
     assert both.engine.runner.num_blocks == pytest.approx(alone.engine.runner.num_blocks / 2, abs=1)
+
+
+def skipping_run(spec, prompts, params):
+    """A run that records each step's layout: (token lists, stats, layouts)."""
+    llm = tiny_llm(CONFIG, PARAMS, speculative_config=spec, max_num_seqs=3, num_blocks=80)
+    llm.engine.step = checked(llm.engine)
+    layouts = []
+    dispatch = llm.engine.runner.dispatch
+
+    def recorded(inputs, rows):
+        layouts.append(inputs.layout)
+        return dispatch(inputs, rows)
+
+    llm.engine.runner.dispatch = recorded
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["num_used"] == 0
+    return [o.outputs[0].token_ids for o in outs], llm.stats(), layouts
+
+
+def test_a_draft_model_skips_the_steps_where_no_row_speculates():
+    """Above disable_by_batch_size the steps run without the draft (their layouts say so, and no such step runs
+    the draft model: the draft pool misses those positions). A sequence that lived through such steps does not
+    speculate again (its draft K/V has holes: a perfect draft would then propose wrong tokens); one that arrives
+    after the batch shrank speculates with a complete draft K/V, and every proposal of the perfect draft is
+    accepted. Every sequence gets its plain tokens and every block comes back."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 5, 9, seed=11)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 6, 30, 30)]
+    plain_tokens, _, _ = skipping_run(None, prompts, params)
+    spec = {"model": same_model(), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    got, stats, layouts = skipping_run(spec, prompts, params)
+    assert got == plain_tokens
+    assert any(not lay.draft_kv for lay in layouts) and any(lay.draft_kv and lay.spec_width for lay in layouts)
+    # the fourth request alone speculates: at most its 30 tokens' worth of verification steps, all accepted
+    assert 0 < stats["spec_verify_steps"] < 30
+    assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
+
+
+def test_skipped_draft_steps_leave_holes_in_the_draft_pool():
+    """The skip is real: three requests above the threshold of 2 from their first step (the prompts' prefill too):
+    the target's pool holds K/V at every computed position of theirs, the draft's pool none."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 8, 8, seed=12)]
+    llm = tiny_llm(CONFIG, PARAMS, max_num_seqs=3, num_blocks=80, enable_prefix_caching=False,
+                   speculative_config={"model": same_model(), "num_speculative_tokens": 3,
+                                       "disable_by_batch_size": 2})
+    tables = {}
+    original = llm.engine.block_manager.free
+
+    def remember(seq_id, *args, **kwargs):
+        tables[seq_id] = list(llm.engine.block_manager.tables[seq_id])
+        return original(seq_id, *args, **kwargs)
+
+    llm.engine.block_manager.free = remember
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    runner = llm.engine.runner
+    bs = runner.block_size
+    target_k, draft_k = np.asarray(runner.kv_pool.k, np.float32), np.asarray(runner.draft_pool.k, np.float32)
+    assert len(tables) == 3
+    for table in tables.values():
+        for p in range(8 + 9):  # 8 prompt tokens, then 9 decoded ones' K/V
+            b, o = table[p // bs], p % bs
+            assert np.abs(target_k[:, b, o]).sum() > 0
+            assert np.abs(draft_k[:, b, o]).sum() == 0, p

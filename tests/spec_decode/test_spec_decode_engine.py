@@ -217,3 +217,35 @@ def test_the_default_model_speculates_with_its_greedy_tokens():
         results.append((out.token_ids, llm.stats()))
     assert results[0][0] == results[1][0] == results[2][0]
     assert results[1][1]["spec_accepted_tokens"] > 8  # it copies: prompt lookup guesses most of it
+
+
+def test_steps_above_the_batch_threshold_run_asynchronously():
+    """With more than disable_by_batch_size requests running no row proposes, and the decode steps run
+    asynchronously (a step is dispatched while the one before is still unread); once the batch shrinks, the loop is
+    synchronous again and the rows speculate. Every row gets its plain tokens, every block comes back."""
+    prompts = [{"prompt_token_ids": p * 4} for p in random_prompts(4, 5, 7, seed=4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 6, 30, 30)]
+    runs = []
+    for config in (None, {**NGRAM, "disable_by_batch_size": 2}):
+        llm = tiny_llm(CONFIG, PARAMS, speculative_config=config, max_num_seqs=4, num_blocks=80)
+        llm.engine.step = checked(llm.engine)
+        runner = llm.engine.runner
+        dispatch, fetch, unread, overlapped = runner.dispatch, runner.fetch, [0], []
+
+        def recorded(inputs, rows, dispatch=dispatch, unread=unread, overlapped=overlapped):
+            overlapped.append(unread[0] > 0)
+            unread[0] += 1
+            return dispatch(inputs, rows)
+
+        def fetched(handle, fetch=fetch, unread=unread):
+            unread[0] -= 1
+            return fetch(handle)
+
+        runner.dispatch, runner.fetch = recorded, fetched
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.stats()["num_used"] == 0
+        runs.append(([o.outputs[0].token_ids for o in outs], llm.stats(), overlapped))
+    (plain_tokens, _, _), (got, stats, overlapped) = runs
+    assert got == plain_tokens
+    assert any(overlapped)
+    assert stats["spec_proposed_tokens"] > 0
