@@ -55,6 +55,30 @@ def trace_events(run, calls: int) -> list[dict]:
             return json.load(f)["traceEvents"]
 
 
+def top_xla_ops(events: list[dict], hlo: str, calls: int, top: int) -> list[dict]:
+    """The `top` XLA operations of a step by the profiler's own timing (`events`: trace_events over `calls` calls;
+    `hlo`: the executable's as_text()), each with ms and calls per step, its output shape and its HLO op_name (or
+    the HLO instruction when it has none)."""
+    import collections
+    import re
+
+    total: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "while")):
+            total[name] += e["dur"]
+            count[name] += 1
+    rows = []
+    for name, us in total.most_common(top):
+        line = re.search(rf"^\s*%{re.escape(name)} = (\([^)]*\)|\S+) (.*)$", hlo, re.MULTILINE)
+        op = re.search(r'op_name="([^"]*)"', line.group(2)) if line else None
+        rows.append({"op": name, "ms_per_step": us / 1000 / calls, "calls_per_step": count[name] // calls,
+                     "shape": line.group(1) if line else "",
+                     "op_name": op.group(1) if op else (line.group(2).split("(")[0].split()[-1] if line else "")})
+    return rows
+
+
 def timed(fn):
     t0 = time.perf_counter()
     result = fn()

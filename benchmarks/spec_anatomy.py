@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_name, print_table, trace_events, write_json  # noqa: E402
+from common import cpu_name, print_table, top_xla_ops, trace_events, write_json  # noqa: E402
 from speculative import CONFIGS, prompts_for, spec_of  # noqa: E402
 
 
@@ -68,22 +67,9 @@ def top_ops(runner, inputs, calls: int, top: int) -> list[dict]:
     exe, run = replay(runner, inputs)
     for _ in range(2):
         run().block_until_ready()
-    events = trace_events(run, calls)
-    total: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "while")):
-            total[name] += e["dur"]
-            count[name] += 1
-    hlo = exe.as_text()
-    rows = []
-    for name, us in total.most_common(top):
-        line = re.search(rf"^\s*%{re.escape(name)} = (\([^)]*\)|\S+) (.*)$", hlo, re.MULTILINE)
-        op = re.search(r'op_name="([^"]*)"', line.group(2)) if line else None
-        what = op.group(1)[-70:] if op else (line.group(2).split("(")[0].split()[-1] if line else "")
-        rows.append({"op": name, "ms_per_step": us / 1000 / calls, "calls_per_step": count[name] // calls,
-                     "shape": (line.group(1) if line else "")[:60], "what": what})
+    rows = top_xla_ops(trace_events(run, calls), exe.as_text(), calls, top)
+    for r in rows:
+        r["shape"], r["what"] = r["shape"][:60], r.pop("op_name")[-70:]
     return rows
 
 

@@ -28,7 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import cpu_name, trace_events, write_json
+from common import cpu_name, top_xla_ops, trace_events, write_json
 from flax import nnx
 from workload import workload_prompts
 
@@ -97,25 +97,9 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     `top` operations by time per step, each with its output shape and what it computes (the HLO's op_name).
     Independent operations may run at once on the intra-op threads, so the times can add up to more than the step.
     """
-    import re
-
-    events = trace_events(lambda: step_fn(None), runs)
-    total: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-    for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(("$", "ThunkExecutor", "SlinkyThreadPool", "while")):
-            total[name] += e["dur"]
-            count[name] += 1
-    hlo = executable.as_text()
-    rows = []
-    for name, us in total.most_common(top):
-        line = re.search(rf"^\s*%{re.escape(name)} = (\([^)]*\)|\S+) (.*)$", hlo, re.MULTILINE)
-        op = re.search(r'op_name="([^"]*)"', line.group(2)) if line else None
-        shape = line.group(1) if line else ""
-        op = op.group(1).split("/")[-1] if op else (line.group(2).split("(")[0].split()[-1] if line else "")
-        rows.append({"op": name, "ms_per_step": us / 1000 / runs, "calls_per_step": count[name] // runs,
-                     "shape": shape, "what": op})
+    rows = top_xla_ops(trace_events(lambda: step_fn(None), runs), executable.as_text(), runs, top)
+    for r in rows:
+        r["what"] = r.pop("op_name").split("/")[-1]
     return rows
 
 
