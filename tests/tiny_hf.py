@@ -137,6 +137,16 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# A Llama-family Hugging Face layer's parameter suffix -> the loader's layers key
+LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv", "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm", "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+}
+
+
 _GGUF_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",

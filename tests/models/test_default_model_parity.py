@@ -1,4 +1,5 @@
-"""The embedded default model (SmolLM2-135M-Instruct, real weights) against Hugging Face transformers on CPU.
+"""The embedded default model (SmolLM2-135M-Instruct, real weights) against Hugging Face transformers on CPU: its
+loaded tensors, log-probs, greedy and beam-search tokens.
 
 Both read the same GGUF and dequantize it to float32, so the weights are identical. Tolerance on log-probs of
 the first generated token: 2e-3 absolute (float32 with different summation orders over 30 layers).
@@ -14,6 +15,7 @@ import torch
 
 from jaxpaged import LLM, SamplingParams
 from tests.default_model import default_model
+from tests.tiny_hf import LAYER_MAP
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -156,3 +158,24 @@ def test_output_kinds(llm):
         assert sum((o.outputs[i].token_ids for o in delta), []) == whole.token_ids == final[0].outputs[i].token_ids
         assert sum((o.outputs[i].logprobs for o in delta), []) == whole.logprobs
         assert all(len(o.outputs[i].token_ids) == 1 for o in delta)
+
+
+def test_our_gguf_loading_equals_transformers(hf_model):
+    """The loader's float32 params of the default GGUF against transformers' state dict of the same file: q and k
+    un-permuted, every other tensor as stored, the config's fields."""
+    from jaxpaged.loader.gguf_file import load_gguf
+
+    config, params = load_gguf(default_model())
+    hf_cfg, state = hf_model.config, {k: v.numpy() for k, v in hf_model.state_dict().items()}
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
+    assert config.tie_word_embeddings and "lm_head" not in params and config.eos_token_ids == (2,)
+    assert config.vocab_size == hf_cfg.vocab_size == 49152 and config.rope_theta == hf_cfg.rope_parameters["rope_theta"]
+    assert config.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
+    layers = params["layers"]
+    for i in (0, 17, 29):
+        for suffix, ours in LAYER_MAP.items():
+            if ours in layers:  # q, k (un-permuted), v, o, norms, gate/up/down
+                np.testing.assert_array_equal(layers[ours][i], state[f"model.layers.{i}.{suffix}"].T,
+                                              err_msg=f"{ours}[{i}]")
+    np.testing.assert_array_equal(params["embed"], state["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(params["final_norm"], state["model.norm.weight"])

@@ -1,4 +1,5 @@
-"""jaxpaged.loader: HF directories, GGUF files (synthetic and the default model), the GGUF cache, checkpoints, errors.
+"""jaxpaged.loader: HF directories, synthetic GGUF files, the GGUF cache, checkpoints, errors (the default model's GGUF:
+tests/models/test_default_model_parity.py).
 
 Expected params come from transformers' own reading of the same files (its state dict, transposed by hand here),
 so the loader's name mapping, transposes and llama.cpp q/k un-permute are checked against an independent reader.
@@ -21,16 +22,7 @@ import jaxpaged.loader
 from jaxpaged.loader import load_model, save_checkpoint
 from jaxpaged.loader.cache import cache_path, load_gguf_cached
 from jaxpaged.loader.checkpoint import is_checkpoint, read_checkpoint
-from tests.tiny_hf import EOS_ID, TINY_VOCAB, make_tiny_hf_model, tiny_hf_config, write_tiny_gguf
-
-# HF per-layer suffix -> our layers key
-LAYER_MAP = {
-    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo", "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv", "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm", "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
-}
+from tests.tiny_hf import EOS_ID, LAYER_MAP, TINY_VOCAB, make_tiny_hf_model, tiny_hf_config, write_tiny_gguf
 
 
 def hf_state(path: str) -> tuple[transformers.PretrainedConfig, dict[str, np.ndarray]]:
@@ -200,33 +192,6 @@ def test_gguf_llama3_rope_freqs_become_equivalent_rope_scaling(tmp_path):
     again = tiny_hf_config("llama", rope_scaling=config.rope_scaling, rope_theta=config.rope_theta)
     recovered, _ = ROPE_INIT_FUNCTIONS["llama3"](again, "cpu")
     np.testing.assert_allclose(recovered.numpy(), scaled.numpy(), rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def default_gguf():
-    """Our float32 params of the default model and transformers' state dict of the same GGUF (one read each)."""
-    from jaxpaged.loader.gguf_file import load_gguf
-
-    path = jaxpaged.loader.default_model_path()
-    config, params = load_gguf(path)
-    return config, params, hf_state_from_gguf(path)
-
-
-@pytest.mark.slow
-def test_default_gguf_matches_transformers_gguf_loading(default_gguf):
-    config, params, (hf_cfg, state) = default_gguf
-    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (30, 9, 3, 64)
-    assert config.tie_word_embeddings and "lm_head" not in params and config.eos_token_ids == (2,)
-    assert config.vocab_size == hf_cfg.vocab_size == 49152 and config.rope_theta == hf_cfg.rope_parameters["rope_theta"]
-    assert config.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
-    layers = params["layers"]
-    for i in (0, 17, 29):
-        for suffix, ours in LAYER_MAP.items():
-            if ours in layers:  # q, k (un-permuted), v, o, norms, gate/up/down
-                np.testing.assert_array_equal(layers[ours][i], state[f"model.layers.{i}.{suffix}"].T,
-                                              err_msg=f"{ours}[{i}]")
-    np.testing.assert_array_equal(params["embed"], state["model.embed_tokens.weight"])
-    np.testing.assert_array_equal(params["final_norm"], state["model.norm.weight"])
 
 
 # ------------------------------------------------------------------------------------------------ cache + checkpoints
