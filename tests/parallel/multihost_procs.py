@@ -1,8 +1,14 @@
 """Two (or one) local processes of a multi-host run for tests/parallel/test_multihost*.py: each a `server.py` (or
-`command`) child with N fake CPU devices, joined through a free coordinator port given by the environment."""
+`command`) child with N fake CPU devices, joined through a free coordinator port given by the environment.
+
+The processes serve a tiny random-weight Llama (`tiny_model`, tests/tiny_hf.py: 2 layers, 4 query and 2 kv heads,
+so tp 4 replicates kv heads as it does for SmolLM2): what is tested is how processes step, copy, swap, stop and
+die together, which does not need a real model, and each process of the default model costs ~10 s of CPU to load
+and compile. The CLI test runs the default model across processes, as a user would (`needs_default_model`)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -30,6 +36,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tiny_model(directory) -> str:
+    """A tiny random-weight Llama with its tokenizer written into `directory` (a Hugging Face directory)."""
+    from tests.tiny_hf import make_tiny_hf_model
+
+    return make_tiny_hf_model(directory, "llama")
 
 
 def needs_default_model():
@@ -69,16 +82,17 @@ class Proc:
         self.log.close()
 
 
-def start_pair(log_dir, heartbeat_s: int = 100, extra: list[str] | None = None,
+def start_pair(log_dir, model: str | None, heartbeat_s: int = 100, extra: list[str] | None = None,
                command: tuple[str, ...] = ("server.py",)) -> tuple[Proc, Proc, int]:
-    """Process 0 (serving on a free port) and process 1, joined through a free coordinator port given by the
-    environment; the other options are flags."""
+    """Process 0 (serving on a free port) and process 1 with `model` (None: the default model), joined through a
+    free coordinator port given by the environment; the other options are flags."""
     coordinator, http = free_port(), free_port()
     procs = []
     for pid in (0, 1):
         env = {"JAXPAGED_COORDINATOR_ADDRESS": f"127.0.0.1:{coordinator}", "JAXPAGED_NUM_PROCESSES": "2",
                "JAXPAGED_PROCESS_ID": str(pid)}
-        args = [*ENGINE, "--distributed-heartbeat-timeout", str(heartbeat_s), *(extra or [])]
+        args = [*ENGINE, "--distributed-heartbeat-timeout", str(heartbeat_s), *(extra or []),
+                *(["--model", model] if model else [])]
         if command == ("server.py",):
             args += ["--shutdown-grace", "5", "--port", str(http)]
         procs.append(Proc(f"process{pid}", log_dir, 2, args, env, command))
@@ -106,6 +120,24 @@ def complete(port: int, body: dict) -> dict:
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as r:
         return json.loads(r.read())
+
+
+def stream_lines(port: int, body: dict, first_token, lines: list) -> None:
+    """POSTs a streamed completion and appends the SSE `data:` lines to `lines` as they come, setting the
+    threading.Event `first_token` at the first one; a dropped connection or an HTTP error is appended too."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            for raw in r:
+                if raw.startswith(b"data:"):
+                    lines.append(raw[5:].strip().decode())
+                    first_token.set()
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTP 500, or process 0 is gone
+        lines.append(e)
+    finally:
+        first_token.set()
 
 
 REQUESTS = [

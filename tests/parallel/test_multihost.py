@@ -24,9 +24,9 @@ from tests.parallel.multihost_procs import (
     Proc,
     complete,
     free_port,
-    needs_default_model,
     start_pair,
     stats,
+    tiny_model,
     wait_healthy,
 )
 
@@ -37,11 +37,11 @@ LOGPROB_TOL = 1e-4
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two processes x 2 devices at tp 4, and one process with 4 devices at tp 4 (the reference)."""
-    needs_default_model()
     log_dir = tmp_path_factory.mktemp("multihost")
-    p0, p1, port = start_pair(log_dir)
+    model = tiny_model(log_dir / "model")
+    p0, p1, port = start_pair(log_dir, model)
     ref_port = free_port()
-    ref = Proc("single", log_dir, 4, [*SERVER, "--port", str(ref_port)], {})
+    ref = Proc("single", log_dir, 4, [*SERVER, "--port", str(ref_port), "--model", model], {})
     try:
         wait_healthy(port, [p0, p1])
         wait_healthy(ref_port, [ref])
@@ -82,8 +82,7 @@ def test_a_mesh_must_span_every_process(tmp_path):
     """tensor_parallel_size 2 with two processes of 2 devices would leave process 1 out: both refuse before loading
     the model, naming the field and the size to use. Process 1 may instead be ended by the coordination service
     when process 0 (its host) has already left; either way it exits non-zero and does not hang."""
-    needs_default_model()
-    p0, p1, _ = start_pair(tmp_path, extra=["--tensor-parallel-size", "2"])
+    p0, p1, _ = start_pair(tmp_path, tiny_model(tmp_path / "model"), extra=["--tensor-parallel-size", "2"])
     message = "tensor_parallel_size=2: with 2 processes the mesh spans every device, so use tensor_parallel_size=4"
     try:
         assert p0.wait(STARTUP_S) == 2, p0.text()[-3000:]

@@ -1,11 +1,12 @@
 """Multi-host processes' lives (two `server.py` or CLI processes joined by jax.distributed, 2 fake CPU devices each):
 a process that dies ends the other with an error within the heartbeat timeout, idle or in a request; a process
-whose peers never come gives up; the CLI generates across two processes and both exit 0."""
+whose peers never come gives up; the CLI generates across two processes and both exit 0. The servers run a tiny
+random model (`tiny_model`); the CLI runs the default model."""
 
 from __future__ import annotations
 
+import json
 import time
-import urllib.error
 
 import pytest
 
@@ -19,6 +20,8 @@ from tests.parallel.multihost_procs import (
     free_port,
     needs_default_model,
     start_pair,
+    stream_lines,
+    tiny_model,
     wait_healthy,
 )
 
@@ -32,22 +35,17 @@ def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path, when):
     dead, and the heartbeat timeout ends process 0 as well. Within the heartbeat timeout plus detection, not never."""
     import threading
 
-    needs_default_model()
-    p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
+    p0, p1, port = start_pair(tmp_path, tiny_model(tmp_path / "model"), heartbeat_s=5)
     try:
         wait_healthy(port, [p0, p1])
         complete(port, REQUESTS[0])
-        answer: list = []
-        if when == "in_a_request":
-            def long_request():
-                try:
-                    answer.append(complete(port, {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True}))
-                except (urllib.error.URLError, OSError) as e:  # HTTP 500, or the connection ends with process 0
-                    answer.append(e)
-
-            thread = threading.Thread(target=long_request, daemon=True)
+        lines: list = []
+        if when == "in_a_request":  # killed once the first token has streamed: mid-generation
+            first_token = threading.Event()
+            thread = threading.Thread(target=stream_lines, daemon=True, args=(
+                port, {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True}, first_token, lines))
             thread.start()
-            time.sleep(3)  # some decode steps in
+            assert first_token.wait(60), "no token streamed within 60 s"
         t0 = time.monotonic()
         p1.popen.kill()
         rc = p0.wait(KILL_BOUND_S)
@@ -57,7 +55,12 @@ def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path, when):
         assert "heartbeat" in log or "unhealthy" in log, log[-3000:]
         if when == "in_a_request":
             thread.join(30)
-            assert len(answer) == 1 and isinstance(answer[0], Exception), answer  # an error, not 120 tokens
+            assert not thread.is_alive()
+            events = [json.loads(line) for line in lines if isinstance(line, str) and line != "[DONE]"]
+            finished = [c for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+            # an error event, or the stream cut (an exception, or the connection closed before `data: [DONE]`)
+            ended_badly = isinstance(lines[-1], Exception) or any("error" in e for e in events) or "[DONE]" not in lines
+            assert not finished and ended_badly, lines[-5:]  # not 120 tokens
         print(f"{when}: process 0 exited {rc} {elapsed:.1f} s after process 1 was killed (heartbeat timeout 5 s)")
     finally:
         p0.kill()
@@ -66,8 +69,7 @@ def test_process_0_exits_with_an_error_when_process_1_dies(tmp_path, when):
 
 def test_process_1_exits_with_an_error_when_process_0_dies(tmp_path):
     """SIGKILL to process 0: process 1, waiting for the next op in a collective, gets the error and exits 1."""
-    needs_default_model()
-    p0, p1, port = start_pair(tmp_path, heartbeat_s=5)
+    p0, p1, port = start_pair(tmp_path, tiny_model(tmp_path / "model"), heartbeat_s=5)
     try:
         wait_healthy(port, [p0, p1])
         p0.popen.kill()
@@ -98,7 +100,7 @@ def test_the_cli_generates_across_two_processes(tmp_path):
     needs_default_model()
     cli = ("-m", "jaxpaged.entrypoints.cli", "generate", "--prompt", "The capital of France is", "--raw",
            "--max-tokens", "6")
-    p0, p1, _ = start_pair(tmp_path, command=cli)
+    p0, p1, _ = start_pair(tmp_path, None, command=cli)
     try:
         assert p0.wait(STARTUP_S) == 0, p0.text()[-3000:]
         assert p1.wait(60) == 0, p1.text()[-3000:]
