@@ -166,7 +166,6 @@ def _headers() -> list[str]:
 
 def library_path(kernel: Kernel) -> str:
     """Where `kernel`'s library is cached for the current compiler, flags and CPU (it may not exist yet)."""
-    import jax
     import jaxlib
 
     compiler_path, version = _compiler(os.environ.get("JAXPAGED_CXX") or "g++")
@@ -176,8 +175,8 @@ def library_path(kernel: Kernel) -> str:
             key.update(name.encode() + b"\0" + f.read())
         key.update(b"\0")
     cpu = _cpu_flags() if target_flag().endswith("=native") else ""
-    for part in (compiler_path, version, " ".join(flags()), jax.ffi.include_dir(), jaxlib.__version__,
-                 platform.machine(), cpu):
+    # jaxlib's version stands for its FFI headers, not their path: a fresh venv (a new clone's) reuses the build
+    for part in (compiler_path, version, " ".join(flags()), jaxlib.__version__, platform.machine(), cpu):
         key.update(part.encode())
         key.update(b"\0")
     return os.path.join(cache_dir(), f"jaxpaged_{kernel.name}-{key.hexdigest()[:24]}.so")
