@@ -60,6 +60,33 @@ def hf(gguf_path):
     return model, tokenizer
 
 
+@pytest.fixture(scope="module")
+def hf_reference(hf):
+    """Transformers' answers, each computed once per prompt (the dense forward's tests and the engine's compare
+    against the same ones): `.logprobs(prompt)` its first-token log-probs [V] float64, `.greedy(prompt)` its
+    NEW_TOKENS greedy tokens."""
+    import functools
+    import types
+
+    model, tokenizer = hf
+
+    @functools.cache
+    def logprobs(prompt: str) -> np.ndarray:
+        with torch.no_grad():
+            logits = model(torch.tensor([tokenizer(prompt).input_ids])).logits[0, -1]
+        return torch.log_softmax(logits.double(), -1).numpy()
+
+    @functools.cache
+    def greedy(prompt: str) -> list[int]:
+        ids = tokenizer(prompt).input_ids
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    return types.SimpleNamespace(logprobs=logprobs, greedy=greedy)
+
+
 def test_config_matches_transformers(ours, hf):
     config, _ = ours
     cfg = hf[0].config
@@ -105,13 +132,11 @@ def device_params(ours):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_first_token_logprobs_match_transformers(ours, device_params, hf, prompt):
+def test_first_token_logprobs_match_transformers(ours, device_params, hf, hf_reference, prompt):
     config, _ = ours
-    model, tokenizer = hf
-    ids = tokenizer(prompt).input_ids
+    ids = hf[1](prompt).input_ids
     assert ids[0] == config.bos_token_id
-    with torch.no_grad():
-        want = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()  # [V]
+    want = hf_reference.logprobs(prompt)  # [V]
     hidden = gemma3.forward_dense(device_params, jnp.asarray(ids, jnp.int32), config=config)
     got = np.asarray(jax.nn.log_softmax(gemma3.logits(device_params, hidden[-1:], config=config)[0]))
     assert np.argmax(got) == np.argmax(want)
@@ -119,14 +144,11 @@ def test_first_token_logprobs_match_transformers(ours, device_params, hf, prompt
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_greedy_tokens_match_transformers(ours, device_params, hf, prompt):
+def test_greedy_tokens_match_transformers(ours, device_params, hf, hf_reference, prompt):
     config, _ = ours
-    model, tokenizer = hf
+    tokenizer = hf[1]
     ids = tokenizer(prompt).input_ids
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    want = out[0, len(ids):].tolist()
+    want = hf_reference.greedy(prompt)
     got = gemma3.greedy(device_params, ids, NEW_TOKENS, config=config)
     assert got == want, (tokenizer.decode(got), tokenizer.decode(want))
 
@@ -170,17 +192,13 @@ def test_the_engine_serves_the_gemma_module_and_the_cache_reloads_it(llm, gguf_p
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
-def test_engine_greedy_tokens_and_first_logprobs_match_transformers(llm, hf, prompt):
+def test_engine_greedy_tokens_and_first_logprobs_match_transformers(llm, hf, hf_reference, prompt):
     from jaxpaged import SamplingParams
 
-    model, tokenizer = hf
+    tokenizer = hf[1]
     ids = tokenizer(prompt).input_ids
     assert llm.tokenizer(prompt).input_ids == ids
-    with torch.no_grad():
-        want_lp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].double(), -1).numpy()  # [V]
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, pad_token_id=0)
-    want = out[0, len(ids):].tolist()
+    want_lp, want = hf_reference.logprobs(prompt), hf_reference.greedy(prompt)  # [V], NEW_TOKENS tokens
     first = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
                          use_tqdm=False)[0].outputs[0].logprobs[0]
     assert max(first, key=first.get) == int(np.argmax(want_lp))
