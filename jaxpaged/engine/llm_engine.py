@@ -120,6 +120,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
+        self._masked_requests = 0  # unfinished requests with a grammar or bad words (a bitmask per sampling row)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
                          "spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
@@ -223,6 +224,7 @@ class Engine:
         self._check_request_id(req.request_id)
         self.requests[req.request_id] = req
         self._sync_requests += req.needs_host_tokens
+        self._masked_requests += _masked(req)
         self.scheduler.add(req.seqs[0])
 
     def _check_request_id(self, request_id: str) -> None:
@@ -287,6 +289,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self._sync_requests -= req.needs_host_tokens
+            self._masked_requests -= _masked(req)
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -381,7 +384,7 @@ class Engine:
         alone, and the step goes on without it; None when nothing is left."""
         culprits: dict[str, Exception] = {}
         bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
-        for i, seq in enumerate(out.seqs):
+        for i, seq in enumerate(out.seqs if self._masked_requests else ()):
             req = self.requests[seq.request_id]
             if (req.grammar is not None or req.bad_words_ids) and out.samples[i]:
                 try:
@@ -824,6 +827,11 @@ class Engine:
             "device_wait_s": times.wait_s,
             **getattr(self.runner, "weight_info", {}),  # quantization, weight_bytes, weight_format(s)
         }
+
+
+def _masked(req: Request) -> bool:
+    """Its sampling rows take a bitmask (a grammar, bad words)."""
+    return req.grammar is not None or bool(req.bad_words_ids)
 
 
 def _token_ids(ids, field: str) -> list[int]:
