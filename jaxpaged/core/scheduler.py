@@ -236,14 +236,15 @@ class Scheduler:
         # Mixed steps lay a step's tokens out one after another, so a paced chunk may be any number of tokens (the
         # pacer's bound can be below a tile on a slow machine); elsewhere a segment takes whole tiles.
         unit = 1 if self.mixed_steps and out.paced else PREFILL_TILE
-        for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
-            self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do. (`Sequence.is_prefill`, inline:
-        # this scan runs over every running sequence at every step.)
-        prefilling = [s for s in self.running
-                      if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
-                      or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
+        # this scan runs over every running sequence at every step.) A parent ready to fork is one of them.
+        prefilling = _prefilling(self.running)
+        forks = [s for s in prefilling if s.fork_pending and s.num_uncomputed_tokens == 1]
+        for seq in forks:
+            self._fork(seq, out)
+        if forks:  # the children joined the running set, in prefill
+            prefilling = _prefilling(self.running)
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
@@ -420,6 +421,12 @@ class Scheduler:
     @staticmethod
     def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
         queue.insert(bisect.bisect(queue, (seq.arrival_time, seq.seq_id), key=_arrival), seq)
+
+
+def _prefilling(running: list[Sequence]) -> list[Sequence]:
+    """The running sequences in prefill (`Sequence.is_prefill`, inline), in running order."""
+    return [s for s in running if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
+            or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
 
 
 def _filled(out: SchedulerOutput) -> None:
