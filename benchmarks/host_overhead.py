@@ -196,7 +196,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the engine to compare with")
     parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--profile-seqs", type=int, default=256, help="cProfile the async run of this many")
+    parser.add_argument("--profile-seqs", type=int, default=1024, help="cProfile the async run of this many")
     parser.add_argument("--out", default="results/host_overhead.json")
     args = parser.parse_args()
 

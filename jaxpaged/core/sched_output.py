@@ -61,9 +61,15 @@ class SchedulerOutput:
         self.num_new_tokens.append(num_new_tokens)
 
     def drop(self, seq: Sequence) -> None:
-        """Takes a preempted sequence out of the step (before it is committed)."""
+        """Takes a sequence about to be preempted out of the step (before the step is committed). Rows committed as
+        they were scheduled (the decodes, which lead the rows: `starts` is as long as they are) go back to before
+        the step: computed tokens and placeholder."""
         for i in reversed(range(len(self.seqs))):
             if self.seqs[i] is seq:
+                if i < len(self.starts):
+                    seq.num_computed_tokens = self.starts[i]
+                    seq.num_placeholders -= self.samples[i]
+                    del self.starts[i], self.samples[i], self.num_spec[i], self.drafts[i]
                 del self.seqs[i], self.num_new_tokens[i]
 
     @property

@@ -203,22 +203,11 @@ class Scheduler:
 
     def _commit(self, out: SchedulerOutput) -> None:
         """The step is decided: its sequences' computed tokens advance now, and each one it samples for counts a
-        placeholder until the token reaches the host; the runner's diffs are handed over."""
-        starts, samples, num_spec, drafts = out.starts, out.samples, out.num_spec, out.drafts
-        for seq, n in zip(out.seqs, out.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            starts.append(start)
-            end = seq.num_computed_tokens = start + n
-            extra = end - len(seq.token_ids) - seq.num_placeholders  # proposed tokens verified here (if >= 0)
-            if extra >= 0:
-                seq.num_placeholders += 1
-                samples.append(True)
-                num_spec.append(extra)
-                drafts.append(seq.spec_lookahead > 0)
-            else:
-                samples.append(False)
-                num_spec.append(0)
-                drafts.append(False)
+        placeholder until the token reaches the host; the runner's diffs are handed over. (Decodes were committed as
+        they were scheduled, `_schedule_decodes`: they lead the step's rows; the prompt chunks after them are
+        committed here.)"""
+        for i in range(len(out.starts), len(out.seqs)):
+            _commit_row(out, out.seqs[i], out.num_new_tokens[i])
         out.removed, self._removed = self._removed, []
         out.changed_tables = self.block_manager.pop_changed_tables()
 
@@ -240,20 +229,22 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         bound = self.pacer.bound if self.pacer is not None else self.config.max_prefill_tokens_while_decoding
-        if bound is not None and any(decodable(s) for s in self.running):
+        # (mixed steps: the decodes already in the step were decodable before they were committed)
+        if bound is not None and (out.seqs or any(decodable(s) for s in self.running)):
             out.paced = True
             budget = min(budget, bound)
         # Mixed steps lay a step's tokens out one after another, so a paced chunk may be any number of tokens (the
         # pacer's bound can be below a tile on a slow machine); elsewhere a segment takes whole tiles.
         unit = 1 if self.mixed_steps and out.paced else PREFILL_TILE
-        for seq in [s for s in self.running if s.fork_pending and s.num_uncomputed_tokens == 1]:
-            self._fork(seq, out)
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do. (`Sequence.is_prefill`, inline:
-        # this scan runs over every running sequence at every step.)
-        prefilling = [s for s in self.running
-                      if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
-                      or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
+        # this scan runs over every running sequence at every step.) A parent ready to fork is one of them.
+        prefilling = _prefilling(self.running)
+        forks = [s for s in prefilling if s.fork_pending and s.num_uncomputed_tokens == 1]
+        for seq in forks:
+            self._fork(seq, out)
+        if forks:  # the children joined the running set, in prefill
+            prefilling = _prefilling(self.running)
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
@@ -325,23 +316,37 @@ class Scheduler:
         return budget - round_up(num_new, unit)
 
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
+        """One token of every decoding sequence (and the proposals it verifies), oldest first, each committed as it
+        is scheduled (`_commit_row`, inline for a plain decode): this loop runs for every running sequence at every
+        step, so it reads each sequence once and allocates through the block manager's fast path."""
         allocate = self.block_manager.allocate_slots
         out.is_prefill = False  # until a sequence verifies proposals: then the step is prefill-shaped
         budget, per_row = self._verify_budget()
-        seqs, num_new, running = out.seqs, out.num_new_tokens, SequenceStatus.RUNNING
+        seqs, starts = out.seqs, out.starts
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):  # oldest first
             tokens = seq.token_ids
             num_tokens = len(tokens) + seq.num_placeholders
-            # `decodable`, inline: this loop runs for every running sequence at every step.
-            if (num_tokens - seq.num_computed_tokens != 1 or num_tokens == seq.num_prompt_tokens
+            start = seq.num_computed_tokens
+            # `decodable`, inline
+            if (num_tokens - start != 1 or num_tokens == seq.num_prompt_tokens
                     or num_tokens >= seq.token_limit or seq.status is not running):
                 continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
             spec = seq.spec_tokens
             if not spec and not seq.spec_lookahead:  # a plain decode: one slot, most often in a block it holds
-                if allocate(seq.seq_id, tokens, num_tokens) or self._allocate_or_preempt(seq, num_tokens, out):
+                ok = allocate(seq.seq_id, tokens, num_tokens)
+                if not ok:  # preemption may take rows out of the step: every row's fields complete first
+                    _filled(out)
+                    ok = self._allocate_or_preempt(seq, num_tokens, out)
+                if ok:
+                    # `_commit_row` of one new token that samples, inline; its constant fields (1 new token,
+                    # samples, no proposals) are filled in for all such rows at once (`_filled`)
                     seqs.append(seq)
-                    num_new.append(1)
+                    starts.append(start)
+                    seq.num_computed_tokens = num_tokens
+                    seq.num_placeholders += 1
                 continue
+            _filled(out)
             if spec:  # speculative decoding: verify the proposals too, as far as the budget and the length allow
                 keep = max(0, min(len(spec), seq.token_limit - num_tokens - 1, budget, per_row))
                 del spec[keep:]
@@ -351,9 +356,11 @@ class Scheduler:
                 want = min(want + seq.spec_lookahead, seq.token_limit)
             if allocate(seq.seq_id, seq.token_ids, want) or self._allocate_or_preempt(seq, want, out):
                 out.add(seq, 1 + len(spec))
+                _commit_row(out, seq, 1 + len(spec))
                 budget -= len(spec)
             else:
                 spec.clear()  # preempted: its proposals go with it
+        _filled(out)
 
     def _verify_budget(self) -> tuple[int, int]:
         """(proposed tokens a decode step may verify in all, per sequence). Mixed steps lay tokens out one by one:
@@ -374,8 +381,8 @@ class Scheduler:
         """
         while not self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_tokens):
             victim = self.running[-1]
+            out.drop(victim)  # first: a decode of this step committed already goes back to before it
             self._preempt(victim, out)
-            out.drop(victim)
             if victim is seq:
                 return False
         return True
@@ -414,6 +421,41 @@ class Scheduler:
     @staticmethod
     def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
         queue.insert(bisect.bisect(queue, (seq.arrival_time, seq.seq_id), key=_arrival), seq)
+
+
+def _prefilling(running: list[Sequence]) -> list[Sequence]:
+    """The running sequences in prefill (`Sequence.is_prefill`, inline), in running order."""
+    return [s for s in running if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
+            or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
+
+
+def _filled(out: SchedulerOutput) -> None:
+    """Plain decode rows scheduled since the last call get their constant fields: one new token, which samples, no
+    proposals (`_schedule_decodes` appends only their sequence and start)."""
+    k = len(out.seqs) - len(out.num_new_tokens)
+    if k:
+        out.num_new_tokens += [1] * k
+        out.samples += [True] * k
+        out.num_spec += [0] * k
+        out.drafts += [False] * k
+
+
+def _commit_row(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    """Commits one scheduled row of n new tokens: its computed tokens advance, and a row that samples counts a
+    placeholder until its token reaches the host."""
+    start = seq.num_computed_tokens
+    out.starts.append(start)
+    end = seq.num_computed_tokens = start + n
+    extra = end - len(seq.token_ids) - seq.num_placeholders  # proposed tokens verified here (if >= 0)
+    if extra >= 0:
+        seq.num_placeholders += 1
+        out.samples.append(True)
+        out.num_spec.append(extra)
+        out.drafts.append(seq.spec_lookahead > 0)
+    else:
+        out.samples.append(False)
+        out.num_spec.append(0)
+        out.drafts.append(False)
 
 
 def _arrival(seq: Sequence) -> tuple[float, int]:

@@ -120,6 +120,7 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
+        self._masked_requests = 0  # unfinished requests with a grammar or bad words (a bitmask per sampling row)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
                          "spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
@@ -223,6 +224,7 @@ class Engine:
         self._check_request_id(req.request_id)
         self.requests[req.request_id] = req
         self._sync_requests += req.needs_host_tokens
+        self._masked_requests += _masked(req)
         self.scheduler.add(req.seqs[0])
 
     def _check_request_id(self, request_id: str) -> None:
@@ -287,6 +289,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self._sync_requests -= req.needs_host_tokens
+            self._masked_requests -= _masked(req)
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -381,7 +384,7 @@ class Engine:
         alone, and the step goes on without it; None when nothing is left."""
         culprits: dict[str, Exception] = {}
         bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
-        for i, seq in enumerate(out.seqs):
+        for i, seq in enumerate(out.seqs if self._masked_requests else ()):
             req = self.requests[seq.request_id]
             if (req.grammar is not None or req.bad_words_ids) and out.samples[i]:
                 try:
@@ -403,7 +406,7 @@ class Engine:
         for request_id in dict.fromkeys(s.request_id for s in out.seqs):  # which requests' rows raise on their own
             alone = self._without(out, {r: None for r in self.requests if r != request_id}, None)
             try:
-                self.runner.prepare(alone, tables, self._seeds(alone), bitmasks)
+                self.runner.prepare(alone, tables, self._seed_of, bitmasks)
             except Exception as e:
                 culprits[request_id] = e
         out = self._without(out, culprits or {s.request_id: first_error for s in out.seqs}, failed)
@@ -430,17 +433,15 @@ class Engine:
                                                         "drafts")})
 
     def _runner_prepare(self, out: SchedulerOutput, tables: dict, bitmasks: dict):
-        prepared = self.runner.prepare(out, tables, self._seeds(out), bitmasks)
+        prepared = self.runner.prepare(out, tables, self._seed_of, bitmasks)
         if self.spec_gate is not None:  # rows that now hold new sequences start with an empty acceptance window
             self.spec_gate.reset(np.array(self.runner.input_batch.take_added_rows(), np.int64))
         return prepared
 
-    def _seeds(self, out: SchedulerOutput) -> dict[int, int]:
-        """Seeds of the step's sequences that get a row in the persistent batch (new ones, and those that left the
-        running set and came back in the same step: preempted, then prefilled again)."""
-        row_of, removed = self.runner.input_batch.row_of, set(out.removed)
-        return {s.seq_id: self.requests[s.request_id].seed_of(s) for s in out.seqs
-                if s.seq_id not in row_of or s.seq_id in removed}
+    def _seed_of(self, seq: Sequence) -> int:
+        """The seed of a sequence that gets a row in the persistent batch (a new one, or one that left the running set
+        and came back: preempted, then prefilled again)."""
+        return self.requests[seq.request_id].seed_of(seq)
 
     def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
@@ -502,14 +503,14 @@ class Engine:
         verifying = result.emitted is not None  # speculative decoding: a row emits one token or more
         generated = 0
         finished = SequenceStatus.FINISHED
-        for i, seq in enumerate(out.seqs):
-            if not out.samples[i] or seq.status is finished:
+        fast = not verifying
+        for i, (seq, sampled, token) in enumerate(zip(out.seqs, out.samples, tokens, strict=True)):
+            if not sampled or seq.status is finished:
                 continue
             req = requests.get(seq.request_id)
             if req is None:  # aborted or failed after this step began
                 continue
-            if req.plain and not verifying:  # the common case, inline: this loop runs for every row of every step
-                token = tokens[i]
+            if fast and req.plain:  # the common case, inline: this loop runs for every row of every step
                 token_ids = seq.token_ids
                 token_ids.append(token)
                 seq.num_placeholders -= 1
@@ -522,7 +523,7 @@ class Engine:
                         ended.add(req.request_id)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if req.streams or req.request_id in ended:
+                if req.streams or (ended and req.request_id in ended):
                     touched[req.request_id] = req
                 continue
             try:
@@ -824,6 +825,11 @@ class Engine:
             "device_wait_s": times.wait_s,
             **getattr(self.runner, "weight_info", {}),  # quantization, weight_bytes, weight_format(s)
         }
+
+
+def _masked(req: Request) -> bool:
+    """Its sampling rows take a bitmask (a grammar, bad words)."""
+    return req.grammar is not None or bool(req.bad_words_ids)
 
 
 def _token_ids(ids, field: str) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -226,18 +227,23 @@ class InputBatch:
 
     # ---- the diffs ----------------------------------------------------------------------------------------------
 
-    def apply(self, out: SchedulerOutput, tables: dict, seeds: dict[int, int]) -> None:
+    def apply(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int]) -> np.ndarray:
         """The scheduler's diffs: rows of sequences that left go; the step's new sequences get rows (their table from
-        `tables`, the block manager's seq_id -> table, and their seed from `seeds`); changed tables are copied."""
+        `tables`, the block manager's seq_id -> table, and their seed from `seed_of`); changed tables are copied.
+        Returns the step's rows, [n] int32 (`build` takes them)."""
         for seq_id in out.removed:
             self.remove(seq_id)
-        for seq in out.seqs:
-            if seq.seq_id not in self.row_of:
-                self.add(seq, tables[seq.seq_id], seeds[seq.seq_id])
+        row_of = self.row_of
+        rows = [row_of.get(seq.seq_id, -1) for seq in out.seqs]  # one pass over the step's sequences
+        if -1 in rows:
+            for i, seq in enumerate(out.seqs):
+                if rows[i] == -1:
+                    rows[i] = self.add(seq, tables[seq.seq_id], seed_of(seq))
         for seq_id, table in out.changed_tables.items():
-            row = self.row_of.get(seq_id)
+            row = row_of.get(seq_id)
             if row is not None:
                 self._set_table(row, table)
+        return np.array(rows, np.int32)
 
     def add(self, seq: Sequence, table: list[int], seed: int) -> int:
         if not self._free_rows:
@@ -299,15 +305,22 @@ class InputBatch:
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
-    def build(self, out: SchedulerOutput, layout: StepLayout) -> tuple[StepInputs, StepRows]:
-        """The step's packed inputs in `layout` (chosen by the runner's buckets for this step's counts)."""
+    def build(self, out: SchedulerOutput, layout: StepLayout, rows: np.ndarray | None = None
+              ) -> tuple[StepInputs, StepRows]:
+        """The step's packed inputs in `layout` (chosen by the runner's buckets for this step's counts); `rows`: the
+        step's rows as `apply` returned them (looked up when not given)."""
         n = len(out.seqs)
         bs = self.block_size
-        row_of = self.row_of
-        rows = np.fromiter((row_of[s.seq_id] for s in out.seqs), np.int32, n)
-        num_new = np.asarray(out.num_new_tokens, np.int32)
+        if rows is None:
+            row_of = self.row_of
+            rows = np.fromiter((row_of[s.seq_id] for s in out.seqs), np.int32, n)
         starts = np.asarray(out.starts, np.int32)
-        samples = np.asarray(out.samples, bool)
+        if out.is_prefill:
+            num_new = np.asarray(out.num_new_tokens, np.int32)
+            samples = np.asarray(out.samples, bool)
+        else:  # a decode step: every row runs its last token and samples the next (Scheduler._schedule_decodes)
+            num_new = np.ones(n, np.int32)
+            samples = np.ones(n, bool)
         ctx = starts + num_new
         buf = layout.empty()
 

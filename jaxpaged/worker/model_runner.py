@@ -1,7 +1,7 @@
 """The device side of the engine: the model's state, the KV pool, the compiled steps, the persistent input batch,
 and each step's dispatch and result.
 
-    runner.prepare(sched_out, tables, seeds)  -> (StepInputs, StepRows)   the persistent rows updated, one buffer
+    runner.prepare(sched_out, tables, seed_of)-> (StepInputs, StepRows)   the persistent rows updated, one buffer
     runner.dispatch(inputs)                   -> StepHandle               queued on the device, nothing waited for
     runner.fetch(handle)                      -> StepResult               the sampled tokens on the host (blocks)
 
@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.core.request import Sequence
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import PREFILL_TILE, round_up
 from jaxpaged.models.contract import ModelSpec
@@ -272,16 +274,16 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput, tables: dict, seeds: dict[int, int],
+    def prepare(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int],
                 bitmasks: dict[int, np.ndarray] | None = None) -> tuple[StepInputs, StepRows]:
         """The persistent batch updated by the scheduler's diffs, and the step's inputs laid out from it.
 
-        tables: the block manager's seq_id -> block table (read for sequences that get a row); seeds: seq_id ->
-        63-bit seed of each new sequence; bitmasks: seq_id -> [ceil(V / 32)] int32 allowed tokens (structured
+        tables: the block manager's seq_id -> block table (read for sequences that get a row); seed_of: the 63-bit
+        seed of a sequence that gets a row; bitmasks: seq_id -> [ceil(V / 32)] int32 allowed tokens (structured
         output, bad words), only for the sequences that have one."""
-        self.input_batch.apply(out, tables, seeds)
+        step_rows = self.input_batch.apply(out, tables, seed_of)
         layout = self.layout(out)
-        inputs, rows = self.input_batch.build(out, layout)
+        inputs, rows = self.input_batch.build(out, layout, step_rows)
         if bitmasks:
             mask = np.full(self._extra_shapes(layout.num_seqs)[0], -1, np.int32)
             for i, seq in enumerate(out.seqs):
