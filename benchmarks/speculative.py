@@ -6,7 +6,7 @@ same run, at batch 1 and batch 48, on two workloads:
     free       free generation (stories, explanations), where nothing in the prompt predicts the answer
 
 Configurations: none; n-gram prompt lookup (k=4, n in 2..4); a self-speculative draft of the model's first layers
-(k=4); the model's own GGUF kept 4-bit as a draft model (k=3 and k=5). Every run is greedy, so each configuration's
+(k=4); the model's own GGUF kept 4-bit as a draft model (k=3, 5 and 7). Every run is greedy, so each configuration's
 tokens must equal the plain run's (checked: a mismatch is a bug, and the table says so). Speculation turns itself
 off above `disable_by_batch_size` (8 here), so batch 48 should cost nothing (a draft model skips its run in those
 steps). Prints tokens/s, the speed-up over the plain run of the same batch and workload, acceptance rate and mean
@@ -60,6 +60,8 @@ CONFIGS = {
     "4-bit draft k=3": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 3,
                         "disable_by_batch_size": 8},
     "4-bit draft k=5": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 5,
+                        "disable_by_batch_size": 8},
+    "4-bit draft k=7": {"model": "<default GGUF>", "quantization": "gguf", "num_speculative_tokens": 7,
                         "disable_by_batch_size": 8},
 }
 

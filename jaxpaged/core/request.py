@@ -67,6 +67,9 @@ class Sequence:
     # a separate draft model skipped some of its tokens (a decode step without the draft's run): the draft's K/V
     # has holes, so the sequence does not speculate with it again
     draft_stale: bool = False
+    # a separate draft model's loop in the last verifying step wrote its K/V from this position on (-1: none), so a
+    # step whose chunk starts here needs no draft run over it (`InputBatch.build`: the draft_run flag)
+    draft_loop_from: int = -1
     token_limit: int = 0  # set in __post_init__: the length at which it stops for max_tokens or max_model_len
 
     def __post_init__(self):

@@ -392,6 +392,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._remove_running(seq)
         seq.num_preemptions += 1
+        seq.draft_loop_from = -1  # its draft K/V is rebuilt by its recompute, or moved by a swap: never assumed
         blocks = len(self.block_manager.block_table(seq.seq_id))
         use_swap = self.cache_config.preemption_mode == "swap" and self.block_manager.can_swap_out([seq.seq_id])
         if use_swap:

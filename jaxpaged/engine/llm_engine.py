@@ -698,7 +698,12 @@ class Engine:
         n = out.num_spec[i]
         emit_pos = out.starts[i] + out.num_new_tokens[i] - n  # where the first emitted token sits
         seq.num_computed_tokens = emit_pos + a  # rejected proposals' K/V are not the sequence's
-        self.block_manager.truncate(seq.seq_id, seq.num_computed_tokens)
+        # A separate draft's loop wrote its K/V for the k positions from here (the last token, then its proposals):
+        # the blocks holding them stay, so the next step verifies without a draft run over the accepted ones.
+        looped = out.drafts[i] and out.draft_kv and getattr(self.runner, "draft", None) is not None
+        seq.draft_loop_from = seq.num_computed_tokens if looped else -1
+        keep = seq.num_computed_tokens + (self.spec.num_speculative_tokens if looped else 0)
+        self.block_manager.truncate(seq.seq_id, keep)
         if n:
             self.counters["spec_verify_steps"] += 1
             self.counters["spec_proposed_tokens"] += n

@@ -47,7 +47,9 @@ class StepLayout:
     A verifying step (speculative decoding, `spec_width` K > 0) takes logits at K + 1 positions of each sequence
     (logits_indices [S * (K + 1)]: a row's chunk positions, the last repeated) and four more fields: draft_tokens
     [S * K] (the proposals it verifies, -1 after its num_draft [S]), emit_pos [S] (the position of the first token
-    the row emits: accepted proposals, then the target's), draft_flag [S] (the draft loop proposes for the row).
+    the row emits: accepted proposals, then the target's), draft_flag [S] (the draft loop proposes for the row),
+    draft_run [1] (a separate draft model must run over the step's tokens: some row's chunk is not one its draft
+    loop already wrote one step earlier).
     """
 
     num_tokens: int  # T
@@ -73,7 +75,7 @@ class StepLayout:
                  ("temperature", s), ("top_p", s), ("min_p", s), ("presence_penalty", s), ("frequency_penalty", s),
                  ("repetition_penalty", s)]
         if k:
-            sizes += [("draft_tokens", s * k), ("num_draft", s), ("emit_pos", s), ("draft_flag", s)]
+            sizes += [("draft_tokens", s * k), ("num_draft", s), ("emit_pos", s), ("draft_flag", s), ("draft_run", 1)]
         out, o = {}, 0
         for name, n in sizes:
             out[name] = (o, o + n)
@@ -94,6 +96,7 @@ class StepLayout:
         self.view(buf, "repetition_penalty", np.float32)[:] = 1.0
         if self.spec_width:
             self.view(buf, "draft_tokens")[:] = -1
+            self.view(buf, "draft_run")[:] = 1
         return buf
 
     def view(self, buf: np.ndarray, name: str, dtype=np.int32) -> np.ndarray:
@@ -110,6 +113,11 @@ class StepLayout:
 
         return (field("draft_tokens").reshape(s, k), field("num_draft"), field("emit_pos"),
                 field("draft_flag") != 0)
+
+    def draft_run(self, buf: jax.Array) -> jax.Array:
+        """Inside a verifying step: whether a separate draft model runs over the step's tokens (bool scalar)."""
+        lo, _ = self.offsets["draft_run"]
+        return buf[lo] != 0
 
     def unpack(self, buf: jax.Array, extras: tuple[jax.Array, ...]
                ) -> tuple[jax.Array, jax.Array, AttentionMetadata, SamplingMetadata]:
@@ -388,6 +396,12 @@ class InputBatch:
             put("num_draft", num_spec)
             put("emit_pos", ctx - num_spec)
             put("draft_flag", np.asarray(out.drafts, np.int32))
+            # A row whose chunk (its last token, then proposals) starts where its draft loop began writing one step
+            # earlier has its draft K/V: the loop wrote those tokens there (the step's own loop rewrites the last
+            # accepted one beside the new token). Any other row (a prompt chunk, a first proposal) needs the run.
+            looped = np.fromiter((seq.draft_loop_from for seq in out.seqs), np.int64, n)
+            covered = samples & (num_new == 1 + num_spec) & (starts == looped)
+            layout.view(buf, "draft_run")[0] = not covered.all()
         else:
             put("logits_indices", last_row)
         # sampling: each row's parameters; the token being sampled (the first, verifying rows) is output `step`

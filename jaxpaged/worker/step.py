@@ -114,7 +114,14 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
         drafter = None
         if draft is not None and layout.draft_kv:  # the draft's K/V of the same tokens, at the same slots of its pool
             draft_model = nnx.merge(draft.graphdef, jax.tree.unflatten(draft.treedef, draft_leaves))
-            _, draft_pool = draft_model(token_ids, draft_pool, md, draft.attn)
+
+            def run(pool):
+                return draft_model(token_ids, pool, md, draft.attn)[1]
+
+            if layout.spec_width:  # a verifying step: only where some row's chunk is not in the draft's pool yet
+                draft_pool = jax.lax.cond(layout.draft_run(buf), run, lambda pool: pool, draft_pool)
+            else:
+                draft_pool = run(draft_pool)
             drafter = (draft_model, draft.attn, None)
         elif draft_layers:
             drafter = (model, attn, draft_layers)
@@ -132,7 +139,7 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     native = native_matmul_rows > 0
     if layout.spec_width:
         out, kv_pool, draft_pool = _verify(logits, kv_pool, draft_pool, buf, md, sm, layout, native, drafter,
-                                           native_matmul_rows)
+                                           native_matmul_rows, token_ids)
         last = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]  # [S]
         tokens = jnp.zeros(max_rows, jnp.int32).at[:last.shape[0]].set(last)
         return tokens, out, kv_pool, draft_pool
@@ -143,12 +150,13 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
 
 def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf: jax.Array, md: AttentionMetadata,
             sm: SamplingMetadata, layout: StepLayout, native: bool, drafter: tuple | None,
-            native_matmul_rows: int) -> tuple[VerifiedOutput, KVPool, KVPool | tuple]:
+            native_matmul_rows: int, token_ids: jax.Array) -> tuple[VerifiedOutput, KVPool, KVPool | tuple]:
     """Speculative decoding's verification (`rejection_sampler`), then the draft loop. logits [S (K + 1), V] f32:
     each row's K + 1 positions. Rows that verify proposals never ask for processed logits (penalties, bias, bans,
     grammars: the engine lets no such row speculate), so processing applies at each row's first position only,
     where a row that verifies nothing samples its one token as the plain sampler does. drafter: (model, attention,
-    layers) of the draft (the target's first layers over its pool, or a draft model over its own pool), or None."""
+    layers) of the draft (the target's first layers over its pool, or a draft model over its own pool), or None.
+    token_ids [T]: the step's tokens (a draft model's loop starts from each row's last accepted one)."""
     s, k = layout.num_seqs, layout.spec_width
     raw = logits.reshape(s, k + 1, -1)  # [S, K + 1, V]
     drafts, num_draft, emit_pos, draft_flag = layout.spec_fields(buf)
@@ -181,42 +189,66 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
         live = draft_flag & (md.context_lens > 0)
         pool = kv_pool if layers else draft_pool
         num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)  # the step's sequences: rows 0..num_seqs - 1
+        # a draft model's loop starts one token earlier, at the last accepted one (see _draft)
+        accepted = None if layers else token_ids[md.logits_indices.reshape(s, k + 1)[jnp.arange(s), v.num_accepted]]
         proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
-                                 layers, native_matmul_rows, num_seqs)
+                                 layers, native_matmul_rows, num_seqs, accepted, v.num_accepted == k)
         kv_pool, draft_pool = (pool, draft_pool) if layers else (kv_pool, pool)
     return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool, draft_pool
 
 
 def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live: jax.Array, tables: jax.Array,
-           k: int, attn: AttentionBackend, draft_layers: int | None, native_matmul_rows: int, num_seqs: jax.Array
-           ) -> tuple[jax.Array, KVPool]:
+           k: int, attn: AttentionBackend, draft_layers: int | None, native_matmul_rows: int, num_seqs: jax.Array,
+           accepted: jax.Array | None = None, write_accepted: jax.Array | None = None) -> tuple[jax.Array, KVPool]:
     """Greedy proposals of the draft: k one-token steps per live row from `first` at `first_pos` [S]. A
     self-speculative draft is the model's first `draft_layers` layers over the target's pool: the K/V they need for
     every earlier position are the ones the target wrote there (this step's included). A draft model (draft_layers
-    None) reads its own pool, which its run over every step's tokens keeps beside the target's. The draft's own
-    writes (k positions from first_pos, slots the scheduler allocated ahead) are overwritten by the next step's
-    verification. Returns (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample`
-    verifies it as n-gram's. num_seqs: rows from it on are padding (the native matmuls and head skip them)."""
+    None) reads its own pool, where its loop of the step before wrote the tokens this step verified, from their first
+    (the last token then) on; so its first step takes two tokens per row: `accepted` [S] (the last accepted one, at
+    first_pos - 1) and `first`. That loop wrote every accepted token but the k-th (it never takes its own last
+    proposal), so `accepted`'s K/V is written only where write_accepted [S] (all k accepted), else the null slot
+    takes it and the pool keeps the loop's (or this step's draft run's) K/V there. The
+    draft's own writes past the accepted tokens (k positions from first_pos, slots the scheduler allocated ahead) are
+    overwritten by the next step's verification (and, in a draft model's pool, by its next loop). Returns
+    (proposals [S, k] int32, pool). A greedy draft's q is one-hot: `rejection_sample` verifies it as n-gram's.
+    num_seqs: rows from it on are padding (the native matmuls and head skip them)."""
     s, width = tables.shape
     bs = kv_pool.shape[2]
     rows = jnp.arange(s)
 
+    def forward(tokens, pos, pool, write):
+        """The draft over m tokens per row, tokens, pos and write [S, m] (row-major in the step: write False sends a
+        token's K/V to the null slot); its greedy token after each row's last."""
+        m = tokens.shape[1]
+        block = tables[rows[:, None], jnp.minimum(pos // bs, width - 1)]  # [S, m]
+        on = live[:, None]
+        md = AttentionMetadata(
+            positions=jnp.where(on, pos, -1).reshape(-1),
+            slot_mapping=jnp.where(on & write, block * bs + pos % bs, 0).reshape(-1),
+            block_tables=tables, context_lens=jnp.where(live, pos[:, -1] + 1, 0),
+            query_start_loc=jnp.arange(s + 1, dtype=jnp.int32) * m,
+            logits_indices=(rows * m + m - 1).astype(jnp.int32),
+            tile_size=1, decode_blocks=s * width if m == 1 else None)
+        with native_matmul(native_matmul_rows, live_rows=(s * m, num_seqs * m)):
+            hidden, pool = (model(tokens.reshape(-1), pool, md, attn, num_layers=draft_layers) if draft_layers
+                            else model(tokens.reshape(-1), pool, md, attn))
+        with native_matmul(native_matmul_rows, live_rows=(s, num_seqs)):
+            last = hidden if m == 1 else hidden[md.logits_indices]  # [S, H]
+            nxt = sampler._argmax(model.logits(last), native_matmul_rows > 0)  # [S]
+        return nxt, pool
+
     def one(j, carry):
         token, pool, proposals = carry
-        pos = first_pos + j  # [S]
-        block = tables[rows, jnp.minimum(pos // bs, width - 1)]
-        md = AttentionMetadata(
-            positions=jnp.where(live, pos, -1), slot_mapping=jnp.where(live, block * bs + pos % bs, 0),
-            block_tables=tables, context_lens=jnp.where(live, pos + 1, 0),
-            query_start_loc=jnp.arange(s + 1, dtype=jnp.int32), logits_indices=rows.astype(jnp.int32),
-            tile_size=1, decode_blocks=s * width)
-        with native_matmul(native_matmul_rows, live_rows=(s, num_seqs)):
-            hidden, pool = (model(token, pool, md, attn, num_layers=draft_layers) if draft_layers
-                            else model(token, pool, md, attn))
-            nxt = sampler._argmax(model.logits(hidden), native_matmul_rows > 0)  # [S]
+        nxt, pool = forward(token[:, None], (first_pos + j)[:, None], pool, True)
         return nxt, pool, proposals.at[:, j].set(nxt)
 
-    _, kv_pool, proposals = jax.lax.fori_loop(0, k, one, (first, kv_pool, jnp.zeros((s, k), jnp.int32)))
+    proposals, lo = jnp.zeros((s, k), jnp.int32), 0
+    if accepted is not None:
+        pos = first_pos[:, None] + jnp.arange(-1, 1)[None, :]  # [S, 2]
+        write = jnp.stack([write_accepted, jnp.ones_like(write_accepted)], axis=1)
+        first, kv_pool = forward(jnp.stack([accepted, first], axis=1), pos, kv_pool, write)
+        proposals, lo = proposals.at[:, 0].set(first), 1
+    _, kv_pool, proposals = jax.lax.fori_loop(lo, k, one, (first, kv_pool, proposals))
     return proposals, kv_pool
 
 
