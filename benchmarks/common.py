@@ -93,6 +93,9 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
         print(" | ".join(format(r[k], f) if r.get(k) is not None else "-" for k, _, f in columns))
 
 
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")  # where --out defaults go
+
+
 def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     payload = {"machine": f"{os.cpu_count()} CPU cores (no accelerator)", **payload}

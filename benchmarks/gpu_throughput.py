@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import print_table, trace_events, write_json  # noqa: E402
+from common import RESULTS_DIR, print_table, trace_events, write_json  # noqa: E402
 
 from jaxpaged.config import ModelConfig  # noqa: E402
 
@@ -219,7 +219,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
-    ap.add_argument("--out", default="results/gpu_throughput.json")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
     args = ap.parse_args()
 
     import jax

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import cpu_name, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, cpu_name, print_table, write_json  # noqa: E402
 
 BASELINE = "7f69e84"  # main before the persistent batch (issue #29)
 
@@ -197,7 +197,7 @@ def main() -> None:
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the engine to compare with")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--profile-seqs", type=int, default=1024, help="cProfile the async run of this many")
-    parser.add_argument("--out", default="results/host_overhead.json")
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "host_overhead.json"))
     args = parser.parse_args()
 
     rows, profile = [], ""

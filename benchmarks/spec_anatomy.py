@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import cpu_name, print_table, top_xla_ops, trace_events, write_json  # noqa: E402
+from common import RESULTS_DIR, cpu_name, print_table, top_xla_ops, trace_events, write_json  # noqa: E402
 from speculative import CONFIGS, prompts_for, spec_of  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--out", default="results/spec_anatomy.json")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "spec_anatomy.json"))
     args = ap.parse_args()
     results = [profile(c, args.workload, args.new_tokens, args.top, args.calls) for c in args.configs]
     print(f"\nSpeculative steps by shape, {args.workload}, batch 1, greedy; CPU: {cpu_name()}")

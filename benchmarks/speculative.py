@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import cpu_name, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, cpu_name, print_table, write_json  # noqa: E402
 
 PASSAGE = ("The block manager keeps a free list of physical blocks and a reference count for each block. When a "
            "sequence needs a new slot, the manager hands out the first free block; when a sequence finishes, its "
@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 48])
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--out", default="results/speculative.json")
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "speculative.json"))
     args = ap.parse_args()
     if "plain" not in args.configs:
         args.configs = ["plain", *args.configs]
