@@ -197,8 +197,11 @@ class ModelRunner:
         draft_kv = (True, False) if self.draft is not None else (True,)
         shapes = [(s, s, self.max_width, 1, b, 0, d) for s in self.decode_buckets for b in self.flat_block_buckets(s)
                   for d in draft_kv]
-        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, self.spec_width, d)
-                   for t in self.prefill_buckets for w in self.width_buckets for d in draft_kv]
+        # with speculation, prefill-shaped steps twice too: verifying (K + 1 logits rows per sequence), and plain for
+        # the steps where no row verifies or drafts (prompts above disable_by_batch_size, a first prefill)
+        spec_widths = (self.spec_width, 0) if self.spec_width else (0,)
+        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, k, d)
+                   for t in self.prefill_buckets for w in self.width_buckets for k in spec_widths for d in draft_kv]
         return shapes
 
     def _prefill_seqs(self, num_tokens: int) -> int:
@@ -227,7 +230,9 @@ class ModelRunner:
             tile = self.prefill_tile
             tokens = int((-(-np.asarray(out.num_new_tokens) // tile) * tile).sum())
             num_tokens = self._prefill_bucket(tokens, n)
-            k = self.spec_width
+            # a verifying layout only where some row verifies proposals or runs the draft loop: it takes K + 1
+            # logits rows per sequence (the LM head over K + 1 times the rows) and is read before the next step
+            k = self.spec_width if any(out.num_spec) or any(out.drafts) else 0
             # a draft loop writes up to K slots past a row's context: the tables cover them
             widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
             return StepLayout(num_tokens, self._prefill_seqs(num_tokens), pick_bucket(self.width_buckets, widest),

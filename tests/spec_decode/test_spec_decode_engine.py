@@ -249,3 +249,26 @@ def test_steps_above_the_batch_threshold_run_asynchronously():
     assert got == plain_tokens
     assert any(overlapped)
     assert stats["spec_proposed_tokens"] > 0
+
+
+def test_only_steps_that_verify_take_the_verifying_layout():
+    """A prefill-shaped step takes the verifying layout (K + 1 logits rows per sequence, read before the next step is
+    scheduled) only when some row verifies proposals or runs the draft loop: the prompts' prefill, where nothing is
+    proposed yet (as above disable_by_batch_size), runs in the plain layout. The tokens are plain decoding's."""
+    llm = tiny_llm(CONFIG, PARAMS, speculative_config=NGRAM, max_num_seqs=8, num_blocks=80)
+    runner = llm.engine.runner
+    layout, steps = runner.layout, []
+
+    def recorded(out, layout=layout):
+        chosen = layout(out)
+        steps.append((out.is_prefill, any(out.num_spec), chosen.spec_width))
+        return chosen
+
+    runner.layout = recorded
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs] == \
+        reference({}, "greedy", GREEDY)[0]
+    assert steps[0] == (True, False, 0)  # the prompts' prefill: nothing to verify, the plain layout
+    verifying = [s for s in steps if s[2]]
+    assert verifying and all(s == (True, True, NGRAM["num_speculative_tokens"]) for s in verifying)
+    assert llm.stats()["spec_accepted_tokens"] > 0
