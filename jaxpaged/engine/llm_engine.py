@@ -327,7 +327,7 @@ class Engine:
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         self._inflight = launched
-        # (a prefill-shaped step of a speculating engine is read at once: its rows' rollback sets their computed
+        # (a verifying step, spec_width > 0, is read at once: its rows' rollback sets their computed
         # tokens, which the next step must see)
         if launched is not None and (sync or launched.handle.layout.spec_width):
             outputs += self._complete(launched)
