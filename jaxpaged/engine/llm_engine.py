@@ -386,7 +386,7 @@ class Engine:
         bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
         for i, seq in enumerate(out.seqs if self._masked_requests else ()):
             req = self.requests[seq.request_id]
-            if (req.grammar is not None or req.bad_words_ids) and out.samples[i]:
+            if _masked(req) and out.samples[i]:
                 try:
                     mask = self._bitmask(req, seq)
                 except Exception as e:

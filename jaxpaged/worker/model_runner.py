@@ -232,7 +232,7 @@ class ModelRunner:
             num_tokens = self._prefill_bucket(tokens, n)
             # a verifying layout only where some row verifies proposals or runs the draft loop: it takes K + 1
             # logits rows per sequence (the LM head over K + 1 times the rows) and is read before the next step
-            k = self.spec_width if any(out.num_spec) or any(out.drafts) else 0
+            k = self.spec_width if self.spec_width and (any(out.num_spec) or any(out.drafts)) else 0
             # a draft loop writes up to K slots past a row's context: the tables cover them
             widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
             return StepLayout(num_tokens, self._prefill_seqs(num_tokens), pick_bucket(self.width_buckets, widest),
