@@ -11,9 +11,9 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 < 4 ?
 
 .PHONY: setup run serve test lint bench
 
-# Bytecode: pip compiles the installed files one at a time (~55 s of an 82 s install here); compileall does it on
-# every core after a --no-compile install (~20 s). Compiled at install, not left to the first imports: with
-# PYTHONDONTWRITEBYTECODE set (as on this project's machine) every process would compile what it imports again.
+# Bytecode: pip compiles the installed files one at a time; compileall after a --no-compile install uses every core
+# (docs/testing.md has the times). Compiled at install, not left to the first imports: with PYTHONDONTWRITEBYTECODE
+# set (as on this project's machine) every process would compile what it imports again.
 # (-qq: a file for another Python version, such as one of torch's py3.12-only tests, does not stop the install.)
 setup: $(VENV)/.installed
 
