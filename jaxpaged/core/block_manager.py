@@ -101,6 +101,12 @@ class BlockManager:
         self.tables: dict = {}  # seq_id -> device blocks, logical order
         self.seq_tokens: dict = {}  # seq_id -> token slots allocated (kept while swapped out)
         self.seq_hashes: dict = {}  # seq_id -> chain hashes of its leading full, known blocks
+        # seq_id -> the token count up to which the sequence may grow with nothing to allocate, copy or hash: the
+        # end of the block it writes now, which it holds alone (short of filling it where full blocks get hashes).
+        # Set by `allocate_slots`, dropped by whatever else changes the sequence's table. The scheduler's decode
+        # loop reads it and advances `seq_tokens` and `num_device_tokens` itself for such a slot, without a call
+        # (`Scheduler._schedule_decodes`): that loop runs for every running sequence at every step.
+        self.writable: dict = {}
         # host pool
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -255,7 +261,17 @@ class BlockManager:
         self.seq_hashes.setdefault(seq_id, [])
         if self.enable_prefix_caching:
             self._register_full_blocks(seq_id, token_ids)
+        self._note_writable(seq_id, table)
         return True
+
+    def _note_writable(self, seq_id, table: list[int]) -> None:
+        """Records how far the sequence may grow in the block it writes now (`writable`), if it holds it alone."""
+        bs = self.block_size
+        i = self.seq_tokens[seq_id] // bs
+        if i < len(table) and self.refcount[table[i]] == 1:
+            self.writable[seq_id] = (i + 1) * bs - (1 if self.enable_prefix_caching else 0)
+        else:
+            self.writable.pop(seq_id, None)
 
     def cache_full_blocks(self, seq_id, token_ids: Sequence[int]) -> None:
         """Registers the prefix hashes of the sequence's blocks that are full of slots and of known tokens (before it
@@ -279,6 +295,7 @@ class BlockManager:
         table = list(self.tables.get(parent_id, []))
         for block in table:
             self._ref(block)
+        self.writable.pop(parent_id, None)  # its last block is shared now: the next write copies it
         self.tables[child_id] = table
         self.seq_tokens[child_id] = self.seq_tokens.get(parent_id, 0)
         self.seq_hashes[child_id] = list(self.seq_hashes.get(parent_id, []))
@@ -296,6 +313,7 @@ class BlockManager:
         self.changed_tables.discard(seq_id)
 
     def _drop_device_table(self, seq_id) -> None:
+        self.writable.pop(seq_id, None)
         table = self.tables.pop(seq_id, None)
         if table is None:
             return
@@ -324,6 +342,7 @@ class BlockManager:
         have = self.seq_tokens.get(seq_id, 0)
         if table is None or num_tokens >= have:
             return
+        self.writable.pop(seq_id, None)
         keep = max(_cdiv(num_tokens, self.block_size), _cdiv(self.reserve_tokens, self.block_size))
         dropped = table[keep:]
         del table[keep:]
@@ -454,6 +473,12 @@ class BlockManager:
         assert self.num_shared == sum(1 for r in self.refcount if r > 1), "the shared-block counter drifted"
         assert self.num_table_blocks == sum(map(len, self.tables.values())), "the table-entry counter drifted"
         assert self.num_device_tokens == sum(self.seq_tokens[s] for s in self.tables), "the token counter drifted"
+        for s, end in self.writable.items():  # every slot up to `end` is in the block written now, held alone
+            table, have = self.tables.get(s), self.seq_tokens.get(s, 0)
+            assert table is not None, f"seq {s!r} has a writable end but no table"
+            assert end <= have or ((end - 1) // bs == have // bs < len(table) and self.refcount[table[have // bs]] == 1
+                                   and not (self.enable_prefix_caching and end % bs == 0)), \
+                f"seq {s!r}: writable end {end} past its block ({have} slots, {len(table)} blocks)"
         assert evictable <= set(self.block_hash), "an evictable block has no hash"
         assert len(self.hash_to_block) == len(self.block_hash) and all(
             self.block_hash.get(b) == h for h, b in self.hash_to_block.items()), "hash maps disagree"

@@ -318,8 +318,10 @@ class Scheduler:
     def _schedule_decodes(self, out: SchedulerOutput) -> None:
         """One token of every decoding sequence (and the proposals it verifies), oldest first, each committed as it
         is scheduled (`_commit_row`, inline for a plain decode): this loop runs for every running sequence at every
-        step, so it reads each sequence once and allocates through the block manager's fast path."""
-        allocate = self.block_manager.allocate_slots
+        step, so it reads each sequence once, and a slot in the block a sequence writes now and holds alone (the
+        block manager's `writable`) is taken in place, without a call."""
+        bm = self.block_manager
+        allocate, writable, slots = bm.allocate_slots, bm.writable.get, bm.seq_tokens
         out.is_prefill = False  # until a sequence verifies proposals: then the step is prefill-shaped
         budget, per_row = self._verify_budget()
         seqs, starts = out.seqs, out.starts
@@ -334,7 +336,15 @@ class Scheduler:
                 continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
             spec = seq.spec_tokens
             if not spec and not seq.spec_lookahead:  # a plain decode: one slot, most often in a block it holds
-                ok = allocate(seq.seq_id, tokens, num_tokens)
+                seq_id = seq.seq_id
+                if num_tokens <= writable(seq_id, 0):  # BlockManager.allocate_slots's fast path, inline
+                    have = slots[seq_id]
+                    if have < num_tokens:
+                        slots[seq_id] = num_tokens
+                        bm.num_device_tokens += num_tokens - have
+                    ok = True
+                else:
+                    ok = allocate(seq_id, tokens, num_tokens)
                 if not ok:  # preemption may take rows out of the step: every row's fields complete first
                     _filled(out)
                     ok = self._allocate_or_preempt(seq, num_tokens, out)
