@@ -232,6 +232,8 @@ class InputBatch:
         self.bias_values = np.zeros((r, MAX_LOGIT_BIAS), np.float32)
         self._step_id = 0
         self.added_rows: list[int] = []  # rows given to new sequences since `take_added_rows`
+        # the last `apply`'s sequences and rows: a decode step of the same sequences (most steps) reuses the rows
+        self._last_step: tuple[list[Sequence], np.ndarray] = ([], np.zeros(0, np.int32))
 
     # ---- the diffs ----------------------------------------------------------------------------------------------
 
@@ -242,16 +244,22 @@ class InputBatch:
         for seq_id in out.removed:
             self.remove(seq_id)
         row_of = self.row_of
-        rows = [row_of.get(seq.seq_id, -1) for seq in out.seqs]  # one pass over the step's sequences
-        if -1 in rows:
-            for i, seq in enumerate(out.seqs):
-                if rows[i] == -1:
-                    rows[i] = self.add(seq, tables[seq.seq_id], seed_of(seq))
+        last_seqs, last_rows = self._last_step
+        if not out.removed and out.seqs == last_seqs:  # the same sequences as the step before (identity): same rows
+            rows = last_rows
+        else:
+            found = [row_of.get(seq.seq_id, -1) for seq in out.seqs]  # one pass over the step's sequences
+            if -1 in found:
+                for i, seq in enumerate(out.seqs):
+                    if found[i] == -1:
+                        found[i] = self.add(seq, tables[seq.seq_id], seed_of(seq))
+            rows = np.array(found, np.int32)
+            self._last_step = (list(out.seqs), rows)
         for seq_id, table in out.changed_tables.items():
             row = row_of.get(seq_id)
             if row is not None:
                 self._set_table(row, table)
-        return np.array(rows, np.int32)
+        return rows
 
     def add(self, seq: Sequence, table: list[int], seed: int) -> int:
         if not self._free_rows:
@@ -376,10 +384,11 @@ class InputBatch:
         slots = self.block_tables[row_of_tok, positions // bs] * bs + positions % bs
         layout.view(buf, "slot_mapping")[tok_idx] = slots
         # sequences
-        tables = self.block_tables[rows]  # [n, W]
+        w = layout.width
+        tables = layout.view(buf, "block_tables").reshape(layout.num_seqs, w)[:n]  # [n, w], the step's own columns
+        np.take(self.block_tables[:, :w], rows, axis=0, out=tables)
         if self.truncate_tables:
-            tables = np.where(np.arange(self.max_width)[None, :] < (-(-ctx // bs))[:, None], tables, 0)
-        layout.view(buf, "block_tables").reshape(layout.num_seqs, layout.width)[:n] = tables[:, :layout.width]
+            tables[np.arange(w)[None, :] >= (-(-ctx // bs))[:, None]] = 0
         put("context_lens", ctx)
         qsl = layout.view(buf, "query_start_loc")
         qsl[:n + 1] = seg_start
