@@ -121,6 +121,8 @@ class Engine:
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
         self._masked_requests = 0  # unfinished requests with a grammar or bad words (a bitmask per sampling row)
+        self._special_requests = 0  # unfinished requests whose tokens need more than appending (not Request.plain)
+        self._streaming_requests = 0  # unfinished requests with an output at every step (Request.streams)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
                          "spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
@@ -225,6 +227,8 @@ class Engine:
         self.requests[req.request_id] = req
         self._sync_requests += req.needs_host_tokens
         self._masked_requests += _masked(req)
+        self._special_requests += not req.plain
+        self._streaming_requests += req.streams
         self.scheduler.add(req.seqs[0])
 
     def _check_request_id(self, request_id: str) -> None:
@@ -290,6 +294,8 @@ class Engine:
         if req is not None:
             self._sync_requests -= req.needs_host_tokens
             self._masked_requests -= _masked(req)
+            self._special_requests -= not req.plain
+            self._streaming_requests -= req.streams
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -501,6 +507,8 @@ class Engine:
         requests = self.requests
         tokens = result.tokens.tolist()
         verifying = result.emitted is not None  # speculative decoding: a row emits one token or more
+        if not verifying and not self._special_requests and all(out.samples):
+            return self._apply_decodes(out, tokens)
         generated = 0
         finished = SequenceStatus.FINISHED
         fast = not verifying
@@ -565,6 +573,45 @@ class Engine:
         self.counters["generation_tokens"] += generated
         outputs = [self._output(req, req.request_id in ended and req.finished) for req in touched.values()]
         return outputs + finished_beams
+
+    def _apply_decodes(self, out: SchedulerOutput, tokens: list[int]) -> list[EngineOutput]:
+        """`_apply_tokens` of the most common step: every row sampled one token, every request is plain (no beam,
+        grammar or log-probs) and nothing was verified. One tight pass appends the tokens; the rows that may stop
+        (a stop id, or at their length limit) and the requests that stream are handled after it."""
+        now = time.monotonic()
+        finished = SequenceStatus.FINISHED
+        may_stop: list[Sequence] = []
+        skipped = 0
+        for seq, token in zip(out.seqs, tokens, strict=True):
+            if seq.status is finished:  # aborted, failed or stopped after this step began
+                skipped += 1
+                continue
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            seq.num_placeholders -= 1
+            if token in seq.stop_ids or len(token_ids) >= seq.token_limit:
+                may_stop.append(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+        self.counters["generation_tokens"] += len(tokens) - skipped
+        requests = self.requests
+        touched: dict[str, Request] = {}
+        ended: set[str] = set()
+        for seq in may_stop:
+            req = requests.get(seq.request_id)
+            reason, stop_reason = self._stop(req, seq, seq.token_ids[-1]) if req is not None else (None, None)
+            if reason is not None:
+                seq.stop_reason = stop_reason
+                self.scheduler.finish(seq, reason)
+                ended.add(req.request_id)
+                touched[req.request_id] = req
+        if self._streaming_requests:  # every streaming request has an output, in row order
+            touched = {}
+            for seq in out.seqs:
+                req = requests.get(seq.request_id)
+                if req is not None and (req.streams or req.request_id in ended):
+                    touched[req.request_id] = req
+        return [self._output(req, req.request_id in ended and req.finished) for req in touched.values()]
 
     def _stop(self, req: Request, seq: Sequence, token: int) -> tuple[str | None, int | None]:
         """(finish reason, stop reason) after `token` was appended: ("stop", None) for EOS or a grammar that allows
