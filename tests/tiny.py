@@ -115,14 +115,15 @@ def drain(engine) -> dict[str, list[int]]:
 
 
 def checked(engine):
-    """engine.step that checks, after every step, the pool's invariants and that the runner's persistent block
-    tables equal the pool's."""
+    """engine.step that checks, after every step, the pool's and the scheduler's invariants and that the runner's
+    persistent block tables equal the pool's."""
     original = engine.step
 
     def step():
         outs = original()
         engine.runner.input_batch.check_tables(engine.block_manager.tables)
         engine.block_manager.check_invariants()
+        engine.scheduler.check_invariants()
         return outs
 
     return step

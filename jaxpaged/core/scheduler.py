@@ -140,6 +140,11 @@ class Scheduler:
         # them all, so forks that come later never push a step past max_num_seqs.
         self.seats_taken = 0
         self._removed: list[int] = []  # seq ids that left the running set since the last step (the runner's diff)
+        # Running sequences that may be in prefill: a sequence is only ever in prefill after it entered the running
+        # set (admitted, forked, swapped in), so those are the ones to look at, not every running sequence at every
+        # step (`_prefilling`); the ones found decoding leave it.
+        self._entered: dict[int, Sequence] = {}
+        self.missed_prefills = 0  # sequences in prefill found by the decode loop instead (tests expect none)
 
     # ---- queue management -------------------------------------------------------------------------------------
 
@@ -239,12 +244,12 @@ class Scheduler:
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
         # new ones start; they may preempt newer requests for room, as decodes do. (`Sequence.is_prefill`, inline:
         # this scan runs over every running sequence at every step.) A parent ready to fork is one of them.
-        prefilling = _prefilling(self.running)
+        prefilling = self._prefilling()
         forks = [s for s in prefilling if s.fork_pending and s.num_uncomputed_tokens == 1]
         for seq in forks:
             self._fork(seq, out)
         if forks:  # the children joined the running set, in prefill
-            prefilling = _prefilling(self.running)
+            prefilling = self._prefilling()
         for seq in prefilling:
             if seq.status is SequenceStatus.RUNNING:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
@@ -333,7 +338,12 @@ class Scheduler:
             # `decodable`, inline
             if (num_tokens - start != 1 or num_tokens == seq.num_prompt_tokens
                     or num_tokens >= seq.token_limit or seq.status is not running):
-                continue  # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
+                # a prompt in prefill, a beam waiting for its group, one that has all its tokens, preempted
+                if ((num_tokens - start > 1 or num_tokens == seq.num_prompt_tokens) and seq.status is running
+                        and seq.seq_id not in self._entered):  # in prefill, unseen by `_prefilling`: never stall it
+                    self._entered[seq.seq_id] = seq
+                    self.missed_prefills += 1
+                continue
             spec = seq.spec_tokens
             if not spec and not seq.spec_lookahead:  # a plain decode: one slot, most often in a block it holds
                 seq_id = seq.seq_id
@@ -423,6 +433,26 @@ class Scheduler:
     def _insert_running(self, seq: Sequence) -> None:
         self.seats_taken += _seats(seq)
         self._insert_by_arrival(self.running, seq)
+        self._entered[seq.seq_id] = seq
+
+    def _prefilling(self) -> list[Sequence]:
+        """The running sequences in prefill (`Sequence.is_prefill`, inline), in running order, from those that
+        entered the running set since they were last seen decoding."""
+        running = SequenceStatus.RUNNING
+        found = [s for s in self._entered.values() if s.status is running and (
+            len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
+            or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens)]
+        if len(found) != len(self._entered):
+            self._entered = {s.seq_id: s for s in found}
+        found.sort(key=_arrival)
+        return found
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError where the scheduler's own bookkeeping disagrees with its queues (tests)."""
+        scanned = [s for s in self.running if s.is_prefill]
+        assert self.missed_prefills == 0 and all(s.seq_id in self._entered for s in scanned), (
+            f"running sequences in prefill that `_prefilling` did not see ({self.missed_prefills} found late): "
+            f"{[s.seq_id for s in scanned if s.seq_id not in self._entered]}")
 
     def _remove_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -432,12 +462,6 @@ class Scheduler:
     @staticmethod
     def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
         queue.insert(bisect.bisect(queue, (seq.arrival_time, seq.seq_id), key=_arrival), seq)
-
-
-def _prefilling(running: list[Sequence]) -> list[Sequence]:
-    """The running sequences in prefill (`Sequence.is_prefill`, inline), in running order."""
-    return [s for s in running if len(s.token_ids) + s.num_placeholders - s.num_computed_tokens > 1
-            or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens]
 
 
 def _filled(out: SchedulerOutput) -> None:

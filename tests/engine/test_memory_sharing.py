@@ -49,6 +49,7 @@ def test_prefix_caching_on_and_off_give_the_same_outputs(params):
     assert s["prefix_cache_queries"] >= sum(len(p["prompt_token_ids"]) for p in prompts[1:])
     assert off.stats()["prefix_cache_hits"] == 0
     on.engine.block_manager.check_invariants()
+    on.engine.scheduler.check_invariants()
 
 
 def test_prefix_hits_in_one_batch_give_the_same_outputs():
@@ -108,3 +109,4 @@ def test_swapping_gives_the_same_outputs_and_shows_swaps():
     assert s["preemptions_swap"] > 0 and s["swapped_out_blocks"] > 0 and s["swapped_in_blocks"] > 0
     assert s["num_used"] == 0 and s["num_cpu_used"] == 0
     llm.engine.block_manager.check_invariants()
+    llm.engine.scheduler.check_invariants()

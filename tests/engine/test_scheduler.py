@@ -79,6 +79,7 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(prompts, reference,
     assert stats["preemptions"] > 0 and stats["preemptions_recompute"] == stats["preemptions"]
     assert stats["num_used"] == 0 and stats["num_free"] == 22
     llm.engine.block_manager.check_invariants()
+    llm.engine.scheduler.check_invariants()
 
 
 def test_outputs_come_back_in_input_order(prompts):
@@ -169,6 +170,7 @@ def test_mixed_steps_decode_every_running_sequence_every_step(prompts, reference
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert sum(mixed) >= 3  # steps that carried decodes and prompt tokens together
     llm.engine.block_manager.check_invariants()
+    llm.engine.scheduler.check_invariants()
 
 
 def test_bounded_prefill_chunk_must_fit_the_step_budget():
