@@ -49,9 +49,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <chrono>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -81,12 +79,6 @@ constexpr int64_t kStreamRows = 8;     // a product of at most this many rows st
 constexpr int64_t kStreamGroups = 16;  // its work items are this many groups (256 columns), not a panel's 4
 constexpr int64_t kChunkRows = 128;    // rows per work item
 constexpr int kRows = 8;               // rows per register block
-
-// EXPERIMENT knobs (set by JaxpagedQMatmulSetExperiment): how a call of at most kStreamRows rows shares its work.
-//   g_threads: 0 XLA's pool (fork/join per call), 1 the caller alone, 2 a spinning helper thread of our own
-//   g_split:   0 items of kStreamGroups groups, 1 each part in an even number of contiguous items (<= 16 groups)
-//   g_prefetch: bytes ahead the codes are prefetched (0: none)
-std::atomic<int> g_threads{0}, g_split{0}, g_prefetch{0}, g_spin_us{100};
 
 enum ScaleMode : int64_t { kChannel = 0, kBlockSym = 1, kBlockF16 = 2, kBlockF32 = 3 };
 enum Mode : int64_t { kInt8Dot = 0, kBf16Dot = 1 };
@@ -165,7 +157,6 @@ struct QState {
   // phase 2's work: per chunk of rows, `col_items` items of `item_groups` groups each over the groups that hold
   // columns (the padded ones are skipped)
   int64_t live_groups = 0, item_groups = 0, col_items = 0;
-  int64_t prefetch = 0;
 
   float XAt(int64_t r, int64_t kk) const {
     if (kk >= k) return 0.0f;
@@ -437,20 +428,8 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
   const int64_t step = CodeBytes(Bits);
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
   if constexpr (Scale == kChannel) LoadScales<Bits, Scale>(p, g, 0, up, &s, &m);
-  const int64_t ahead = p.prefetch;
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i w[8];
-    if (ahead > 0) {
-      const char* f = reinterpret_cast<const char*>(codes + b * step + ahead);
-      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
-      if constexpr (Scale != kChannel)
-        _mm_prefetch(reinterpret_cast<const char*>(p.BlockScales(g, b, up)) + ahead / 4, _MM_HINT_T0);
-    } else if (ahead < 0) {
-      const char* f = reinterpret_cast<const char*>(codes + b * step - ahead);
-      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(f + o, _MM_HINT_T1);
-      if constexpr (Scale != kChannel)
-        _mm_prefetch(reinterpret_cast<const char*>(p.BlockScales(g, b, up)) - ahead / 4, _MM_HINT_T1);
-    }
     LoadCodes<Bits>(codes + b * step, w);
     if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g, b, up, &s, &m);
 #pragma GCC unroll 16
@@ -670,75 +649,13 @@ struct PhaseWork {
   }
 };
 
-// EXPERIMENT: a helper thread of our own that spins between calls for g_spin_us, then sleeps.
-struct SpinHelper {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::shared_ptr<PhaseWork> slot;  // guarded by mu
-  std::atomic<uint64_t> gen{0};
-  bool sleeping = false;  // guarded by mu
-
-  void Post(std::shared_ptr<PhaseWork> w) {
-    bool wake;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      slot = std::move(w);
-      gen.fetch_add(1, std::memory_order_release);
-      wake = sleeping;
-    }
-    if (wake) cv.notify_one();
-  }
-
-  void Loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; gen.load(std::memory_order_acquire) == seen; ++i) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-        if ((i & 63) == 63 &&
-            std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(g_spin_us.load())) {
-          std::unique_lock<std::mutex> lock(mu);
-          sleeping = true;
-          cv.wait(lock, [&] { return gen.load() != seen; });
-          sleeping = false;
-          break;
-        }
-      }
-      std::shared_ptr<PhaseWork> w;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        w = slot;
-        seen = gen.load();
-      }
-      if (w) w->Drain();
-    }
-  }
-
-  static SpinHelper* Get() {
-    static SpinHelper* helper = [] {
-      auto* h = new SpinHelper();  // never freed: its thread runs until the process ends
-      std::thread([h] { h->Loop(); }).detach();
-      return h;
-    }();
-    return helper;
-  }
-};
-
 // `items` work items of `phase` on the caller and on helpers of XLA's pool; returns when all are done.
 void RunPhase(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts, int phase, int64_t items,
               int64_t chunk_items) {
   auto work = std::make_shared<PhaseWork>();
   work->parts = parts, work->phase = phase, work->total = items, work->chunk_items = chunk_items;
-  const bool small = parts->front().m <= kStreamRows;
-  const int threads = g_threads.load();
-  if (small && threads == 2 && items > 1) {
-    SpinHelper::Get()->Post(work);
-  } else if (!(small && threads == 1)) {
-    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
-    for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work->Drain(); });
-  }
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), items) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work]() { work->Drain(); });
   work->Drain();
   for (int spin = 0; spin < 4000 && work->done.load(std::memory_order_acquire) < items; ++spin) {
 #if JAXPAGED_QMATMUL_VNNI
@@ -822,12 +739,6 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
     part.a = p.a;
     part.live_groups = (part.n + kGroup - 1) / kGroup;
     part.item_groups = p.m <= kStreamRows ? kStreamGroups : kPanelGroups;
-    if (p.m <= kStreamRows && g_split.load() == 1) {
-      int64_t items = std::max<int64_t>(2, (part.live_groups + kStreamGroups - 1) / kStreamGroups);
-      items += items & 1;
-      part.item_groups = (part.live_groups + items - 1) / items;
-    }
-    part.prefetch = g_prefetch.load();
     part.col_items = (part.live_groups + part.item_groups - 1) / part.item_groups;
     chunk_items += part.col_items;
   }
@@ -890,10 +801,6 @@ ffi::Error QMatmul3Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }
 
 }  // namespace
-
-extern "C" void JaxpagedQMatmulSetExperiment(int threads, int split, int prefetch, int spin_us) {
-  g_threads = threads, g_split = split, g_prefetch = prefetch, g_spin_us = spin_us;
-}
 
 extern "C" int JaxpagedQMatmulIsFast() { return kFast ? 1 : 0; }
 
