@@ -47,7 +47,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -80,11 +79,6 @@ constexpr int64_t kStreamRows = 8;     // a product of at most this many rows st
 constexpr int64_t kStreamGroups = 16;  // its work items are this many groups (256 columns), not a panel's 4
 constexpr int64_t kChunkRows = 128;    // rows per work item
 constexpr int kRows = 8;               // rows per register block
-
-// EXPERIMENT knob: g_warm 0 off, 1 prefetch the predicted next call's weights into L2 (T1), 2 into L1 (T0);
-// g_warm_cap: at most this many bytes per prediction
-std::atomic<int> g_warm{0};
-std::atomic<int64_t> g_warm_cap{4 << 20};
 
 enum ScaleMode : int64_t { kChannel = 0, kBlockSym = 1, kBlockF16 = 2, kBlockF32 = 3 };
 enum Mode : int64_t { kInt8Dot = 0, kBf16Dot = 1 };
@@ -151,8 +145,6 @@ struct QState {
   int64_t scale_mode = kBlockF16, mode = kInt8Dot;
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
-  const void* codes_base = nullptr;  // the stacked weight's codes (all layers), and which layer this call reads
-  int64_t layer = 0, layer_code_bytes = 0, layer_scale_bytes = 0;
   const uint8_t* up_codes = nullptr;  // a gated MLP's (JaxpagedQMatmulGlu): codes and scales are the gate's
   const uint8_t* up_scales = nullptr;
   int64_t act = -1;                   // kSilu, kGeluTanh for a gated MLP
@@ -715,8 +707,6 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer& x, ffi::Buffer<ffi::U8>& code
   p.scale_mode = scale_mode, p.mode = mode;
   const int64_t code_offset = l * groups * blocks * CodeBytes(bits);
   p.codes = codes.typed_data() + code_offset;
-  p.codes_base = codes.typed_data(), p.layer = l;
-  p.layer_code_bytes = groups * blocks * CodeBytes(bits), p.layer_scale_bytes = per_layer_scales;
   p.scales = static_cast<const uint8_t*>(scales.untyped_data()) + l * per_layer_scales;
   if (up_codes) {
     p.up_codes = up_codes->typed_data() + code_offset;
@@ -729,99 +719,9 @@ ffi::Error Setup(const char* name, ffi::AnyBuffer& x, ffi::Buffer<ffi::U8>& code
   return ffi::Error::Success();
 }
 
-// EXPERIMENT: the weights the next call will read, predicted from what followed this (weight, layer) last time, and
-// prefetched by a task of the pool after this call (the memory bus is idle during the step's other operations and
-// the host's part of the step). Prefetch instructions never fault, so a stale prediction (a freed weight) is harmless.
-struct Region {
-  const uint8_t* at;
-  int64_t bytes;
-};
-
-struct Warmer {
-  std::mutex mu;
-  using Key = std::pair<const void*, int64_t>;
-  struct Next {
-    Key key;
-    std::vector<Region> regions;
-  };
-  std::map<Key, Next> next;  // guarded by mu: the call that followed each (weight, layer) last time
-  std::pair<const void*, int64_t> last{nullptr, -1};                     // guarded by mu
-  std::atomic<uint64_t> calls{0};
-  std::atomic<int64_t> warmed{0}, finished{0}, lines{0};
-
-  static Warmer& Get() {
-    static Warmer* w = new Warmer();  // never freed: pool tasks may outlive any call
-    return *w;
-  }
-};
-
-std::vector<Region> Predict(const Parts& parts) {
-  Warmer& w = Warmer::Get();
-  const QState& p = parts.front();
-  std::vector<Region> mine;
-  for (const QState& part : parts) {
-    mine.push_back({part.codes, part.layer_code_bytes});
-    mine.push_back({part.scales, part.layer_scale_bytes});
-    if (part.up_codes) {
-      mine.push_back({part.up_codes, part.layer_code_bytes});
-      mine.push_back({part.up_scales, part.layer_scale_bytes});
-    }
-  }
-  const std::pair<const void*, int64_t> key{p.codes_base, p.layer};
-  std::vector<Region> predicted;
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (w.next.size() > 4096) w.next.clear();
-  if (w.last.first) w.next[w.last] = {key, std::move(mine)};
-  w.last = key;
-  // the calls predicted to follow, one after another, up to the byte cap (a chain of what followed last time)
-  int64_t bytes = 0;
-  Warmer::Key at = key;
-  for (int hops = 0; hops < 256 && bytes < g_warm_cap.load(); ++hops) {
-    auto it = w.next.find(at);
-    if (it == w.next.end() || it->second.key == key) break;
-    for (const Region& r : it->second.regions) predicted.push_back(r), bytes += r.bytes;
-    at = it->second.key;
-  }
-  w.calls.fetch_add(1);
-  return predicted;
-}
-
-void Warm(ffi::ThreadPool& pool, std::vector<Region> regions, int hint) {
-  Warmer& w = Warmer::Get();
-  const uint64_t gen = w.calls.load();
-  w.warmed.fetch_add(1);
-  pool.Schedule([regions = std::move(regions), gen, hint, &w]() {
-    int64_t budget = g_warm_cap.load();
-    struct Done {
-      Warmer& w;
-      int64_t start;
-      int64_t* left;
-      ~Done() { w.lines.fetch_add((start - *left) / 64); }
-    } done{w, budget, &budget};
-    for (const Region& r : regions) {
-      for (int64_t off = 0; off < r.bytes && budget > 0; off += 64, budget -= 64) {
-        if ((off & 4095) == 0 && w.calls.load(std::memory_order_relaxed) != gen) return;  // the next call began
-        const char* at = reinterpret_cast<const char*>(r.at) + off;
-        if (hint == 2)
-          __builtin_prefetch(at, 0, 3);  // prefetcht0
-        else
-          __builtin_prefetch(at, 0, 2);  // prefetcht1
-      }
-    }
-  });
-}
-
 ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
   QState& p = parts->front();  // every part has p's x, rows and format
   if (p.m == 0) return ffi::Error::Success();
-  const int warm = g_warm.load();
-  std::vector<Region> predicted;
-  if (warm && p.m <= kStreamRows) {
-    predicted = Predict(*parts);
-  } else if (warm) {
-    std::lock_guard<std::mutex> lock(Warmer::Get().mu);
-    Warmer::Get().last = {nullptr, -1};
-  }
   if (p.mode == kInt8Dot) {
     p.a->qx.resize(p.m * p.kp), p.a->dx.resize(p.m * p.blocks), p.a->sx.resize(p.m * p.blocks);
     p.a->sx_row.resize(p.m);
@@ -849,7 +749,6 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
     RunPhase(pool, parts, 1, row_chunks, 0);
   }
   RunPhase(pool, parts, 2, row_chunks * chunk_items, chunk_items);
-  if (!predicted.empty()) Warm(pool, std::move(predicted), warm);
   return ffi::Error::Success();
 }
 
@@ -902,12 +801,6 @@ ffi::Error QMatmul3Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }
 
 }  // namespace
-
-extern "C" void JaxpagedQMatmulWarmStats(int64_t* out) {
-  out[0] = Warmer::Get().warmed.load(), out[1] = Warmer::Get().lines.load(), out[2] = Warmer::Get().calls.load();
-}
-
-extern "C" void JaxpagedQMatmulSetWarm(int warm, int64_t cap) { g_warm = warm, g_warm_cap = cap; }
 
 extern "C" int JaxpagedQMatmulIsFast() { return kFast ? 1 : 0; }
 
