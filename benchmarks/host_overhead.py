@@ -12,7 +12,9 @@ the device step by asynchronous scheduling. A cProfile of one configuration is p
 
 Columns: `host` is the step loop's Python (schedule + prepare + output); `dispatch` is the compiled step's call, which
 on a CPU backend can run part of the step in the calling thread (XLA's CPU client), so it is shown apart; `wait` is the
-host blocked on a step's tokens; `device` the compiled decode step replayed alone. On this 2-core CPU the "device" is
+host blocked on a step's tokens; `gc` Python's garbage collector within the step (in whichever part it ran; the rows
+"heap frozen" first freeze the start-up heap, `gc.freeze()`, as the server does after loading, which a library leaves
+to its caller); `device` the compiled decode step replayed alone. On this 2-core CPU the "device" is
 the same two cores, so overlapping host and device work (async) mostly shares them: the overlap pays on an
 accelerator, where the host's time is otherwise the device's idle time.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import inspect
 import io
 import json
@@ -59,7 +62,10 @@ def tiny_model(vocab: int, layers: int, hidden: int):
     return config, params
 
 
-def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool, args, profile: bool = False) -> dict:
+def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool, args, profile: bool = False,
+             frozen: bool = False) -> dict:
+    """frozen: the start-up heap frozen out of the garbage collector's reach first (`gc.freeze()`), as the server
+    does after loading; the collector's time during the timed steps is measured either way (`gc_ms`)."""
     from jaxpaged import LLM, RequestOutputKind, SamplingParams
 
     config, params = tiny_model(args.vocab, args.layers, args.hidden)
@@ -80,6 +86,18 @@ def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool,
     times = engine.step_times
     before = dict(vars(times))
     profiler = cProfile.Profile() if profile else None
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    collecting = [0.0, 0.0]  # [seconds in the collector, when the running collection started]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting[1] = time.perf_counter()
+        else:
+            collecting[0] += time.perf_counter() - collecting[1]
+
+    gc.callbacks.append(on_gc)
     t0 = time.perf_counter()
     if profiler:
         profiler.enable()
@@ -88,12 +106,16 @@ def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool,
     if profiler:
         profiler.disable()
     wall = (time.perf_counter() - t0) / steps
+    gc.callbacks.remove(on_gc)
+    if frozen:
+        gc.unfreeze()
     n = times.steps - before["steps"]
     split = {k: 1e3 * (getattr(times, k) - before[k]) / max(n, 1)
              for k in ("schedule_s", "prepare_s", "dispatch_s", "output_s", "wait_s")}
     device = device_step_ms(engine)
-    row = {"seqs": num_seqs, "async": async_scheduling, "outputs": "streamed" if streaming else "final only",
-           "step_ms": 1e3 * wall, "device_ms": device,
+    outputs = ("streamed" if streaming else "final only") + (", heap frozen" if frozen else "")
+    row = {"seqs": num_seqs, "async": async_scheduling, "outputs": outputs,
+           "step_ms": 1e3 * wall, "device_ms": device, "gc_ms": 1e3 * collecting[0] / steps,
            **{k.replace("_s", "_ms"): v for k, v in split.items()},
            "host_ms": sum(split[k] for k in ("schedule_s", "prepare_s", "output_s"))}
     row["device_busy"] = min(1.0, device / row["step_ms"]) if row["step_ms"] else 0.0
@@ -203,9 +225,10 @@ def main() -> None:
     rows, profile = [], ""
     for num_seqs in args.seqs:
         for async_scheduling in (True, False):
-            for streaming in (False, True):
+            for streaming, frozen in ((False, False), (True, False), (True, True)):
                 want_profile = num_seqs == args.profile_seqs and async_scheduling and not streaming
-                row = run_ours(num_seqs, args.steps, async_scheduling, streaming, args, profile=want_profile)
+                row = run_ours(num_seqs, args.steps, async_scheduling, streaming, args, profile=want_profile,
+                               frozen=frozen)
                 profile = row.pop("profile", profile)
                 rows.append(row)
                 print(f"{num_seqs} seqs async={async_scheduling} {row['outputs']}: step {row['step_ms']:.2f} ms, "
@@ -218,7 +241,8 @@ def main() -> None:
     columns = [("seqs", "seqs", "d"), ("async", "async", ""), ("outputs", "outputs", ""),
                ("step_ms", "step ms", ".2f"), ("device_ms", "device ms", ".2f"), ("host_ms", "host ms", ".2f"),
                ("schedule_ms", "schedule", ".3f"), ("prepare_ms", "prepare", ".3f"), ("dispatch_ms", "dispatch", ".3f"),
-               ("output_ms", "output", ".3f"), ("wait_ms", "wait", ".2f"), ("device_busy", "device busy", ".0%")]
+               ("output_ms", "output", ".3f"), ("gc_ms", "gc", ".3f"), ("wait_ms", "wait", ".2f"),
+               ("device_busy", "device busy", ".0%")]
     print(f"\nHost overhead per decode step, CPU: {cpu_name()}, model: {args.layers} layer(s), hidden {args.hidden}, "
           f"vocab {args.vocab}")
     print_table(rows, columns)
