@@ -10,6 +10,8 @@ length never reaches a jitted shape:
                  `width_buckets`, tile 16; or tile 1 when the attention `mixes_steps` (then a prefill step may
                  carry decodes too, every sequence's tokens start right after the previous one's, and S is T / 2
                  but at the largest T: a step with more sequences than that takes a larger T)
+  verifying      (speculative decoding, K proposals) prefill-shaped, but with tile 1 S is T / (K + 1) below the largest
+                 T, and T also takes powers of two from K + 1 up (`ModelRunner._token_buckets`)
 
 The step's inputs travel as one int32 buffer (`input_batch.StepLayout`), and the parameters as the flat list of
 their leaves (flattened once at load, unflattened inside the trace): a call costs one host-to-device copy and no
