@@ -200,22 +200,40 @@ class ModelRunner:
         # with speculation, prefill-shaped steps twice too: verifying (K + 1 logits rows per sequence), and plain for
         # the steps where no row verifies or drafts (prompts above disable_by_batch_size, a first prefill)
         spec_widths = (self.spec_width, 0) if self.spec_width else (0,)
-        shapes += [(t, self._prefill_seqs(t), w, self.prefill_tile, None, k, d)
-                   for t in self.prefill_buckets for w in self.width_buckets for k in spec_widths for d in draft_kv]
+        shapes += [(t, self._prefill_seqs(t, k), w, self.prefill_tile, None, k, d)
+                   for k in spec_widths for t in self._token_buckets(k) for w in self.width_buckets for d in draft_kv]
         return shapes
 
-    def _prefill_seqs(self, num_tokens: int) -> int:
+    def _token_buckets(self, spec_width: int = 0) -> list[int]:
+        """The T of prefill-shaped steps; a verifying step's (spec_width K > 0, tile 1) also below the smallest
+        prefill bucket, from K + 1 up in powers of two: a few sequences verifying K + 1 tokens each run a step of
+        their own size, not one of the smallest prompt chunk's."""
+        if not spec_width or self.prefill_tile != 1:
+            return self.prefill_buckets
+        small, t = [], 1 << spec_width.bit_length()  # the smallest power of two >= K + 1
+        while t < self.prefill_buckets[0]:
+            small.append(t)
+            t *= 2
+        return small + self.prefill_buckets
+
+    def _prefill_seqs(self, num_tokens: int, spec_width: int = 0) -> int:
         """The sequence rows S of a prefill step of T = num_tokens: T / tile (each sequence takes at least a tile), but
         with tile 1 (mixed steps) T / 2 below the largest T. S rows cost whatever the step's sequences are (the LM
         head's output and the sampler run over all of them), and a mixed step is mostly a few chunks beside decodes:
-        a step with more sequences than that takes the next T (benchmarks/step_anatomy.py --mixed-chunk)."""
-        mixed_below_largest = self.prefill_tile == 1 and num_tokens < self.max_prefill_tokens
-        return max(1, min(self.max_num_seqs, num_tokens // (2 if mixed_below_largest else self.prefill_tile)))
+        a step with more sequences than that takes the next T (benchmarks/step_anatomy.py --mixed-chunk).
+        A verifying step (spec_width K > 0, tile 1) below the largest T has T / (K + 1) rows: each takes K + 1
+        logits rows, float32 over the vocabulary, and S (K + 1) of them padded by the bucket cost a step its page
+        faults (the step's scratch memory is mapped afresh per call once it outgrows the allocator's reuse:
+        benchmarks/spec_anatomy.py's page-fault column)."""
+        below_largest = self.prefill_tile == 1 and num_tokens < self.max_prefill_tokens
+        per_seq = (spec_width + 1 if spec_width else 2) if below_largest else self.prefill_tile
+        return max(1, min(self.max_num_seqs, num_tokens // per_seq))
 
-    def _prefill_bucket(self, num_tokens: int, num_seqs: int) -> int:
-        """The smallest prefill T that holds num_tokens tokens and num_seqs sequences."""
-        for t in self.prefill_buckets:
-            if t >= num_tokens and self._prefill_seqs(t) >= num_seqs:
+    def _prefill_bucket(self, num_tokens: int, num_seqs: int, spec_width: int = 0) -> int:
+        """The smallest prefill T that holds num_tokens tokens and num_seqs sequences (of a verifying layout with
+        spec_width K > 0)."""
+        for t in self._token_buckets(spec_width):
+            if t >= num_tokens and self._prefill_seqs(t, spec_width) >= num_seqs:
                 return t
         largest = self.prefill_buckets[-1]
         raise ValueError(f"{num_tokens} tokens of {num_seqs} sequences exceed the largest prefill bucket "
@@ -229,13 +247,13 @@ class ModelRunner:
         if out.is_prefill:
             tile = self.prefill_tile
             tokens = int((-(-np.asarray(out.num_new_tokens) // tile) * tile).sum())
-            num_tokens = self._prefill_bucket(tokens, n)
             # a verifying layout only where some row verifies proposals or runs the draft loop: it takes K + 1
             # logits rows per sequence (the LM head over K + 1 times the rows) and is read before the next step
             k = self.spec_width if self.spec_width and (any(out.num_spec) or any(out.drafts)) else 0
+            num_tokens = self._prefill_bucket(tokens, n, k)
             # a draft loop writes up to K slots past a row's context: the tables cover them
             widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
-            return StepLayout(num_tokens, self._prefill_seqs(num_tokens), pick_bucket(self.width_buckets, widest),
+            return StepLayout(num_tokens, self._prefill_seqs(num_tokens, k), pick_bucket(self.width_buckets, widest),
                               tile, None, k, out.draft_kv or self.draft is None)
         s = pick_bucket(self.decode_buckets, n)
         blocks = int((-(-ends // bs)).sum())  # the blocks the step's sequences read

@@ -10,6 +10,8 @@ length never reaches a jitted shape:
                  `width_buckets`, tile 16; or tile 1 when the attention `mixes_steps` (then a prefill step may
                  carry decodes too, every sequence's tokens start right after the previous one's, and S is T / 2
                  but at the largest T: a step with more sequences than that takes a larger T)
+  verifying      (speculative decoding, K proposals) prefill-shaped, but with tile 1 S is T / (K + 1) below the largest
+                 T, and T also takes powers of two from K + 1 up (`ModelRunner._token_buckets`)
 
 The step's inputs travel as one int32 buffer (`input_batch.StepLayout`), and the parameters as the flat list of
 their leaves (flattened once at load, unflattened inside the trace): a call costs one host-to-device copy and no
@@ -109,14 +111,17 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
     token_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], host_ids)  # [T]
     # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
+    # (the named scopes label the step's parts in a profile: benchmarks/spec_anatomy.py sums the ops by them)
     with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
-        hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
+        with jax.named_scope("model"):
+            hidden, kv_pool = model(token_ids, kv_pool, md, attn)  # [T, H]
         drafter = None
         if draft is not None and layout.draft_kv:  # the draft's K/V of the same tokens, at the same slots of its pool
             draft_model = nnx.merge(draft.graphdef, jax.tree.unflatten(draft.treedef, draft_leaves))
 
             def run(pool):
-                return draft_model(token_ids, pool, md, draft.attn)[1]
+                with jax.named_scope("draft_run"):
+                    return draft_model(token_ids, pool, md, draft.attn)[1]
 
             if layout.spec_width:  # a verifying step: only where some row's chunk is not in the draft's pool yet
                 draft_pool = jax.lax.cond(layout.draft_run(buf), run, lambda pool: pool, draft_pool)
@@ -130,7 +135,8 @@ def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax
     # length 0).
     num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)
     with native_matmul(native_matmul_rows, live_rows=(md.logits_indices.shape[0], num_seqs * (layout.spec_width + 1))):
-        logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
+        with jax.named_scope("lm_head"):
+            logits = model.logits(hidden[md.logits_indices])  # [S, V] f32
     if mesh is not None and logits.shape[-1] % mesh.size == 0:
         # Tensor parallel: the LM head's output stays split over the vocabulary (so XLA does not gather the head
         # instead), then the sampler gets the whole rows: the same sampling code, and the same tokens, at every tp.
@@ -169,7 +175,8 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
 
     # Each branch verifies whole: a step whose rows ask for no processing reads the logits as they are (a processed
     # copy of [S, K + 1, V], or a cond passing them through, would copy them in every verifying step).
-    v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm))), verify, raw)
+    with jax.named_scope("verify"):
+        v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm))), verify, raw)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)  # [S, K + 1, V]
@@ -181,7 +188,8 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
         return (jnp.zeros((s, k + 1), jnp.float32), jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.float32))
 
-    chosen, top_ids, top_lps = jax.lax.cond(sm.want_logprobs, with_logprobs, without, raw)
+    with jax.named_scope("verify"):
+        chosen, top_ids, top_lps = jax.lax.cond(sm.want_logprobs, with_logprobs, without, raw)
     proposals = jnp.zeros((s, k), jnp.int32)
     if drafter is not None:
         model, attn, layers = drafter
@@ -191,8 +199,9 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
         num_seqs = jnp.sum(md.context_lens > 0, dtype=jnp.int32)  # the step's sequences: rows 0..num_seqs - 1
         # a draft model's loop starts one token earlier, at the last accepted one (see _draft)
         accepted = None if layers else token_ids[md.logits_indices.reshape(s, k + 1)[jnp.arange(s), v.num_accepted]]
-        proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
-                                 layers, native_matmul_rows, num_seqs, accepted, v.num_accepted == k)
+        with jax.named_scope("draft_loop"):
+            proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
+                                     layers, native_matmul_rows, num_seqs, accepted, v.num_accepted == k)
         kv_pool, draft_pool = (pool, draft_pool) if layers else (kv_pool, pool)
     return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool, draft_pool
 
@@ -229,10 +238,10 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
             query_start_loc=jnp.arange(s + 1, dtype=jnp.int32) * m,
             logits_indices=(rows * m + m - 1).astype(jnp.int32),
             tile_size=1, decode_blocks=s * width if m == 1 else None)
-        with native_matmul(native_matmul_rows, live_rows=(s * m, num_seqs * m)):
+        with native_matmul(native_matmul_rows, live_rows=(s * m, num_seqs * m)), jax.named_scope("model"):
             hidden, pool = (model(tokens.reshape(-1), pool, md, attn, num_layers=draft_layers) if draft_layers
                             else model(tokens.reshape(-1), pool, md, attn))
-        with native_matmul(native_matmul_rows, live_rows=(s, num_seqs)):
+        with native_matmul(native_matmul_rows, live_rows=(s, num_seqs)), jax.named_scope("lm_head"):
             last = hidden if m == 1 else hidden[md.logits_indices]  # [S, H]
             nxt = sampler._argmax(model.logits(last), native_matmul_rows > 0)  # [S]
         return nxt, pool
@@ -246,7 +255,8 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
     if accepted is not None:
         pos = first_pos[:, None] + jnp.arange(-1, 1)[None, :]  # [S, 2]
         write = jnp.stack([write_accepted, jnp.ones_like(write_accepted)], axis=1)
-        first, kv_pool = forward(jnp.stack([accepted, first], axis=1), pos, kv_pool, write)
+        with jax.named_scope("first"):
+            first, kv_pool = forward(jnp.stack([accepted, first], axis=1), pos, kv_pool, write)
         proposals, lo = proposals.at[:, 0].set(first), 1
     _, kv_pool, proposals = jax.lax.fori_loop(lo, k, one, (first, kv_pool, proposals))
     return proposals, kv_pool

@@ -272,3 +272,36 @@ def test_only_steps_that_verify_take_the_verifying_layout():
     verifying = [s for s in steps if s[2]]
     assert verifying and all(s == (True, True, NGRAM["num_speculative_tokens"]) for s in verifying)
     assert llm.stats()["spec_accepted_tokens"] > 0
+
+
+def test_a_verifying_step_is_shaped_by_its_rows():
+    """A verifying step takes K + 1 float32 logits rows over the vocabulary per sequence row, so its rows are
+    T / (K + 1) (not a prompt chunk's T / 2), and with tile 1 its T goes below the smallest prefill bucket: one
+    sequence verifying K proposals runs in T = K + 1 rounded up to a power of two with one row, not in the smallest
+    prompt chunk's shape, whose padded logits the step would allocate and touch every call. Every shape taken is a
+    precompiled one, and the tokens are plain decoding's, alone and three at a time."""
+    k = NGRAM["num_speculative_tokens"]
+    for prompts in (PROMPTS[:1], PROMPTS):
+        llm = tiny_llm(CONFIG, PARAMS, speculative_config=NGRAM, max_num_seqs=8, num_blocks=80, dtype="bfloat16")
+        runner = llm.engine.runner
+        assert runner.prefill_tile == 1
+        layout, used = runner.layout, []
+
+        def recorded(out, layout=layout, used=used):
+            chosen = layout(out)
+            used.append((len(out.seqs), chosen))
+            return chosen
+
+        runner.layout = recorded
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        plain = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=80, dtype="bfloat16")
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+        verifying = [(n, lay) for n, lay in used if lay.spec_width]
+        assert verifying and llm.stats()["spec_accepted_tokens"] > 0
+        for n, lay in verifying:
+            assert n <= lay.num_seqs and lay.num_seqs * (k + 1) <= lay.num_tokens
+            assert lay.num_tokens < runner.prefill_buckets[0]  # (few rows: below the smallest prompt chunk's T)
+        if len(prompts) == 1:
+            assert {(lay.num_tokens, lay.num_seqs) for _, lay in verifying} == {(4, 1)}
+        assert {lay.key for _, lay in used} <= set(runner.all_shapes())
