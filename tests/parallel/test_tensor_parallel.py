@@ -166,3 +166,19 @@ def test_tensor_parallel_splits_an_fp8_pool_by_kv_head():
     assert max(abs(a - b) for a, b in zip(flat, want, strict=True)) < 1e-2
     assert two["inspect"]["pool_dtype"] == "float8_e4m3fn" and "tp" in two["inspect"]["pool_spec"]
     assert two["inspect"]["local_pool"][3] == two["inspect"]["pool_shape"][3] // 2  # half the kv heads each
+
+
+def test_speculative_decoding_under_tensor_parallelism():
+    """2 fake CPU devices (a subprocess): a 1-layer self-draft (every decode step verifies 3 proposals) and n-gram
+    speculation give, at tp 2, the tokens of tp 1 and of plain decoding (greedy, seeded n=2, prefix-cached,
+    preempted; beams fall back to one token a step), log-probs within 1e-4."""
+    results, _ = run_worker("tiny8_spec", "1,2", devices=2)
+    base, two = results["1"], results["2"]
+    assert_same_generations(results)
+    for key in ("greedy", "seeded_n2", "greedy_again", "beams"):
+        assert base[key] == base["plain"][key], key
+    assert two["ngram_greedy"] == base["ngram_greedy"] == base["plain_ngram_greedy"]
+    for got in (base, two):
+        assert got["spec"][0] > 0 and got["ngram_spec"][0] > 0, "nothing was proposed: the test would prove nothing"
+        assert got["ngram_spec"][1] > 0, "n-gram accepted nothing"
+    assert two["spec"] == base["spec"] and two["ngram_spec"] == base["ngram_spec"]

@@ -4,6 +4,7 @@ steps and arrays look like. Used by tests/parallel/test_tensor_parallel.py.
 
     python -m tests.parallel.tp_worker tiny8|tiny3|gemma|default|ckpt 1,2,4
     python -m tests.parallel.tp_worker tiny8_fp8 1,2        # any model case with an fp8 K/V pool (kv_cache_dtype="fp8")
+    python -m tests.parallel.tp_worker tiny8_spec 1,2       # any model case speculating (1-layer self-draft, n-gram)
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def main(case: str, sizes: str) -> None:
     global ENGINE
     if case.endswith("_fp8"):
         case, ENGINE = case.removesuffix("_fp8"), {**ENGINE, "kv_cache_dtype": "fp8"}
+    speculating = case.endswith("_spec")
+    if speculating:  # the model's first layer proposes 3 tokens a step: every decode step verifies
+        case, ENGINE = case.removesuffix("_spec"), {
+            **ENGINE, "speculative_config": {"draft_num_layers": 1, "num_speculative_tokens": 3}}
     results = {}
     if case == "ckpt":  # an Orbax checkpoint of tiny8, restored into the mesh's shardings
         import tempfile
@@ -131,7 +136,26 @@ def main(case: str, sizes: str) -> None:
                                  use_tqdm=False)
             results[tp]["preempted"] = [r.outputs[0].token_ids for r in res]
             results[tp]["preemptions"] = small.engine.stats()["preemptions"]
-        if tp > 1:
+        if speculating:
+            stats = llm.engine.stats()
+            results[tp]["spec"] = [stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]]
+            # n-gram: proposals looked up in the sequence itself (a random model's greedy text repeats itself)
+            ngram = LLM.from_params(config, params, None, tensor_parallel_size=tp, num_blocks=48, **{
+                **ENGINE, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 2}})
+            res = ngram.generate([{"prompt_token_ids": p} for p in prompts(vocab)],
+                                 SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+            results[tp]["ngram_greedy"] = [r.outputs[0].token_ids for r in res]
+            stats = ngram.engine.stats()
+            results[tp]["ngram_spec"] = [stats["spec_proposed_tokens"], stats["spec_accepted_tokens"]]
+            if tp == 1:  # plain decoding's tokens, which speculation must not change
+                plain = LLM.from_params(config, params, None, num_blocks=48,
+                                        **{k: v for k, v in ENGINE.items() if k != "speculative_config"})
+                results[tp]["plain"] = generations(plain, vocab)
+                res = plain.generate([{"prompt_token_ids": p} for p in prompts(vocab)],
+                                     SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+                results[tp]["plain_ngram_greedy"] = [r.outputs[0].token_ids for r in res]
+        if tp > 1 and not speculating:  # (a self-draft's own loop over its layers is a second loop in the HLO)
             results[tp]["inspect"] = inspect(llm)
     print(json.dumps(results))
 
