@@ -35,6 +35,7 @@ processes; every part records lscpu's CPU, the date and the load average.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -114,10 +115,10 @@ def worker_perplexity(req: dict) -> dict:
         seq = lead + ids[w0:w0 + per]
         llm.reset()
         llm.eval(seq)
-        logits = np.asarray(llm.scores[:len(seq) - 1], np.float64)  # [n - 1, V]: row i predicts seq[i + 1]
+        logits = llm.scores[:len(seq) - 1]  # [n - 1, V] f32: row i predicts seq[i + 1]
         tgt = np.asarray(seq[1:])
-        m = logits.max(axis=1)
-        lse = m + np.log(np.exp(logits - m[:, None]).sum(axis=1))
+        m = logits.max(axis=1).astype(np.float64)
+        lse = m + np.log(np.exp(logits - m[:, None].astype(np.float32)).sum(axis=1, dtype=np.float64))
         logprobs.append(logits[np.arange(len(tgt)), tgt] - lse)
         top.append(logits.argmax(axis=1))
     lp = np.concatenate(logprobs)
@@ -260,9 +261,34 @@ def perplexity_part(args) -> dict:
         print(f"jaxpaged {fmt}: perplexity {scored.perplexity:.4f}, {rows[-1]['score_s']:.0f} s", flush=True)
         del llm, scored
         gc.collect()
-    res = run_worker(args, {"part": "perplexity", "tokens": tokens, "window": args.window, "bos_token_id": bos})
+    if tokens is None:  # llama.cpp alone (it takes one lock's time by itself): the ids jaxpaged's engine scores
+        import gguf
+
+        from jaxpaged.loader.gguf_file import model_config_from_gguf
+        from jaxpaged.loader.tokenizer import gguf_tokenizer
+
+        tokens = quality.text_tokens(gguf_tokenizer(args.model), args.tokens)
+        bos = model_config_from_gguf(gguf.GGUFReader(args.model)).bos_token_id
+    # llama.cpp's scores depend only on the file, the ids, the window and the build: they are kept in --ppl-cache
+    # (keyed by those), so jaxpaged's formats can be scored in a later lock's time beside the same llama.cpp figures
+    key = hashlib.sha256(json.dumps([os.path.abspath(args.model), os.path.getsize(args.model), tokens, args.window,
+                                     bos]).encode()).hexdigest()[:16]
+    cache = os.path.join(args.ppl_cache, f"llama_cpp_ppl_{key}.json")
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if os.path.exists(cache):
+        with open(cache) as f:
+            res = json.load(f)
+        print(f"llama.cpp: scores of {res['date']} from {cache}")
+    else:
+        res = run_worker(args, {"part": "perplexity", "tokens": tokens, "window": args.window, "bos_token_id": bos})
+        res["date"] = date
+        os.makedirs(args.ppl_cache, exist_ok=True)
+        with open(cache, "w") as f:
+            json.dump(res, f)
     llama = {"engine": "llama.cpp", "format": "gguf", "perplexity": res["perplexity"],
-             "scored_tokens": res["scored_tokens"], "score_s": res["score_s"]}
+             "scored_tokens": res["scored_tokens"], "score_s": res["score_s"], "date": res["date"]}
+    for r in rows:
+        r["date"] = date
     rows.append(llama)
     lgreedy, llp = np.asarray(res["greedy"]), np.asarray(res["logprobs"])
     for r in rows:
@@ -277,6 +303,15 @@ def perplexity_part(args) -> dict:
                        ("vs_llama_cpp", "vs llama.cpp", "+.2%"),
                        ("top1_agreement_llama_cpp", "top-1 = llama.cpp", ".2%"),
                        ("mean_abs_logprob_diff_llama_cpp", "mean |d logprob|", ".4f"), ("score_s", "seconds", ".0f")])
+    # jaxpaged rows of formats this run did not score stay from the earlier run in --out (the llama.cpp row, the
+    # same deterministic figure each run, is this run's): the two jaxpaged formats fit one lock's time apart only
+    ran = {(r["engine"], r["format"]) for r in rows}
+    rows += [r for r in args.earlier.get("perplexity", {}).get("rows", []) if (r["engine"], r["format"]) not in ran]
+    for r in rows:
+        r["vs_llama_cpp"] = r["perplexity"] / llama["perplexity"] - 1.0
+    rows.sort(key=lambda r: (r["engine"] != "jaxpaged", r["format"] != "bf16"))
+    print_table(rows, [("engine", "engine", ""), ("format", "format", ""), ("perplexity", "perplexity", ".4f"),
+                       ("vs_llama_cpp", "vs llama.cpp", "+.2%"), ("date", "run", "")])
     return {"rows": rows, "tokens": args.tokens, "window": args.window, "chunk": args.chunk, "bos_token_id": bos,
             "system_info": res["system_info"], "llama_cpp_python": res["llama_cpp_python"]}
 
@@ -336,8 +371,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (this machine's cores)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--ppl-formats", nargs="+", default=["bf16", "gguf"], choices=["bf16", "gguf"],
-                    help="jaxpaged's formats in the perplexity part")
+    ap.add_argument("--ppl-formats", nargs="*", default=["bf16", "gguf"], choices=["bf16", "gguf"],
+                    help="jaxpaged's formats in the perplexity part (none: llama.cpp's row alone)")
+    ap.add_argument("--ppl-cache", default=os.path.join(tempfile.gettempdir(), "jaxpaged-llama-cpp"),
+                    help="where llama.cpp's perplexity scores are kept between runs")
     ap.add_argument("--tokens", type=int, default=65536)
     ap.add_argument("--window", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=256)
@@ -359,6 +396,7 @@ def main() -> None:
     if os.path.exists(args.out):
         with open(args.out) as f:
             result = json.load(f)
+    args.earlier = dict(result)
     result.update({"cpu": cpu_name(), "model": args.model})
     print(f"CPU: {result['cpu']}; model {args.model}; llama.cpp venv {args.venv}", flush=True)
     for part in args.parts:
