@@ -13,6 +13,8 @@ default model, SmolLM2-135M-Instruct Q4_1), the same token ids and the same thre
               jaxpaged.worker.scoring.score_text, bf16 weights and the GGUF kept quantized; llama.cpp: all logits
               of each window (logits_all) through a log-softmax in float64. This is quality.py's protocol, not
               llama-perplexity's (which scores only the second half of each window of its context size).
+              llama.cpp's scores are kept in --ppl-cache, so `--ppl-formats` (none) scores llama.cpp alone and a
+              later run scores jaxpaged's formats beside the same figures (each takes most of a lock's 8 minutes).
   lookup      prompt-lookup decoding at batch 1 on `benchmarks/speculative.py`'s grounded and free workloads (chat
               prompts, greedy, --new-tokens, stop at EOS), tokens/s with and without, interleaved repeats, median of
               the pairs' ratios. jaxpaged: speculative.compare with "ngram k=4" (n in 2..4); llama.cpp:
@@ -303,8 +305,7 @@ def perplexity_part(args) -> dict:
                        ("vs_llama_cpp", "vs llama.cpp", "+.2%"),
                        ("top1_agreement_llama_cpp", "top-1 = llama.cpp", ".2%"),
                        ("mean_abs_logprob_diff_llama_cpp", "mean |d logprob|", ".4f"), ("score_s", "seconds", ".0f")])
-    # jaxpaged rows of formats this run did not score stay from the earlier run in --out (the llama.cpp row, the
-    # same deterministic figure each run, is this run's): the two jaxpaged formats fit one lock's time apart only
+    # jaxpaged rows of formats this run did not score stay from the earlier run in --out, each with its date
     ran = {(r["engine"], r["format"]) for r in rows}
     rows += [r for r in args.earlier.get("perplexity", {}).get("rows", []) if (r["engine"], r["format"]) not in ran]
     for r in rows:
