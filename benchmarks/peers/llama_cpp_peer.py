@@ -219,7 +219,7 @@ def decode_part(args) -> dict:
              "decode_tok_s": r["decode_tok_s"], "tok_s": r["tok_s"],
              "decode_tok_s_min": min(r["rounds"]["decode_tok_s"]), "decode_tok_s_max": max(r["rounds"]["decode_tok_s"])}
             for r in jax_rows]
-    llama = {"engine": "llama.cpp", "format": "gguf", "weights": "the file's (q4_1+q8_0)",
+    llama = {"engine": "llama.cpp", "format": "gguf", "weights": "the file's",
              "decode_tok_s": statistics.median(x["decode_tok_s"] for x in rounds),
              "tok_s": statistics.median(x["tok_s"] for x in rounds),
              "decode_tok_s_min": min(x["decode_tok_s"] for x in rounds),
