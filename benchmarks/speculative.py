@@ -21,7 +21,8 @@ max: a single pair of runs of a few seconds moves by 10-20% on this shared VM.
     python benchmarks/speculative.py --batches 48 --configs "ngram k=4" --repeats 5 --merge   # add rows to the table
 
 Goals (issue #31): >= 2x tokens/s at batch 1 with n-gram on the grounded workload, >= 1.5x with a draft, never
-slower at batch 48. llama.cpp's lookup decoding is the peer where it can be built (not here: no llama.cpp).
+slower at batch 48. llama.cpp's prompt-lookup decoding is the peer: benchmarks/peers/llama_cpp_peer.py --parts lookup
+(llama-cpp-python's bundled llama.cpp, built from its sdist into a venv of its own).
 """
 
 from __future__ import annotations
