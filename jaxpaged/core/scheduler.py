@@ -242,8 +242,8 @@ class Scheduler:
         # pacer's bound can be below a tile on a slow machine); elsewhere a segment takes whole tiles.
         unit = 1 if self.mixed_steps and out.paced else PREFILL_TILE
         # Running sequences still in prefill (a chunked or recomputed prompt, or forked samples) continue before
-        # new ones start; they may preempt newer requests for room, as decodes do. (`Sequence.is_prefill`, inline:
-        # this scan runs over every running sequence at every step.) A parent ready to fork is one of them.
+        # new ones start; they may preempt newer requests for room, as decodes do (`_prefilling` finds them among
+        # the sequences that entered the running set lately). A parent ready to fork is one of them.
         prefilling = self._prefilling()
         forks = [s for s in prefilling if s.fork_pending and s.num_uncomputed_tokens == 1]
         for seq in forks:
