@@ -507,32 +507,15 @@ class Engine:
         requests = self.requests
         tokens = result.tokens.tolist()
         verifying = result.emitted is not None  # speculative decoding: a row emits one token or more
-        if not verifying and not self._special_requests and all(out.samples):
-            return self._apply_decodes(out, tokens)
+        if not verifying and not self._special_requests:  # the common step: its own tight pass
+            return self._apply_plain(out, tokens)
         generated = 0
         finished = SequenceStatus.FINISHED
-        fast = not verifying
         for i, (seq, sampled, token) in enumerate(zip(out.seqs, out.samples, tokens, strict=True)):
             if not sampled or seq.status is finished:
                 continue
             req = requests.get(seq.request_id)
             if req is None:  # aborted or failed after this step began
-                continue
-            if fast and req.plain:  # the common case, inline: this loop runs for every row of every step
-                token_ids = seq.token_ids
-                token_ids.append(token)
-                seq.num_placeholders -= 1
-                generated += 1
-                if token in seq.stop_ids or len(token_ids) >= seq.token_limit:
-                    reason, stop_reason = self._stop(req, seq, token)
-                    if reason is not None:
-                        seq.stop_reason = stop_reason
-                        self.scheduler.finish(seq, reason)
-                        ended.add(req.request_id)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if req.streams or (ended and req.request_id in ended):
-                    touched[req.request_id] = req
                 continue
             try:
                 if req.beam is not None:
@@ -574,18 +557,19 @@ class Engine:
         outputs = [self._output(req, req.request_id in ended and req.finished) for req in touched.values()]
         return outputs + finished_beams
 
-    def _apply_decodes(self, out: SchedulerOutput, tokens: list[int]) -> list[EngineOutput]:
-        """`_apply_tokens` of the most common step: every row sampled one token, every request is plain (no beam,
-        grammar or log-probs) and nothing was verified. One tight pass appends the tokens; the rows that may stop
-        (a stop id, or at their length limit) and the requests that stream are handled after it."""
+    def _apply_plain(self, out: SchedulerOutput, tokens: list[int]) -> list[EngineOutput]:
+        """`_apply_tokens` of the most common step: every request is plain (no beam, grammar or log-probs) and
+        nothing was verified, so each sampling row gains one token. One tight pass appends the tokens (it runs for
+        every row of every step); the rows that may stop (a stop id, or at their length limit) and the requests that
+        stream are handled after it."""
         now = time.monotonic()
         finished = SequenceStatus.FINISHED
         may_stop: list[Sequence] = []
-        skipped = 0
-        for seq, token in zip(out.seqs, tokens, strict=True):
-            if seq.status is finished:  # aborted, failed or stopped after this step began
-                skipped += 1
+        generated = 0
+        for seq, sampled, token in zip(out.seqs, out.samples, tokens, strict=True):
+            if not sampled or seq.status is finished:  # a prompt chunk; aborted, failed or stopped since the step began
                 continue
+            generated += 1
             token_ids = seq.token_ids
             token_ids.append(token)
             seq.num_placeholders -= 1
@@ -593,7 +577,7 @@ class Engine:
                 may_stop.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-        self.counters["generation_tokens"] += len(tokens) - skipped
+        self.counters["generation_tokens"] += generated
         requests = self.requests
         touched: dict[str, Request] = {}
         ended: set[str] = set()
