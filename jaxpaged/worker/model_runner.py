@@ -13,6 +13,7 @@ starts their copy to the host at once.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpaged.core.request import Sequence
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import PREFILL_TILE, round_up
+from jaxpaged.models import quant
 from jaxpaged.models.contract import ModelSpec
 from jaxpaged.worker.attention import AttentionBackend
 from jaxpaged.worker.input_batch import EXTRAS, InputBatch, StepInputs, StepLayout, StepRows, extra_shapes
@@ -53,6 +55,36 @@ from jaxpaged.worker.step import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Compiled steps shared by the runners of one process. Tests build many engines of the same tiny model, and a user
+# may build an `LLM` twice in a notebook: a runner whose step is built from equal static parts and takes arguments of
+# equal shapes, dtypes and shardings takes the executable compiled before instead of tracing, lowering and loading it
+# again. The key (`ModelRunner._shared_executable`) holds what the step's trace reads: what `jit_step` closes over,
+# compared by value (`value_key`), the layout, every argument's signature, the compiler options and
+# `quant.NATIVE_MODE`. Whatever else a step reads while it is traced must join the key. A runner with an unhashable
+# part shares nothing.
+_SHARED_EXECUTABLES: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+# The least recently used go first: an XLA CPU executable of a tiny model holds a few hundred memory maps while it
+# lives, and Linux allows a process 65530 by default (vm.max_map_count); a few hundred executables exhausted them.
+SHARED_EXECUTABLES_LIMIT = 48
+
+
+def value_key(x):
+    """A hashable key that is equal for equal values: partials and dataclasses by their parts (two engines' backends
+    are built anew, equal but not the same objects), the rest as they hash. TypeError where a part cannot hash."""
+    if isinstance(x, functools.partial):
+        return ("partial", value_key(x.func), value_key(x.args), value_key(sorted(x.keywords.items())))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x), *(value_key(getattr(x, f.name)) for f in dataclasses.fields(x)))
+    if isinstance(x, (tuple, list)):
+        return tuple(value_key(v) for v in x)
+    hash(x)
+    return x
+
+
+def _signature(tree) -> tuple:
+    """(shape, dtype, sharding) of every array of `tree` (jax.Arrays or ShapeDtypeStructs)."""
+    return tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in jax.tree.leaves(tree))
 
 
 @dataclasses.dataclass
@@ -151,8 +183,14 @@ class ModelRunner:
         self.max_rows = max(self.decode_buckets[-1], max(self._prefill_seqs(t) for t in self.prefill_buckets))
         self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
-        self._step_fn = jit_step(graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh,
-                                 leaf_shardings, native_matmul_rows(mesh), draft_layers, draft_spec)
+        static = (graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh, leaf_shardings,
+                  native_matmul_rows(mesh), draft_layers, draft_spec)
+        self._step_fn = jit_step(*static)
+        try:  # the shared executables' key of this runner's step (None: it shares none)
+            self._shared_key = value_key(static)
+            hash(self._shared_key)
+        except TypeError:
+            self._shared_key = None
         # The backend's native block write where it has one (CPU: XLA's scatter into a 16-bit pool converts it whole);
         # under tensor parallelism XLA's scatter, which works on the sharded pool as it is.
         set_blocks = getattr(attn, "block_write", None) if mesh is None else None
@@ -286,10 +324,29 @@ class ModelRunner:
     def _executable(self, layout: StepLayout):
         key = layout.key
         if key not in self._executables:
-            if self.warmed_up:
-                logger.warning("compiling a new step shape after start-up: %s", key)
-            self._executables[key] = self.lower(layout).compile(compiler_options=step_compiler_options(self.params))
+            self._executables[key] = self._shared_executable(layout)
         return self._executables[key]
+
+    def _shared_executable(self, layout: StepLayout):
+        """This layout's executable: compiled before by a runner of equal key (`_SHARED_EXECUTABLES`), else now."""
+        options = step_compiler_options(self.params)
+        shared = None
+        if self._shared_key is not None:
+            shared = (self._shared_key, layout.key, quant.NATIVE_MODE, tuple(sorted(options.items())),
+                      self._extra_shapes(layout.num_seqs), _signature((self.param_leaves, self.kv_pool,
+                                                                       self.prev_tokens, self.draft_leaves,
+                                                                       self.draft_pool)))
+            if shared in _SHARED_EXECUTABLES:
+                _SHARED_EXECUTABLES.move_to_end(shared)
+                return _SHARED_EXECUTABLES[shared]
+        if self.warmed_up:
+            logger.warning("compiling a new step shape after start-up: %s", layout.key)
+        executable = self.lower(layout).compile(compiler_options=options)
+        if shared is not None:
+            _SHARED_EXECUTABLES[shared] = executable
+            while len(_SHARED_EXECUTABLES) > SHARED_EXECUTABLES_LIMIT:
+                _SHARED_EXECUTABLES.popitem(last=False)
+        return executable
 
     @property
     def compiled_shapes(self) -> set[tuple]:
