@@ -107,6 +107,9 @@ class BlockManager:
         # loop reads it and advances `seq_tokens` and `num_device_tokens` itself for such a slot, without a call
         # (`Scheduler._schedule_decodes`): that loop runs for every running sequence at every step.
         self.writable: dict = {}
+        # seq_id -> the first of its blocks kept out of the prefix cache (`withhold`): from there its K/V lacks what
+        # some reader of the cache needs (a separate draft model's K/V, skipped in a step without the draft)
+        self.withheld: dict = {}
         # host pool
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
@@ -282,9 +285,25 @@ class BlockManager:
     def _register_full_blocks(self, seq_id, token_ids: Sequence[int]) -> None:
         bs = self.block_size
         hashes, table = self.seq_hashes[seq_id], self.tables[seq_id]
+        withheld = self.withheld.get(seq_id, len(table))
         for i in range(len(hashes), min(self.seq_tokens[seq_id], len(token_ids)) // bs):
             hashes.append(chain_hash(hashes[-1] if hashes else None, token_ids[i * bs:(i + 1) * bs]))
-            self._register(table[i], hashes[-1])
+            if i < withheld:
+                self._register(table[i], hashes[-1])
+
+    def withhold(self, seq_id, from_token: int) -> None:
+        """Keeps the sequence's blocks from the one holding token `from_token` out of the prefix cache: the K/V
+        written there lacks what a reader of the cache needs (a separate draft model skipped those tokens, so a
+        request finding them cached would draft from holes). Those registered already leave the cache (a sequence
+        holding one already keeps it); those it fills later never join. Its earlier blocks stay cached."""
+        first = from_token // self.block_size
+        if self.withheld.get(seq_id, first + 1) <= first:
+            return
+        self.withheld[seq_id] = first
+        table, hashes = self.tables.get(seq_id, []), self.seq_hashes.get(seq_id, [])
+        for i in range(first, min(len(table), len(hashes))):
+            if self.block_hash.get(table[i]) == hashes[i]:
+                del self.hash_to_block[self.block_hash.pop(table[i])]
 
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (parallel samples, beams) and its token count."""
@@ -299,6 +318,8 @@ class BlockManager:
         self.tables[child_id] = table
         self.seq_tokens[child_id] = self.seq_tokens.get(parent_id, 0)
         self.seq_hashes[child_id] = list(self.seq_hashes.get(parent_id, []))
+        if parent_id in self.withheld:  # the same blocks, the same holes
+            self.withheld[child_id] = self.withheld[parent_id]
         self.num_table_blocks += len(table)
         self.num_device_tokens += self.seq_tokens[child_id]
         self.changed_tables.add(child_id)
@@ -310,6 +331,7 @@ class BlockManager:
             self._cpu_unref(block)
         self.seq_tokens.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
+        self.withheld.pop(seq_id, None)
         self.changed_tables.discard(seq_id)
 
     def _drop_device_table(self, seq_id) -> None:
@@ -434,7 +456,8 @@ class BlockManager:
             self.changed_tables.add(s)
         if self.enable_prefix_caching:  # same tokens, same hashes: cache the new blocks where nobody else is
             for s in seq_ids:
-                for block, h in zip(self.tables[s], self.seq_hashes.get(s, []), strict=False):
+                hashes = self.seq_hashes.get(s, [])[:self.withheld.get(s)]
+                for block, h in zip(self.tables[s], hashes, strict=False):
                     self._register(block, h)
         self.counters["swapped_in"] += len(mapping)
         return list(mapping.items())

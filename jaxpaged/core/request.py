@@ -89,7 +89,7 @@ class Sequence:
                         max_model_len=self.max_model_len, arrival_time=self.arrival_time,
                         num_computed_tokens=self.num_computed_tokens,
                         num_cached_prompt_tokens=self.num_cached_prompt_tokens, sample_index=sample_index,
-                        cum_logprob=cum_logprob, stop_ids=self.stop_ids)
+                        cum_logprob=cum_logprob, stop_ids=self.stop_ids, draft_stale=self.draft_stale)
 
     def resolve(self, token: int) -> None:
         """The oldest placeholder's value has reached the host."""

@@ -423,6 +423,7 @@ class Scheduler:
         else:
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
+            seq.draft_stale = False  # its recompute writes a draft's K/V again, unless that step skips the draft
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)  # older than everything still waiting
             self.num_preemptions["recompute"] += 1

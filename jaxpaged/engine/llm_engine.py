@@ -715,12 +715,15 @@ class Engine:
         disable_by_batch_size none come soon, and the step (prompt chunks too) runs without it and without its loop.
         Its sequences' draft K/V then has holes, so they do not speculate again (catching the draft up would be a
         prefill of every skipped position, for the few tokens left once the batch has shrunk below the threshold;
-        docs/speculative.md)."""
+        docs/speculative.md), and their blocks from there stay out of the prefix cache: a later request finding them
+        cached would draft from the holes, for as long as they stay cached."""
         if self.spec_gate.batch_enabled(len(self.scheduler.running)):
             return
         out.draft_kv = False
-        for seq in out.seqs:
-            seq.draft_stale = True
+        for seq, start in zip(out.seqs, out.starts, strict=True):
+            if not seq.draft_stale:
+                seq.draft_stale = True
+                self.block_manager.withhold(seq.seq_id, start)
 
     def _verified(self, out: SchedulerOutput, result: StepResult, i: int, seq: Sequence) -> list[int]:
         """A verifying step's row i: the tokens it emits (accepted proposals, then the target's), after the

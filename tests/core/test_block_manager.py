@@ -172,6 +172,36 @@ def test_cached_blocks_survive_free_and_are_taken_back():
     bm.check_invariants()
 
 
+def test_withheld_blocks_leave_the_prefix_cache_and_later_ones_never_join():
+    """`withhold(seq, t)`: the blocks from the one holding token t leave the cache and those the sequence fills
+    later never join it, through a fork and a swap too; its earlier blocks stay cached; a freed sequence's id starts
+    clean."""
+    bm = BlockManager(16, BS, num_cpu_blocks=8)
+    tokens = list(range(2, 30))
+    assert bm.allocate_slots("a", tokens, 12)  # 3 full blocks, cached
+    assert bm.stats().num_cached == 3
+    bm.withhold("a", 5)  # token 5 sits in block 1: blocks 1 and 2 leave
+    assert set(bm.block_hash) == {bm.block_table("a")[0]}
+    assert bm.allocate_slots("a", tokens, 20)  # blocks 3 and 4 fill: not cached
+    assert set(bm.block_hash) == {bm.block_table("a")[0]}
+    bm.withhold("a", 16)  # a later position changes nothing
+    assert bm.withheld["a"] == 1
+    bm.fork("a", "child")
+    assert bm.allocate_slots("child", tokens, 24)  # the child's own block 5: not cached either
+    assert set(bm.block_hash) == {bm.block_table("a")[0]}
+    bm.swap_out(["a", "child"])
+    bm.swap_in(["a", "child"])  # swapped-in blocks are cached again up to the withheld one only
+    assert len(bm.block_hash) == 1  # block 0's content (its old copy, left cached when it was swapped out)
+    bm.check_invariants()
+    assert bm.take_cached_prefix("b", tokens[:21]) == BS  # another request finds block 0 alone
+    bm.free("b")
+    bm.free("a")
+    bm.free("child")
+    assert "a" not in bm.withheld and "child" not in bm.withheld
+    assert bm.allocate_slots("a", tokens, 12) and bm.stats().num_cached == 3  # the same id, a new sequence
+    bm.check_invariants()
+
+
 def test_lru_evicts_oldest_cached_block_only_when_free_list_empty():
     bm = BlockManager(6, BS)  # 5 usable
     bm.allocate_slots("a", list(range(5)), 5)  # a full (cached) block + a partial one

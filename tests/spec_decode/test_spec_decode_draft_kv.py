@@ -106,3 +106,67 @@ def test_preempted_sequences_keep_a_perfect_draft_accepting_everything(mode):
     plain = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=80).generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0
+
+
+def test_blocks_written_without_the_draft_stay_out_of_the_prefix_cache():
+    """Above disable_by_batch_size a step runs without the draft, so its sequences' draft K/V has holes. Their blocks
+    must not be found in the prefix cache later: a request alone afterwards, with the same prompt, would draft from
+    those holes. With a draft that is the target, that request accepts every proposal and gets its plain tokens."""
+    spec = {"model": families.from_params(CONFIG, PARAMS), "num_speculative_tokens": K, "disable_by_batch_size": 2}
+    llm = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=80, speculative_config=spec)
+    llm.engine.step = checked(llm.engine)
+    shared = random_prompts(1, 24, 24, seed=11)[0]  # three full blocks of 8
+    busy = [{"prompt_token_ids": shared + [5 + i]} for i in range(3)]  # three running: the draft is skipped
+    llm.generate(busy, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    before = llm.stats()
+    alone = [{"prompt_token_ids": shared + [40]}]
+    out = llm.generate(alone, GREEDY, use_tqdm=False)[0]
+    stats = llm.stats()
+    plain = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=80).generate(alone, GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    proposed = stats["spec_proposed_tokens"] - before["spec_proposed_tokens"]
+    assert stats["spec_accepted_tokens"] - before["spec_accepted_tokens"] == proposed > 0
+    assert stats["num_used"] == 0
+
+
+def test_a_recomputed_sequence_speculates_again_from_a_whole_draft():
+    """A sequence that ran without the draft (above disable_by_batch_size) and is then preempted by recompute gets
+    its draft K/V back from its new prefill: once the batch is small enough it speculates again, and a draft that is
+    the target accepts every proposal (no hole was drafted from)."""
+    spec = {"model": families.from_params(CONFIG, PARAMS), "num_speculative_tokens": K, "disable_by_batch_size": 2}
+    llm = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=10, preemption_mode="recompute",
+                   speculative_config=spec)
+    llm.engine.step = checked(llm.engine)
+    engine, events = llm.engine, []
+    preempt, verified = engine.scheduler._preempt, engine._verified
+
+    def recorded_preempt(seq, out):
+        events.append(("preempted", seq.seq_id, seq.draft_stale))
+        return preempt(seq, out)
+
+    def recorded_verified(out, result, i, seq):
+        events.append(("verified", seq.seq_id, out.num_spec[i]))
+        return verified(out, result, i, seq)
+
+    engine.scheduler._preempt, engine._verified = recorded_preempt, recorded_verified
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    stats = llm.stats()
+    plain = tiny_llm(CONFIG, PARAMS, max_num_seqs=8, num_blocks=80).generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert stats["spec_accepted_tokens"] == stats["spec_proposed_tokens"] > 0 and stats["num_used"] == 0
+    stale = [i for i, (kind, seq_id, was_stale) in enumerate(events) if kind == "preempted" and was_stale]
+    assert stale, "no sequence was preempted after running without the draft"
+    assert any(kind == "verified" and seq_id == events[i][1] and n > 0
+               for i in stale for kind, seq_id, n in events[i + 1:])
+
+
+
+def test_a_sample_forked_from_a_sequence_without_its_draft_shares_its_holes():
+    """n > 1: samples are forked from a sequence whose prompt step may have skipped the draft; they share its blocks,
+    so they are marked as it is and do not speculate from its holes."""
+    from jaxpaged.core.request import Sequence
+
+    parent = Sequence("r", [5, 6, 7], SamplingParams(n=2), num_prompt_tokens=3, max_model_len=64)
+    assert not parent.fork(sample_index=1).draft_stale
+    parent.draft_stale = True
+    assert parent.fork(sample_index=1).draft_stale
