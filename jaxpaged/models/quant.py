@@ -266,9 +266,13 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
         return qmatmul_native(x, qw.codes, qw.scales, 0 if layer is None else layer, rows, n=qw.n, bits=qw.bits,
                               scale_mode=qw.scale_mode, mode=mode or NATIVE_MODE, out_dtype=out_dtype)
     codes, scales = (qw.codes, qw.scales) if layer is None else (qw.codes[layer], qw.scales[layer])
+    return _plain_matmul(x, qw, codes, scales).astype(out_dtype)
+
+
+def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32."""
     w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]: XLA fuses it into the dot where it can
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def qmatmul3(x: jax.Array, weights: tuple[QuantizedWeight, ...], layer=None, rows=None) -> tuple[jax.Array, ...]:
