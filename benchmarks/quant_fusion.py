@@ -8,23 +8,27 @@ their own, never into the project's (a CUDA plugin there would change every test
 
     python3 -m venv /work/fusion-venv
     /work/fusion-venv/bin/pip install "jax[tpu,cuda12]==0.10.2" flax==0.12.8 pytest
-    PYTHONPATH=. /work/fusion-venv/bin/python benchmarks/quant_fusion.py                # every target, today's path
-    PYTHONPATH=. /work/fusion-venv/bin/python benchmarks/quant_fusion.py --targets v5e --variants
+    PYTHONPATH=. /work/fusion-venv/bin/python benchmarks/quant_fusion.py --targets h100 h200 --variants dense uint4
+    PYTHONPATH=. /work/fusion-venv/bin/python benchmarks/quant_fusion.py --targets v5e --variants dense --merge
 
-What is compiled is the engine's own code: the layer loop as the models run it (`jax.lax.fori_loop` over a stacked
-[L, ...] weight, `layer_glu` for a gated MLP's gate/up pair and `layer_matmul` for its down projection, which call
-`quant.qglu` / `quant.qmatmul` on a `QuantizedWeight` in the plain layout), for every format the engine keeps and
-bf16 as the baseline, at Llama-3-8B's [4096 -> 14336] gate/up and [14336 -> 4096] down and SmolLM2's [576 -> 1536]
-gate/up, at M = 1, 8, 256 rows (decode batches) and 2048 (a prefill chunk). For each matmul of the loop body the
-table says whether the weight enters the dot's fusion as its integer codes (fused: the dequantization runs inside
-the GEMM) or as a full-width [N, K] float array written by another fusion (not fused), what XLA made (a Triton GEMM
-fusion, a cuBLAS call, a TPU output fusion), and the module's temporary bytes (`memory_analysis()`) against one
-full-width bf16 [N, K] weight: temp >= that means some full-width buffer exists (at M = 2048 the activations alone
-are that large, so there the fusion verdict is the HLO's, not the bytes').
+(libtpu allows one process at a time: /tmp/libtpu_lockfile.) What is compiled is the engine's own code: the layer
+loop as the models run it (`jax.lax.fori_loop` over a stacked [L, ...] weight, `layer_glu` for a gated MLP's
+gate/up pair and `layer_matmul` for its down projection, which call `quant.qglu` / `quant.qmatmul` on a
+`QuantizedWeight` in the plain layout), for every format the engine keeps and bf16 as the baseline, at Llama-3-8B's
+[4096 -> 14336] gate/up and [14336 -> 4096] down and SmolLM2's [576 -> 1536] gate/up, at M = 1, 8, 256 rows (decode
+batches) and 2048 (a prefill chunk).
 
-`--variants` compiles other formulations of the same dequantization (`VARIANTS`) beside today's `quant._values_plain`.
-Writes benchmarks/results/quant_fusion.json (or --out): versions, target configs, every case with its evidence (the
-dot op's operands and a few lines of its fused computation).
+A case is fused when an op that runs the product (a fusion holding the dot, a TPU convolution, or the reduce a
+one-row product becomes; or a library GEMM call) reads the weight's integer codes and no instruction of the entry
+or the loop body writes a float array of N * K elements (the weight dequantized to full width, or its scales
+broadcast to it: `tests/hlo_checks.full_width_writes`). The table also says what XLA made and the module's
+temporary bytes (`memory_analysis()`) against one full-width bf16 [N, K] weight (XLA TPU may place a full-width
+write in memory space S(1), outside those bytes; at M = 2048 the activations alone can exceed them).
+
+`--variants` compiles other formulations of the same product beside the engine's (`VARIANTS`: `dense` is the
+engine's path before the uint4 form, on every platform). Writes benchmarks/results/quant_fusion.json (or --out):
+versions, target configs, every case with its evidence (the ops' operands and a few lines of their fused
+computations); `--merge` keeps the file's cases of other targets.
 """
 
 from __future__ import annotations
@@ -154,7 +158,8 @@ def compile_case(target: str, fmt: str, shape: str, rows: int, variant: str | No
                "reads_codes": op.reads_codes(n, k, bits), "inner_ops": list(op.inner_ops),
                "evidence": _fused_lines(hlo, op)} for op in ops]
     fused = None if fmt == "bf16" else weight_fused(hlo, n, k, bits)
-    return {"target": target, "format": fmt, "shape": shape, "k": k, "n": n, "rows": rows, "variant": variant or "engine",
+    return {"target": target, "format": fmt, "shape": shape, "k": k, "n": n, "rows": rows,
+            "variant": variant or "engine",
             "fused": fused, "made": sorted({_what(op) for op in ops}), "full_width_writes": writes,
             "weight_ops": len(per_op), "temp_bytes": temp, "full_width_bytes": full, "temp_over_full": temp / full,
             "compile_s": round(seconds, 2), "ops": per_op}
@@ -219,6 +224,18 @@ def _signed_scale_after(x, qw, codes, scales):
 _ENGINE_PLAIN = quant._plain_matmul
 
 
+def _dense_everywhere(x, qw, codes, scales):
+    """The engine's plain path before the uint4 form: `_values_plain` [N, K] and one dot, on every platform."""
+    return quant._dense_matmul(x, codes, scales, qw=qw)
+
+
+def _uint4_everywhere(x, qw, codes, scales):
+    """The 4-bit formats by `quant._nibble_matmul` on every platform and at every row count (8-bit: the engine's)."""
+    if qw.bits == 4:
+        return quant._nibble_matmul(x, codes, scales, qw=qw)
+    return _ENGINE_PLAIN(x, qw, codes, scales)
+
+
 class _patched:
     """While active, the engine's plain-layout matmul is `fn` (every qmatmul / qglu of the traced function)."""
 
@@ -235,8 +252,9 @@ class _patched:
 
 VARIANTS = {  # name: what replaces quant._plain_matmul
     "blocked": lambda: _patched(functools.partial(_blocked, split_nibbles=False)),
-    "blocked-split": lambda: _patched(functools.partial(_blocked, split_nibbles=True)),
     "s8-scale-after": lambda: _patched(_signed_scale_after),
+    "dense": lambda: _patched(_dense_everywhere),
+    "uint4": lambda: _patched(_uint4_everywhere),
 }
 
 
@@ -259,6 +277,9 @@ def main():
     parser.add_argument("--variants", nargs="*", default=None,
                         help="also compile these formulations of the dequantization (none named: all)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quant_fusion.json"))
+    parser.add_argument("--merge", action="store_true",
+                        help="keep --out's cases of the targets this run does not compile (one target per run fits "
+                             "the machine-wide lock's 8 minutes)")
     args = parser.parse_args()
     variants = [None] + (list(VARIANTS) if args.variants == [] else (args.variants or []))
 
@@ -274,7 +295,8 @@ def main():
                             cases.append(compile_case(target, fmt, shape, rows, variant))
                             c = cases[-1]
                             print(f"{target} {c['variant']} {shape} M={rows} {fmt}: fused={c['fused']} "
-                                  f"{' + '.join(c['made'])} writes {c['full_width_writes'][:2]} temp {c['temp_over_full']:.2f} x [N,K] bf16 "
+                                  f"{' + '.join(c['made'])} writes {c['full_width_writes'][:2]} "
+                                  f"temp {c['temp_over_full']:.2f} x [N,K] bf16 "
                                   f"({c['compile_s']} s)", flush=True)
                         except Exception as e:  # a target this install cannot compile for: say so, go on
                             failures.append({"target": target, "format": fmt, "shape": shape, "rows": rows,
@@ -285,7 +307,8 @@ def main():
                   made_text=" + ".join(c["made"]), temp_mib=c["temp_bytes"] / 2**20) for c in cases]
     print_table(table, [("target", "target", "s"), ("variant", "variant", "s"), ("shape", "shape", "s"),
                         ("rows", "M", "d"), ("format", "format", "s"), ("fused_text", "fused", "s"),
-                        ("made_text", "what XLA made (the weight's dot ops)", "s"), ("weight_ops", "ops reading it", "d"),
+                        ("made_text", "what XLA made (the weight's dot ops)", "s"),
+                        ("weight_ops", "ops reading it", "d"),
                         ("temp_mib", "temp MiB", ".1f"), ("temp_over_full", "temp / [N,K] bf16", ".2f")])
     configs = {}
     for target in args.targets:
@@ -299,11 +322,19 @@ def main():
             configs[target]["device_kind"] = device(target).device_kind
         except Exception as e:
             configs[target]["error"] = str(e)[:400]
+    runs = [{"command": " ".join(["python"] + sys.argv), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+             "targets": args.targets}]
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            old = json.load(f)
+        cases = [c for c in old["cases"] if c["target"] not in args.targets] + cases
+        failures = [c for c in old["failures"] if c["target"] not in args.targets] + failures
+        configs = {**{t: c for t, c in old["targets"].items() if t not in args.targets}, **configs}
+        runs = old.get("runs", []) + runs
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"what": "compiled HLO of the engine's quantized matmuls for GPU/TPU targets (compile only, no "
-                           "timing)", "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                   "command": " ".join(["python"] + sys.argv), "versions": versions(), "layers": LAYERS,
+        json.dump({"runs": runs, "what": "compiled HLO of the engine's quantized matmuls for GPU/TPU targets "
+                                         "(compile only, no timing)", "versions": versions(), "layers": LAYERS,
                    "targets": configs, "cases": cases, "failures": failures}, f, indent=1)
     print(f"wrote {args.out}")
 

@@ -188,7 +188,8 @@ def dot_ops(hlo: str) -> list[DotOp]:
                 kind, inner = f"custom-call {target.group(1)}", ("custom-call",)
             elif inst["opcode"] == "fusion":
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
-                inner = sorted({i["opcode"] for c in reachable(comps, callee) for i in _instructions(comps[c]).values()})
+                inner = sorted({i["opcode"] for c in reachable(comps, callee)
+                                for i in _instructions(comps[c]).values()})
                 if not {"dot", "convolution", "reduce"} & set(inner):
                     continue
                 fusion_kind = re.search(r"kind=(\w+)", line).group(1)
@@ -210,9 +211,10 @@ def dot_ops(hlo: str) -> list[DotOp]:
 def full_width_writes(hlo: str, n: int, k: int) -> list[str]:
     """Instructions of the top-level computations that write a floating-point array of N * K elements (a weight
     dequantized to full width, or its scales broadcast to it), as "type opcode %name"; bitcasts, parameters and
-    tuples are not writes. A TPU layout's S(1) marks a buffer in on-chip VMEM rather than HBM."""
+    tuples are not writes. "S(1)" marks a buffer XLA TPU assigned to memory space 1 (its layout says so)."""
     comps = computations(hlo)
-    called = {c for lines in comps.values() for line in lines for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)}
+    called = {c for lines in comps.values() for line in lines
+              for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)}
     out = []
     for top in (name for name in comps if name not in called):
         for name, inst in _instructions(comps[top]).items():
@@ -222,8 +224,9 @@ def full_width_writes(hlo: str, n: int, k: int) -> list[str]:
             dtype, dims = _array_type(inst["type"])
             if dtype not in INTEGER_TYPES and dtype != "pred" and math.prod(dims) == n * k and dims:
                 kind = re.search(r"kind=(\w+)", inst["line"])
-                out.append(f"{inst['type'].split(':')[0].rstrip('{')} {inst['opcode']}"
-                           f"{' ' + kind.group(1) if kind else ''} %{name}" + (" (VMEM)" if "S(1)" in inst["type"] else ""))
+                where = " S(1)" if "S(1)" in inst["type"] else ""
+                out.append(f"{dtype}[{','.join(map(str, dims))}]{where} {inst['opcode']}"
+                           f"{' ' + kind.group(1) if kind else ''} %{name}")
     return out
 
 

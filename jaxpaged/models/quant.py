@@ -269,10 +269,45 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
     return _plain_matmul(x, qw, codes, scales).astype(out_dtype)
 
 
+# XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
+# shapes; above it writes the weight at full width in either form, and `_dense_matmul`'s needs fewer temporary bytes
+# (benchmarks/quant_fusion.py, docs/quantization.md "Where it is multiplied").
+NIBBLE_MAX_ROWS = 64
+
+
 def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32."""
-    w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]: XLA fuses it into the dot where it can
+    """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32: on TPU the 4-bit
+    formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where `_dense_matmul`'s nibble interleave makes
+    it write the weight at full width), everywhere else `_dense_matmul`. The same weights either way."""
+    if qw.bits == 4 and qw.scale_mode != CHANNEL and x.shape[0] <= NIBBLE_MAX_ROWS:
+        return jax.lax.platform_dependent(x, codes, scales, tpu=functools.partial(_nibble_matmul, qw=qw),
+                                          default=functools.partial(_dense_matmul, qw=qw))
+    return _dense_matmul(x, codes, scales, qw=qw)
+
+
+def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:
+    w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _nibble_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:
+    """A 4-bit matrix's product without unpacking its bytes: each byte bitcast to its two uint4 codes in place
+    ([N, B, 16, 2]: k = j and k = j + 16 of block b, as stored) and x's columns permuted to that order instead (x is
+    [M, K], the weight [N, K]), then one dot over (B, 16, 2). Each weight is `_values_plain`'s (same formula, same
+    float32 then x's dtype); only the order of the float32 sum differs."""
+    n, kp = codes.shape[0], codes.shape[1] * 2
+    blocks = kp // BLOCK
+    if x.shape[1] != kp:
+        x = jnp.pad(x, ((0, 0), (0, kp - x.shape[1])))
+    u = jax.lax.bitcast_convert_type(codes.reshape(n, blocks, BLOCK // 2), jnp.uint4).astype(jnp.float32)
+    xs = x.reshape(x.shape[0], blocks, 2, BLOCK // 2).transpose(0, 1, 3, 2)  # [M, B, 16, 2]
+    if qw.scale_mode == BLOCK_SYM:
+        w = (u - float(offset(qw.bits, qw.scale_mode))) * scales.astype(jnp.float32)[..., None, None]
+    else:
+        s, m = scales[..., 0].astype(jnp.float32), scales[..., 1].astype(jnp.float32)  # [N, B]
+        w = u * s[..., None, None] + m[..., None, None]
+    return jax.lax.dot_general(xs, w.astype(x.dtype), (((1, 2, 3), (1, 2, 3)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def qmatmul3(x: jax.Array, weights: tuple[QuantizedWeight, ...], layer=None, rows=None) -> tuple[jax.Array, ...]:

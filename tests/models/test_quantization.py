@@ -5,6 +5,7 @@ test_gguf_quantized.py.)"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -210,6 +211,44 @@ def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platfo
     assert re.search(r"tensor<4x512x256xui8>", text)  # the codes, as stored
     assert not re.search(r"tensor<4x(512x256|256x512)x(bf16|f32)>", text)
     assert re.search(r"tensor<512x256xbf16>", text) and "dot_general" in text
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 96), (64, 256)])
+def test_nibble_matmul_is_the_dequantized_weight_times_x(fmt, m, k):
+    """The 4-bit product XLA TPU fuses (`_nibble_matmul`: the bytes bitcast to uint4 pairs in place, x's columns
+    permuted instead), run here on CPU: each weight is the one `quant.dequantize` gives, rounded to x's dtype, and
+    the product is that weight times x up to float32 rounding, like the dense form's."""
+    from tests.kernels.test_quantized_matmul import f64, random_weight
+
+    rng = np.random.default_rng(m + k)
+    qw = jax.tree.map(jnp.asarray, random_weight(rng, fmt, 2, k, 40))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = f64(jnp.asarray(quant.dequantize(qw, np.float32, 1), jnp.bfloat16))  # [K, N]
+    want = f64(x) @ w
+    bound = 4 * np.finfo(np.float32).eps * np.sqrt(k) * (np.abs(f64(x)) @ np.abs(w)) + 1e-30
+    codes, scales = qw.codes[1], qw.scales[1]
+    for form in (quant._nibble_matmul, quant._dense_matmul):
+        got = np.asarray(jax.jit(functools.partial(form, qw=qw))(x, codes, scales))
+        assert got.shape == (m, 40) and np.all(np.abs(got - want) <= bound), form.__name__
+
+
+def test_the_4bit_form_is_chosen_per_platform_and_row_count():
+    """Lowered for TPU, a 4-bit product of up to NIBBLE_MAX_ROWS rows bitcasts the codes to uint4 (the form XLA TPU
+    fuses into the dot); for CUDA, or with more rows, it unpacks them to the dense [N, K] weight."""
+    rng = np.random.default_rng(3)
+    from tests.kernels.test_quantized_matmul import random_weight
+
+    qw = jax.tree.map(jnp.asarray, random_weight(rng, "q4_1", 2, 256, 512))
+
+    def lowered(platform, rows):
+        x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
+        fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
+        return jax.export.export(fn, platforms=[platform])(x).mlir_module()
+
+    assert "xui4>" in lowered("tpu", 8) and "xui4>" in lowered("tpu", quant.NIBBLE_MAX_ROWS)
+    assert "xui4>" not in lowered("tpu", quant.NIBBLE_MAX_ROWS + 1)
+    assert "xui4>" not in lowered("cuda", 8)
 
 
 def test_cpu_native_step_reads_the_codes_and_builds_no_full_width_weight():
