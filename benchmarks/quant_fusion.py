@@ -210,22 +210,12 @@ def _blocked(x, qw, codes, scales, split_nibbles: bool):
     return y
 
 
-def _signed_scale_after(x, qw, codes, scales):
-    """int8 per channel only (else today's): the codes as signed int8 (u ^ 128 bitcast), converted, the dot, then
-    the scale per column: what XLA GPU's Triton GEMM fuses (a bare s8 -> bf16 convert). Not the same numbers as
-    today's (the weights are not rounded to bf16 before the dot)."""
-    if qw.scale_mode != quant.CHANNEL:
-        return _ENGINE_PLAIN(x, qw, codes, scales)
-    q = jax.lax.bitcast_convert_type(codes ^ jnp.uint8(128), jnp.int8).astype(x.dtype)  # [N, Kp]
-    y = jax.lax.dot_general(x, q[:, :x.shape[1]], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y * scales.astype(jnp.float32)
-
-
 _ENGINE_PLAIN = quant._plain_matmul
 
 
 def _dense_everywhere(x, qw, codes, scales):
-    """The engine's plain path before the uint4 form: `_values_plain` [N, K] and one dot, on every platform."""
+    """The engine's plain path before this comparison: `_values_plain` [N, K] and one dot, on every platform (no
+    uint4 form on TPU, no signed int8 form on CUDA)."""
     return quant._dense_matmul(x, codes, scales, qw=qw)
 
 
@@ -252,7 +242,6 @@ class _patched:
 
 VARIANTS = {  # name: what replaces quant._plain_matmul
     "blocked": lambda: _patched(functools.partial(_blocked, split_nibbles=False)),
-    "s8-scale-after": lambda: _patched(_signed_scale_after),
     "dense": lambda: _patched(_dense_everywhere),
     "uint4": lambda: _patched(_uint4_everywhere),
 }

@@ -18,7 +18,8 @@ replaces: a matrix [*lead, K, N] used as x @ w (the layers' q/k/v/o/gate/up/down
   plain   codes [*lead, N, Kp * bits / 8] uint8 (4 bits: per block, byte j holds k = j low and k = j + 16 high),
           scales [*lead, N] f32 (channel), [*lead, N, B] f16 (sym), [*lead, N, B, 2] f16 / f32 (s, m)
           (Kp = 32 B = K rounded up to 32). What loaders and checkpoints hold; dequantized by `jnp` (GPU, TPU, and
-          CPUs without the native kernel), where XLA may fuse it into the dot (see README, "Quantized weights").
+          CPUs without the native kernel; 4-bit on TPU by `_nibble_matmul`), where XLA may fuse it into the dot
+          (docs/quantization.md, "Where it is multiplied", says where it does).
   panels  the native CPU kernel's (pallas_kernels/cpu_native/qmatmul.cc): codes [*lead, G, B, 256 | 512], scales
           [*lead, G, 16] / [*lead, G, B, 16] / [*lead, G, B, 2, 16] with columns in groups of 16 (G a multiple of 4).
           Made once at load by `to_panels` where every product runs natively; read by the kernel, and by
@@ -278,16 +279,30 @@ NIBBLE_MAX_ROWS = 64
 def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array) -> jax.Array:
     """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32: on TPU the 4-bit
     formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where `_dense_matmul`'s nibble interleave makes
-    it write the weight at full width), everywhere else `_dense_matmul`. The same weights either way."""
+    it write the weight at full width); on CUDA int8 per channel by `_signed_channel_matmul` (its GEMM reads int8);
+    everywhere else `_dense_matmul`."""
+    dense = functools.partial(_dense_matmul, qw=qw)
     if qw.bits == 4 and qw.scale_mode != CHANNEL and x.shape[0] <= NIBBLE_MAX_ROWS:
         return jax.lax.platform_dependent(x, codes, scales, tpu=functools.partial(_nibble_matmul, qw=qw),
-                                          default=functools.partial(_dense_matmul, qw=qw))
-    return _dense_matmul(x, codes, scales, qw=qw)
+                                          default=dense)
+    if qw.scale_mode == CHANNEL:
+        return jax.lax.platform_dependent(x, codes, scales, cuda=_signed_channel_matmul, default=dense)
+    return dense(x, codes, scales)
 
 
 def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:
     w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _signed_channel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """int8 per channel as XLA GPU's Triton GEMM takes it: the codes as signed q = u - 128 (u ^ 128, bitcast: one
+    byte per weight), a bare convert in the GEMM's operand, and each column's scale after the dot (Triton fuses no
+    multiply before it). The product of the float32 weights q * s up to float32 rounding, which `_dense_matmul`
+    rounds to x's dtype first: the two differ by that rounding."""
+    q = jax.lax.bitcast_convert_type(codes ^ jnp.uint8(128), jnp.int8)[:, :x.shape[1]]  # [N, K] int8
+    y = jax.lax.dot_general(x, q.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y * scales.astype(jnp.float32)
 
 
 def _nibble_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:

@@ -112,11 +112,24 @@ def test_gpu_one_row_product_reads_the_codes(gpu_device, fmt):
     assert any(op.reads_codes(N, K, FIELDS[fmt][0]) and "reduce" in op.inner_ops for op in dot_ops(hlo))
 
 
-@pytest.mark.parametrize("fmt", list(FIELDS))
+def test_gpu_int8_gemm_reads_signed_codes(gpu_device):
+    """int8 per channel on CUDA (`quant._signed_channel_matmul`): the Triton GEMM fusion reads int8 codes and no
+    float [N, K] array is written. What is written first is the layer's codes as signed int8 (u ^ 128: one byte per
+    weight, half a bf16 weight; codes stored signed at load would spare it)."""
+    compiled = compile_layer_loop(gpu_device, "int8", "matmul")
+    hlo = compiled.as_text()
+    assert full_width_writes(hlo, N, K) == []
+    gemms = [op for op in dot_ops(hlo) if op.reads_codes(N, K, 8)]
+    assert len(gemms) == 1 and "triton" in gemms[0].kind
+    assert any(o.dtype == "s8" and o.size == N * K for o in gemms[0].operands)
+    assert compiled.memory_analysis().temp_size_in_bytes < N * K * 2
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
 def test_gpu_gemm_takes_a_full_width_weight_written_by_another_fusion(gpu_device, fmt):
     """Where XLA GPU (jaxlib 0.10.2, H100) does not fuse: at 8 rows the Triton GEMM fusion takes a bf16 [N, K] weight
     that a loop fusion wrote from the uint8 codes (its GEMM fusion accepts only a bare convert of signed s8 / s4
-    codes; the engine's codes are unsigned and scaled before the dot). If this fails, XLA fuses it now: update
+    codes, and block scales cannot wait until after the dot). If this fails, XLA fuses it now: update
     docs/quantization.md ("Where it is multiplied")."""
     compiled = compile_layer_loop(gpu_device, fmt, "matmul")
     hlo = compiled.as_text()

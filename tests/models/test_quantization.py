@@ -203,7 +203,7 @@ def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platfo
     """Lowered for CUDA and TPU (jax.export, no device needed): the loop reads the int8 codes and dequantizes one
     layer's [N, K] right before the dot; no full-width copy of the stacked weight ([L, N, K] or [L, K, N] in bf16 or
     f32) exists. (Whether XLA's compiler then fuses the dequantization into the GEMM is decided when it compiles
-    for the device, which needs it: see README, "Quantized weights".)"""
+    for the device: tests/kernels/test_quant_fusion.py, docs/quantization.md "Where it is multiplied".)"""
     qw = _plain_stack()
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
     exported = jax.export.export(jax.jit(_layer_loop(qw)), platforms=[platform])(x)
@@ -249,6 +249,33 @@ def test_the_4bit_form_is_chosen_per_platform_and_row_count():
     assert "xui4>" in lowered("tpu", 8) and "xui4>" in lowered("tpu", quant.NIBBLE_MAX_ROWS)
     assert "xui4>" not in lowered("tpu", quant.NIBBLE_MAX_ROWS + 1)
     assert "xui4>" not in lowered("cuda", 8)
+
+
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 72), (64, 256)])
+def test_signed_channel_matmul_is_the_float32_weight_times_x(m, k):
+    """int8 per channel the way XLA GPU's GEMM fuses (`_signed_channel_matmul`: signed codes, the scale after the
+    dot), run here on CPU: x times the float32 weights `quant.dequantize` gives, up to float32 rounding (K = 72 pads
+    the codes to 96: the padding is not read)."""
+    from tests.kernels.test_quantized_matmul import f64
+
+    rng = np.random.default_rng(m + k)
+    qw = jax.tree.map(jnp.asarray, quant.quantize_int8(rng.standard_normal((2, k, 40)).astype(np.float32)))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = f64(quant.dequantize(qw, np.float32, 1))  # [K, N]
+    bound = 4 * np.finfo(np.float32).eps * np.sqrt(k) * (np.abs(f64(x)) @ np.abs(w)) + 1e-30
+    got = np.asarray(jax.jit(quant._signed_channel_matmul)(x, qw.codes[1], qw.scales[1]))
+    assert got.shape == (m, 40) and np.all(np.abs(got - f64(x) @ w) <= bound)
+
+
+def test_int8_signed_form_is_lowered_for_cuda_only():
+    qw = _plain_stack()
+
+    def lowered(platform):
+        fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
+        return jax.export.export(fn, platforms=[platform])(jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)).mlir_module()
+
+    assert re.search(r"tensor<512x256xi8>", lowered("cuda"))
+    assert not re.search(r"xi8>", lowered("tpu"))
 
 
 def test_cpu_native_step_reads_the_codes_and_builds_no_full_width_weight():
