@@ -28,7 +28,7 @@ write in memory space S(1), outside those bytes; at M = 2048 the activations alo
 `--variants` compiles other formulations of the same product beside the engine's (`VARIANTS`: `dense` is the
 engine's path before the uint4 form, on every platform). Writes benchmarks/results/quant_fusion.json (or --out):
 versions, target configs, every case with its evidence (the ops' operands and a few lines of their fused
-computations); `--merge` keeps the file's cases of other targets.
+computations); `--merge` keeps the file's cases this run does not compile again.
 """
 
 from __future__ import annotations
@@ -56,7 +56,14 @@ from common import print_table  # noqa: E402
 
 from jaxpaged.models import quant  # noqa: E402
 from jaxpaged.models.matmul import layer_glu, layer_matmul  # noqa: E402
-from tests.hlo_checks import computations, dot_ops, full_width_writes, reachable, weight_fused  # noqa: E402
+from tests.hlo_checks import (  # noqa: E402
+    INTEGER_TYPES,
+    computations,
+    dot_ops,
+    full_width_writes,
+    reachable,
+    weight_fused,
+)
 
 LAYERS = 4  # a stacked weight's layers: the loop is the models' (one body, run once per layer)
 SHAPES = {  # name: (K, N, what runs it)
@@ -247,6 +254,45 @@ VARIANTS = {  # name: what replaces quant._plain_matmul
 }
 
 
+# ---- what the GEMM fusion takes (--probes): one [N, K] weight, no loop, each a different operand expression --------
+
+PROBE_SHAPE = (8, 576, 1536)  # M, K, N
+
+
+def _dot(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+PROBES = {  # name: (codes dtype, product of x [M, K], codes [N, K], scales [N] f32)
+    "s8 codes, convert": (jnp.int8, lambda x, c, s: _dot(x, c.astype(x.dtype))),
+    "s4 codes, convert": (jnp.int4, lambda x, c, s: _dot(x, c.astype(x.dtype))),
+    "u8 codes, convert": (jnp.uint8, lambda x, c, s: _dot(x, c.astype(x.dtype))),
+    "u4 codes, convert": (jnp.uint4, lambda x, c, s: _dot(x, c.astype(x.dtype))),
+    "u8 codes, - 128 (bf16)": (jnp.uint8, lambda x, c, s: _dot(x, c.astype(x.dtype) - 128)),
+    "s8 codes, convert, * scale (bf16)": (
+        jnp.int8, lambda x, c, s: _dot(x, c.astype(x.dtype) * s.astype(x.dtype)[:, None])),
+    "s8 codes, convert, scale after the dot": (jnp.int8, lambda x, c, s: _dot(x, c.astype(x.dtype)) * s),
+    "u8 codes, (u - 128) * scale (f32), bf16": (
+        jnp.uint8, lambda x, c, s: _dot(x, ((c.astype(jnp.float32) - 128) * s[:, None]).astype(x.dtype))),
+}
+
+
+def probe(target: str, name: str) -> dict:
+    m, k, n = PROBE_SHAPE
+    sharding = jax.sharding.SingleDeviceSharding(device(target))
+    dtype, fn = PROBES[name]
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((n, k), dtype, sharding=sharding),
+            jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sharding))
+    compiled = jax.jit(fn).lower(*args).compile()
+    hlo = compiled.as_text()
+    ops = dot_ops(hlo)
+    reads = any(o.dtype in INTEGER_TYPES for op in ops for o in op.operands)
+    return {"target": target, "probe": name, "m": m, "k": k, "n": n, "reads_codes": reads,
+            "full_width_writes": full_width_writes(hlo, n, k), "made": sorted({_what(op) for op in ops}),
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
+
+
 def versions() -> dict:
     out = {"jax": jax.__version__}
     for dist in ("jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "nvidia-cuda-nvcc-cu12", "flax"):
@@ -266,14 +312,17 @@ def main():
     parser.add_argument("--variants", nargs="*", default=None,
                         help="also compile these formulations of the dequantization (none named: all)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quant_fusion.json"))
+    parser.add_argument("--probes", action="store_true",
+                        help="also compile `PROBES` (one [N, K] weight: which operand expressions the GEMM takes)")
+    parser.add_argument("--no-cases", action="store_true", help="only the probes (with --merge: keeps every case)")
     parser.add_argument("--merge", action="store_true",
-                        help="keep --out's cases of the targets this run does not compile (one target per run fits "
-                             "the machine-wide lock's 8 minutes)")
+                        help="keep --out's cases this run does not compile again (one target per run fits the "
+                             "machine-wide lock's 8 minutes)")
     args = parser.parse_args()
     variants = [None] + (list(VARIANTS) if args.variants == [] else (args.variants or []))
 
     cases, failures = [], []
-    for target in args.targets:
+    for target in [] if args.no_cases else args.targets:
         for variant in variants:
             for shape in args.shapes:
                 for rows in args.rows:
@@ -292,6 +341,14 @@ def main():
                                              "variant": variant, "error": f"{type(e).__name__}: {str(e)[:400]}"})
                             print("FAILED", failures[-1], flush=True)
 
+    probes = [probe(t, name) for t in args.targets for name in PROBES] if args.probes else []
+    if probes:
+        print_table([dict(p, fused_text="yes" if p["reads_codes"] and not p["full_width_writes"] else "NO",
+                          made_text=" + ".join(p["made"]), writes=" ".join(p["full_width_writes"]) or "-")
+                     for p in probes],
+                    [("target", "target", "s"), ("probe", "probe (M, K, N = {}, {}, {})".format(*PROBE_SHAPE), "s"),
+                     ("fused_text", "GEMM reads the codes", "s"), ("made_text", "what XLA made", "s"),
+                     ("writes", "full-width writes", "s")])
     table = [dict(c, fused_text="-" if c["fused"] is None else ("yes" if c["fused"] else "NO"),
                   made_text=" + ".join(c["made"]), temp_mib=c["temp_bytes"] / 2**20) for c in cases]
     print_table(table, [("target", "target", "s"), ("variant", "variant", "s"), ("shape", "shape", "s"),
@@ -316,15 +373,23 @@ def main():
     if args.merge and os.path.exists(args.out):
         with open(args.out) as f:
             old = json.load(f)
-        cases = [c for c in old["cases"] if c["target"] not in args.targets] + cases
-        failures = [c for c in old["failures"] if c["target"] not in args.targets] + failures
+        def key(c):
+            return c["target"], c["variant"] or "engine", c["shape"], c["rows"], c["format"]
+
+        redone = {key(c) for c in cases + failures}
+        cases = [c for c in old["cases"] if key(c) not in redone] + cases
+        failures = [c for c in old["failures"] if key(c) not in redone] + failures
         configs = {**{t: c for t, c in old["targets"].items() if t not in args.targets}, **configs}
+        if not args.probes:
+            probes = old.get("probes", [])
+        else:
+            probes = [p for p in old.get("probes", []) if p["target"] not in args.targets] + probes
         runs = old.get("runs", []) + runs
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"runs": runs, "what": "compiled HLO of the engine's quantized matmuls for GPU/TPU targets "
                                          "(compile only, no timing)", "versions": versions(), "layers": LAYERS,
-                   "targets": configs, "cases": cases, "failures": failures}, f, indent=1)
+                   "targets": configs, "cases": cases, "probes": probes, "failures": failures}, f, indent=1)
     print(f"wrote {args.out}")
 
 
