@@ -1,5 +1,6 @@
-"""Reading compiled HLO text in tests (and benchmarks/tensor_parallel.py): copies of the K/V pool, where an
-instruction lives, the computations a loop body reaches."""
+"""Reading compiled HLO text in tests (and benchmarks/tensor_parallel.py, benchmarks/quant_fusion.py): copies of the
+K/V pool, where an instruction lives, the computations a loop body reaches, the ops that run a matmul and what their
+weight operand is (a quantized weight's codes, or a full-width array another fusion wrote)."""
 
 from __future__ import annotations
 
