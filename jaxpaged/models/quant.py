@@ -18,7 +18,8 @@ replaces: a matrix [*lead, K, N] used as x @ w (the layers' q/k/v/o/gate/up/down
   plain   codes [*lead, N, Kp * bits / 8] uint8 (4 bits: per block, byte j holds k = j low and k = j + 16 high),
           scales [*lead, N] f32 (channel), [*lead, N, B] f16 (sym), [*lead, N, B, 2] f16 / f32 (s, m)
           (Kp = 32 B = K rounded up to 32). What loaders and checkpoints hold; dequantized by `jnp` (GPU, TPU, and
-          CPUs without the native kernel), where XLA may fuse it into the dot (see README, "Quantized weights").
+          CPUs without the native kernel; 4-bit on TPU by `_nibble_matmul`), where XLA may fuse it into the dot
+          (docs/quantization.md, "Where it is multiplied", says where it does).
   panels  the native CPU kernel's (pallas_kernels/cpu_native/qmatmul.cc): codes [*lead, G, B, 256 | 512], scales
           [*lead, G, 16] / [*lead, G, B, 16] / [*lead, G, B, 2, 16] with columns in groups of 16 (G a multiple of 4).
           Made once at load by `to_panels` where every product runs natively; read by the kernel, and by
@@ -266,9 +267,62 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
         return qmatmul_native(x, qw.codes, qw.scales, 0 if layer is None else layer, rows, n=qw.n, bits=qw.bits,
                               scale_mode=qw.scale_mode, mode=mode or NATIVE_MODE, out_dtype=out_dtype)
     codes, scales = (qw.codes, qw.scales) if layer is None else (qw.codes[layer], qw.scales[layer])
-    w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]: XLA fuses it into the dot where it can
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y.astype(out_dtype)
+    return _plain_matmul(x, qw, codes, scales).astype(out_dtype)
+
+
+# XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
+# shapes; above it writes the weight at full width in either form, and `_dense_matmul`'s needs fewer temporary bytes
+# (benchmarks/quant_fusion.py, docs/quantization.md "Where it is multiplied").
+NIBBLE_MAX_ROWS = 64
+
+
+def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32: on TPU the 4-bit
+    formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where `_dense_matmul`'s nibble interleave makes
+    it write the weight at full width); on CUDA int8 per channel by `_signed_channel_matmul` (its GEMM reads int8);
+    everywhere else `_dense_matmul`."""
+    dense = functools.partial(_dense_matmul, qw=qw)
+    if qw.bits == 4 and qw.scale_mode != CHANNEL and x.shape[0] <= NIBBLE_MAX_ROWS:
+        return jax.lax.platform_dependent(x, codes, scales, tpu=functools.partial(_nibble_matmul, qw=qw),
+                                          default=dense)
+    if qw.scale_mode == CHANNEL:
+        return jax.lax.platform_dependent(x, codes, scales, cuda=_signed_channel_matmul, default=dense)
+    return dense(x, codes, scales)
+
+
+def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:
+    w = _values_plain(qw, codes, scales).astype(x.dtype)  # [N, K]
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _signed_channel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array) -> jax.Array:
+    """int8 per channel as XLA GPU's Triton GEMM takes it: the codes as signed q = u - 128 (u ^ 128, bitcast: one
+    byte per weight), a bare convert in the GEMM's operand, and each column's scale after the dot (Triton fuses no
+    multiply before it). The product of the float32 weights q * s up to float32 rounding, which `_dense_matmul`
+    rounds to x's dtype first: the two differ by that rounding."""
+    q = jax.lax.bitcast_convert_type(codes ^ jnp.uint8(128), jnp.int8)[:, :x.shape[1]]  # [N, K] int8
+    y = jax.lax.dot_general(x, q.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y * scales.astype(jnp.float32)
+
+
+def _nibble_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:
+    """A 4-bit matrix's product without unpacking its bytes: each byte bitcast to its two uint4 codes in place
+    ([N, B, 16, 2]: k = j and k = j + 16 of block b, as stored) and x's columns permuted to that order instead (x is
+    [M, K], the weight [N, K]), then one dot over (B, 16, 2). Each weight is `_values_plain`'s (same formula, same
+    float32 then x's dtype); only the order of the float32 sum differs."""
+    n, kp = codes.shape[0], codes.shape[1] * 2
+    blocks = kp // BLOCK
+    if x.shape[1] != kp:
+        x = jnp.pad(x, ((0, 0), (0, kp - x.shape[1])))
+    u = jax.lax.bitcast_convert_type(codes.reshape(n, blocks, BLOCK // 2), jnp.uint4).astype(jnp.float32)
+    xs = x.reshape(x.shape[0], blocks, 2, BLOCK // 2).transpose(0, 1, 3, 2)  # [M, B, 16, 2]
+    if qw.scale_mode == BLOCK_SYM:
+        w = (u - float(offset(qw.bits, qw.scale_mode))) * scales.astype(jnp.float32)[..., None, None]
+    else:
+        s, m = scales[..., 0].astype(jnp.float32), scales[..., 1].astype(jnp.float32)  # [N, B]
+        w = u * s[..., None, None] + m[..., None, None]
+    return jax.lax.dot_general(xs, w.astype(x.dtype), (((1, 2, 3), (1, 2, 3)), ((), ())),
+                               preferred_element_type=jnp.float32)
 
 
 def qmatmul3(x: jax.Array, weights: tuple[QuantizedWeight, ...], layer=None, rows=None) -> tuple[jax.Array, ...]:

@@ -5,6 +5,7 @@ test_gguf_quantized.py.)"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -202,7 +203,7 @@ def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platfo
     """Lowered for CUDA and TPU (jax.export, no device needed): the loop reads the int8 codes and dequantizes one
     layer's [N, K] right before the dot; no full-width copy of the stacked weight ([L, N, K] or [L, K, N] in bf16 or
     f32) exists. (Whether XLA's compiler then fuses the dequantization into the GEMM is decided when it compiles
-    for the device, which needs it: see README, "Quantized weights".)"""
+    for the device: tests/kernels/test_quant_fusion.py, docs/quantization.md "Where it is multiplied".)"""
     qw = _plain_stack()
     x = jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)
     exported = jax.export.export(jax.jit(_layer_loop(qw)), platforms=[platform])(x)
@@ -210,6 +211,71 @@ def test_gpu_tpu_lowering_dequantizes_one_layer_at_a_time_next_to_the_dot(platfo
     assert re.search(r"tensor<4x512x256xui8>", text)  # the codes, as stored
     assert not re.search(r"tensor<4x(512x256|256x512)x(bf16|f32)>", text)
     assert re.search(r"tensor<512x256xbf16>", text) and "dot_general" in text
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 96), (64, 256)])
+def test_nibble_matmul_is_the_dequantized_weight_times_x(fmt, m, k):
+    """The 4-bit product XLA TPU fuses (`_nibble_matmul`: the bytes bitcast to uint4 pairs in place, x's columns
+    permuted instead), run here on CPU: each weight is the one `quant.dequantize` gives, rounded to x's dtype, and
+    the product is that weight times x up to float32 rounding, like the dense form's."""
+    from tests.kernels.test_quantized_matmul import f64, random_weight
+
+    rng = np.random.default_rng(m + k)
+    qw = jax.tree.map(jnp.asarray, random_weight(rng, fmt, 2, k, 40))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = f64(jnp.asarray(quant.dequantize(qw, np.float32, 1), jnp.bfloat16))  # [K, N]
+    want = f64(x) @ w
+    bound = 4 * np.finfo(np.float32).eps * np.sqrt(k) * (np.abs(f64(x)) @ np.abs(w)) + 1e-30
+    codes, scales = qw.codes[1], qw.scales[1]
+    for form in (quant._nibble_matmul, quant._dense_matmul):
+        got = np.asarray(jax.jit(functools.partial(form, qw=qw))(x, codes, scales))
+        assert got.shape == (m, 40) and np.all(np.abs(got - want) <= bound), form.__name__
+
+
+def test_the_4bit_form_is_chosen_per_platform_and_row_count():
+    """Lowered for TPU, a 4-bit product of up to NIBBLE_MAX_ROWS rows bitcasts the codes to uint4 (the form XLA TPU
+    fuses into the dot); for CUDA, or with more rows, it unpacks them to the dense [N, K] weight."""
+    rng = np.random.default_rng(3)
+    from tests.kernels.test_quantized_matmul import random_weight
+
+    qw = jax.tree.map(jnp.asarray, random_weight(rng, "q4_1", 2, 256, 512))
+
+    def lowered(platform, rows):
+        x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
+        fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
+        return jax.export.export(fn, platforms=[platform])(x).mlir_module()
+
+    assert "xui4>" in lowered("tpu", 8) and "xui4>" in lowered("tpu", quant.NIBBLE_MAX_ROWS)
+    assert "xui4>" not in lowered("tpu", quant.NIBBLE_MAX_ROWS + 1)
+    assert "xui4>" not in lowered("cuda", 8)
+
+
+@pytest.mark.parametrize("m, k", [(1, 64), (5, 72), (64, 256)])
+def test_signed_channel_matmul_is_the_float32_weight_times_x(m, k):
+    """int8 per channel the way XLA GPU's GEMM fuses (`_signed_channel_matmul`: signed codes, the scale after the
+    dot), run here on CPU: x times the float32 weights `quant.dequantize` gives, up to float32 rounding (K = 72 pads
+    the codes to 96: the padding is not read)."""
+    from tests.kernels.test_quantized_matmul import f64
+
+    rng = np.random.default_rng(m + k)
+    qw = jax.tree.map(jnp.asarray, quant.quantize_int8(rng.standard_normal((2, k, 40)).astype(np.float32)))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = f64(quant.dequantize(qw, np.float32, 1))  # [K, N]
+    bound = 4 * np.finfo(np.float32).eps * np.sqrt(k) * (np.abs(f64(x)) @ np.abs(w)) + 1e-30
+    got = np.asarray(jax.jit(quant._signed_channel_matmul)(x, qw.codes[1], qw.scales[1]))
+    assert got.shape == (m, 40) and np.all(np.abs(got - f64(x) @ w) <= bound)
+
+
+def test_int8_signed_form_is_lowered_for_cuda_only():
+    qw = _plain_stack()
+
+    def lowered(platform):
+        fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
+        return jax.export.export(fn, platforms=[platform])(jax.ShapeDtypeStruct((8, 256), jnp.bfloat16)).mlir_module()
+
+    assert re.search(r"tensor<512x256xi8>", lowered("cuda"))
+    assert not re.search(r"xi8>", lowered("tpu"))
 
 
 def test_cpu_native_step_reads_the_codes_and_builds_no_full_width_weight():
