@@ -66,16 +66,19 @@ def test_embedding_rows_equal_the_dequantized_table(layout):
 
 def test_int8_engine_agrees_with_bf16_greedy_and_logprobs():
     """A tiny model in bfloat16, its matrices and LM head int8: the same greedy tokens as full width (or the same
-    first ones, where a near-tie flips), and the chosen tokens' log-probs close."""
+    first ones, where a near-tie flips), and the chosen tokens' log-probs close to the float32 model's. (Against
+    the bfloat16 model's, bfloat16's own error adds to int8's: 0.062 apart on one prompt where XLA's dot runs the
+    products, JAXPAGED_NATIVE=0, each within 0.04 of float32.)"""
     config = tiny_config(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16)
     params = random_params(config)
     prompts = random_prompts(6, 3, 20)
     base = greedy(tiny_llm(config, params, dtype="bfloat16"), prompts)
+    exact = greedy(tiny_llm(config, params, dtype="float32"), prompts)
     llm = tiny_llm(config, params, dtype="bfloat16", quantization="int8")
     got = greedy(llm, prompts)
     same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got, base, strict=True)]
     assert sum(same) >= 5, same
-    for a, b in zip(got, base, strict=True):
+    for a, b in zip(got, exact, strict=True):
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
         first = a.outputs[0].token_ids[0]
         assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
