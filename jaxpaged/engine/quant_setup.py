@@ -20,6 +20,10 @@ from jaxpaged.models.quantize import quantize
 logger = logging.getLogger(__name__)
 
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k")
+# The formats whose dequantization XLA's compiler for a backend does not fuse into a decode step's dot, as its
+# compiled HLO shows (deviceless compiles for H100/H200 and TPU v5e/v6e, benchmarks/quant_fusion.py): it writes
+# each layer's weight at full width, then the dot reads it.
+NOT_FUSED = {"gpu": ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"), "tpu": ("q8_0", "q8_1", "q8_k")}
 
 
 def native_quantized() -> bool:
@@ -66,8 +70,19 @@ def describe_weights(state, quantization: str | None) -> dict:
     logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
                 where)
+    unfused = unfused_formats(quantized, jax.default_backend())
+    if unfused:
+        logger.warning("XLA's %s compiler does not fuse the dequantization of %s into the dot: each layer's weight "
+                       "is written at full width, then read, in every step (docs/quantization.md, \"Where it is "
+                       "multiplied\"); quantization=None dequantizes once at load, quantization='int8' is fused",
+                       jax.default_backend(), ", ".join(unfused))
     return {"quantization": quantization, "weight_bytes": summary["weight_bytes"], "weight_format": fmt,
             "weight_formats": summary["weight_formats"]}
+
+
+def unfused_formats(formats, backend: str) -> list[str]:
+    """The quantized formats among `formats` whose products on `backend` ("cpu", "gpu", "tpu") XLA does not fuse."""
+    return [f for f in formats if f in NOT_FUSED.get(backend, ())]
 
 
 __all__ = ["native_quantized", "quantize_model", "prepare_for_device", "describe_weights", "is_quantized"]

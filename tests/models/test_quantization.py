@@ -128,6 +128,25 @@ def test_startup_log_names_the_weight_bytes_and_format(caplog):
     assert llm.stats()["weight_bytes"] < full["weight_bytes"]
 
 
+def test_startup_warns_where_xla_does_not_fuse_the_dequantization(caplog, monkeypatch):
+    """On a GPU, kept GGUF block formats are dequantized to a full-width weight per layer before XLA's dot (its
+    compiled HLO: docs/quantization.md); int8 is fused. The start-up log says so, naming the formats."""
+    from jaxpaged.engine import quant_setup
+
+    int8 = _plain_stack(layers=1, k=64, n=32)
+    q4 = int8.replace(bits=4, scale_mode=quant.BLOCK_SYM)
+    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == ["q4_0", "q8_0"]
+    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "tpu") == ["q8_0"]
+    assert quant_setup.unfused_formats(["q4_0"], "cpu") == []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.WARNING, logger="jaxpaged.engine.quant_setup"):
+        quant_setup.describe_weights({"a": int8}, "int8")
+        assert not caplog.records
+        quant_setup.describe_weights({"a": int8, "b": q4}, "gguf")
+    (record,) = caplog.records
+    assert "gpu compiler does not fuse the dequantization of q4_0 into the dot" in record.getMessage()
+
+
 # ---- your own module -------------------------------------------------------------------------------------------------
 
 
