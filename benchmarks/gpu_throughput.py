@@ -16,6 +16,12 @@ H200; P >= 50% of the card's bf16 peak. Name the card beside every figure.
     PYTHONPATH=. python benchmarks/gpu_throughput.py --models 1b --workloads D --no-hf
     PYTHONPATH=. python benchmarks/gpu_throughput.py --smoke         # tiny shapes on any machine: checks the script
 
+Formats (issue #30's GPU goal: fp8 KV and int8 weights >= 1.3x bf16 output tok/s on Llama-3-8B, workload D): each
+of `--formats` is a jaxpaged row of its own, `bf16` (the default), `fp8kv` (kv_cache_dtype="fp8"), `int8`
+(quantization="int8") or `fp8kv+int8`:
+
+    PYTHONPATH=. python benchmarks/gpu_throughput.py --models 8b --workloads D --formats bf16 fp8kv+int8 --no-hf
+
 Without a GPU or TPU it says so and exits (unless --smoke).
 """
 
@@ -48,6 +54,8 @@ SHAPES = {
                          num_kv_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_ids=(1,)),
 }
 WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length range, new tokens
+FORMATS = {"bf16": {}, "fp8kv": {"kv_cache_dtype": "fp8"}, "int8": {"quantization": "int8"},
+           "fp8kv+int8": {"kv_cache_dtype": "fp8", "quantization": "int8"}}  # engine options of each row
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, NVIDIA's data sheets
 
 
@@ -86,7 +94,7 @@ def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[in
     return [rng.integers(10, vocab - 10, int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)], new
 
 
-def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int, args) -> Run:
+def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int, args, fmt: str = "bf16") -> Run:
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -98,7 +106,7 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     t0 = time.perf_counter()
     llm = LLM.from_model(model, None, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         enable_prefix_caching=False, show_progress=False)
+                         enable_prefix_caching=False, show_progress=False, **FORMATS[fmt])
     compile_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
@@ -110,7 +118,8 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     step_ms, device_ms = decode_step_times(llm, prompts, new)
     del model, llm
     jax.clear_caches()
-    return Run(config_name(config), name, "jaxpaged", seconds, sum(map(len, prompts)), output_tokens,
+    system = "jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}"
+    return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms)
 
 
@@ -217,6 +226,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(FORMATS),
+                    help="jaxpaged rows: KV cache and weight formats")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
@@ -239,8 +250,9 @@ def main() -> None:
         config = SHAPES[m]
         for w in args.workloads:
             prompts, new = workload(w, args.num_prompts, config.vocab_size)
-            runs.append(run_ours(config, w, prompts, new, args))
-            print(runs[-1], flush=True)
+            for fmt in args.formats:
+                runs.append(run_ours(config, w, prompts, new, args, fmt))
+                print(runs[-1], flush=True)
             if not args.no_hf:
                 runs += run_hf(config, w, prompts, new, args, "cuda" if device.platform == "gpu" else "cpu")
     rows = []
@@ -250,9 +262,14 @@ def main() -> None:
                      "peak_share": r.model_tflops / peak if peak else None,
                      "step_over_device": (r.decode_step_ms / r.decode_device_ms
                                           if r.decode_step_ms and r.decode_device_ms else None)})
+    base = {(r["model"], r["workload"]): r["tok_s"] for r in rows if r["system"] == "jaxpaged"}
+    for r in rows:  # each row against jaxpaged bf16 on the same shape and workload
+        b = base.get((r["model"], r["workload"]))
+        r["vs_bf16"] = r["tok_s"] / b if b else None
     print(f"\n{card} (bf16 peak {peak or '?'} TFLOP/s); tok/s: output tokens for D, all tokens for P")
     print_table(rows, [("model", "model", ""), ("workload", "workload", ""), ("system", "system", ""),
-                       ("tok_s", "tok/s", ",.0f"), ("model_tflops", "model TFLOP/s", ".1f"),
+                       ("tok_s", "tok/s", ",.0f"), ("vs_bf16", "vs jaxpaged bf16", ".2f"),
+                       ("model_tflops", "model TFLOP/s", ".1f"),
                        ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
                        ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
                        ("compile_s", "start-up s", ".1f")])
