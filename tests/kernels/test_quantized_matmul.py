@@ -29,42 +29,17 @@ from pallas_kernels.cpu_native.quantized import (
     reference_int8,
 )
 from tests import ROOT
+from tests.quant_weights import FORMS, f64, random_weight
 
 pytestmark = pytest.mark.skipif(not native.available("qmatmul"), reason="no native quantized matmul here")
 
-# (bits, scale mode): what each format is stored as
-FORMS = {"int8": (8, quant.CHANNEL), "q8_0": (8, quant.BLOCK_SYM), "q4_0": (4, quant.BLOCK_SYM),
-         "q4_1": (4, quant.BLOCK_F16), "q8_1": (8, quant.BLOCK_F16), "q4_k": (4, quant.BLOCK_F32),
-         "q8_k": (8, quant.BLOCK_F32)}
 # M, K, N: one row; K not a multiple of 32; N not a multiple of 16 or 64; rows past the 8-row register block and the
 # 128-row work chunk
 SHAPES = [(1, 64, 64), (3, 50, 70), (13, 576, 192), (64, 96, 33), (130, 160, 129)]
 
 
-def random_weight(rng, fmt: str, layers: int, k: int, n: int) -> quant.QuantizedWeight:
-    """Random codes and scales (plain layout) of a stacked [layers, K, N] weight."""
-    bits, mode = FORMS[fmt]
-    kp = -(-k // 32) * 32
-    u = rng.integers(0, 2 ** bits, size=(layers, n, kp), dtype=np.uint8)
-    codes = u if bits == 8 else (u.reshape(layers, n, -1, 32)[..., :16] | (u.reshape(layers, n, -1, 32)[..., 16:] << 4)
-                                 ).astype(np.uint8).reshape(layers, n, kp // 2)
-    s = rng.random((layers, n, kp // 32)).astype(np.float32) * 0.02 + 1e-3
-    if mode == quant.CHANNEL:
-        scales = s[..., 0]
-    elif mode == quant.BLOCK_SYM:
-        scales = s.astype(np.float16)
-    else:
-        mins = -rng.random(s.shape).astype(np.float32) * 0.1
-        scales = np.stack([s, mins], -1).astype(np.float16 if mode == quant.BLOCK_F16 else np.float32)
-    return quant.QuantizedWeight(codes, scales, bits, mode, (layers, k, n), compute_dtype="bfloat16")
-
-
 def panels(qw):
     return jax.tree.map(jnp.asarray, quant.to_panels(qw))
-
-
-def f64(a):
-    return np.asarray(a, np.float64)
 
 
 @pytest.mark.parametrize("fmt", list(FORMS))

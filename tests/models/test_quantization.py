@@ -22,6 +22,7 @@ from jaxpaged.models import quant
 from jaxpaged.models.matmul import layer_matmul
 from jaxpaged.models.quantize import QuantizedLinear
 from pallas_kernels.cpu_native import native
+from tests.quant_weights import f64, random_weight
 from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
 
 
@@ -241,7 +242,6 @@ def test_nibble_matmul_is_the_dequantized_weight_times_x(fmt, m, k):
     """The 4-bit product XLA TPU fuses (`_nibble_matmul`: the bytes bitcast to uint4 pairs in place, x's columns
     permuted instead), run here on CPU: each weight is the one `quant.dequantize` gives, rounded to x's dtype, and
     the product is that weight times x up to float32 rounding, like the dense form's."""
-    from tests.kernels.test_quantized_matmul import f64, random_weight
 
     rng = np.random.default_rng(m + k)
     qw = jax.tree.map(jnp.asarray, random_weight(rng, fmt, 2, k, 40))
@@ -259,7 +259,6 @@ def test_the_4bit_form_is_chosen_per_platform_and_row_count():
     """Lowered for TPU, a 4-bit product of up to NIBBLE_MAX_ROWS rows bitcasts the codes to uint4 (the form XLA TPU
     fuses into the dot); for CUDA, or with more rows, it unpacks them to the dense [N, K] weight."""
     rng = np.random.default_rng(3)
-    from tests.kernels.test_quantized_matmul import random_weight
 
     qw = jax.tree.map(jnp.asarray, random_weight(rng, "q4_1", 2, 256, 512))
 
@@ -278,7 +277,6 @@ def test_signed_channel_matmul_is_the_float32_weight_times_x(m, k):
     """int8 per channel the way XLA GPU's GEMM fuses (`_signed_channel_matmul`: signed codes, the scale after the
     dot), run here on CPU: x times the float32 weights `quant.dequantize` gives, up to float32 rounding (K = 72 pads
     the codes to 96: the padding is not read)."""
-    from tests.kernels.test_quantized_matmul import f64
 
     rng = np.random.default_rng(m + k)
     qw = jax.tree.map(jnp.asarray, quant.quantize_int8(rng.standard_normal((2, k, 40)).astype(np.float32)))
