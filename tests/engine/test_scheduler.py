@@ -8,10 +8,13 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import PACED_CHUNK_UNIT, PACER_WINDOW, StepPacer, decodable
+from pallas_kernels.cpu_native import native
 from tests.tiny import Collector, random_params, random_prompts, tiny_config
 
 CONFIG = tiny_config()
 ON_CPU = jax.default_backend() == "cpu"
+# mixed steps: the native CPU attention kernel (not built, or JAXPAGED_NATIVE=0: the reference, which keeps them apart)
+MIXED = ON_CPU and native.available("attention")
 PARAMS = random_params(CONFIG)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -129,7 +132,7 @@ def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts, back
     ride in the same steps as the decodes (mixed steps); with the reference, decode steps come between them."""
     llm = make_llm(max_num_batched_tokens=128, max_prefill_tokens_while_decoding=32, attention_backend=backend)
     mixed = llm.engine.scheduler.mixed_steps
-    assert mixed == (backend == "auto" and ON_CPU)  # 'auto' off CPU is Pallas, which keeps steps apart
+    assert mixed == (backend == "auto" and MIXED)  # 'auto' off CPU is Pallas, which keeps steps apart
     steps = _spy_steps(llm.engine.scheduler)
     long_prompt, outputs = _long_prompt_while_decoding(llm.engine, prompts[0], decode_steps=0)
     assert steps[0][:2] == (False, len(prompts[0]["prompt_token_ids"])) and steps[0][1] > 32  # alone: all at once
@@ -143,7 +146,7 @@ def test_prefill_chunks_are_bounded_while_others_decode(reference, prompts, back
     assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.skipif(not ON_CPU, reason="mixed steps need the native CPU kernel (attention_backend='auto' on CPU)")
+@pytest.mark.skipif(not MIXED, reason="mixed steps need the native CPU kernel (attention_backend='auto' on CPU)")
 def test_mixed_steps_decode_every_running_sequence_every_step(prompts, reference):
     """Mixed steps: while prompts are being prefilled, every sequence that waits for a token gets it in that step;
     the token budget counts the decodes first; the outputs are those of each prompt alone."""
@@ -246,7 +249,7 @@ def test_max_decode_slowdown_shrinks_chunks_that_would_delay_decoding_streams(pr
     assert outputs["long"] == make_llm().generate([long_prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 
-@pytest.mark.skipif(not ON_CPU, reason="mixed steps need the native CPU kernel (attention_backend='auto' on CPU)")
+@pytest.mark.skipif(not MIXED, reason="mixed steps need the native CPU kernel (attention_backend='auto' on CPU)")
 def test_mixed_steps_take_half_as_many_sequence_rows_as_tokens_and_compile_nothing_new(prompts, reference):
     """A prefill-shaped step of the mixed-step backends has S = T / 2 sequence rows below the largest T (the LM head
     and the sampler cost per row); a step with more sequences than that runs at a larger T, which is compiled at

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
+from pallas_kernels.cpu_native import native
 from tests.hlo_checks import pool_copies
 from tests.tiny import random_prompts, tiny_llm
 
@@ -87,6 +88,7 @@ def _generate_and_check_no_pool_convert_or_copy(llm) -> None:
 
 
 @cpu_only
+@pytest.mark.skipif(not native.available("attention"), reason="the native CPU kernels are not built here")
 def test_a_bfloat16_model_on_cpu_gets_a_bfloat16_pool_written_in_place_by_the_native_kernel():
     """The native CPU backend writes K/V rows and whole blocks itself (XLA CPU has no 16-bit scatter), so 'auto'
     gives a bfloat16 model a bfloat16 pool: no pool-sized convert or copy in any step, the same buffer after steps,

@@ -26,6 +26,7 @@ import transformers
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models import families, gemma3
+from pallas_kernels.cpu_native import native
 from tests.hlo_checks import pool_copies
 from tests.models.gemma3_cases import CASES, engine_hf_model, ours
 
@@ -64,7 +65,8 @@ def test_the_groups_and_tail_of_the_layer_loop():
 
 
 # The CPU's native kernel beside the reference; elsewhere the platform's default ('auto': Pallas on GPU / TPU).
-BACKENDS = ["reference", "native"] if jax.default_backend() == "cpu" else ["reference", "auto"]
+BACKENDS = (["reference", "native"] if native.available("attention") else ["reference"]) if jax.default_backend() == \
+    "cpu" else ["reference", "auto"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
