@@ -3,7 +3,10 @@
 Compiled for devices that are not here (deviceless AOT), from ShapeDtypeStructs: nothing is allocated or run.
   * TPU v5e: libtpu's compile-only client (skipped when the `libtpu` package is not importable).
   * GPU H100: the CUDA PJRT plugin with benchmarks/target_configs/h100_sxm.txtpb (skipped when no plugin compiles
-    for it here: `jax-cuda12-plugin` and the nvidia wheels' ptxas are not the project's dependencies).
+    for it here: `jax-cuda12-plugin` and the nvidia wheels' ptxas are not the project's dependencies). Without a
+    driver, run with JAX_PLATFORMS=cpu, or the plugin's start-up fails (cuInit) and the GPU tests skip:
+    `JAX_PLATFORMS=cpu /work/fusion-venv/bin/python -m pytest tests/kernels/test_quant_fusion.py` (a venv made as
+    docs/quantization.md says).
 What is compiled is the engine's layer loop (`layer_glu` / `layer_matmul` over a stacked quantized weight in a
 fori_loop, as the models call them). A weight counts as fused when the fusion that runs its dot takes the uint8
 codes and no full-width [N, K] float operand, and the module's temporary buffers stay under one [N, K] bf16 weight.
@@ -20,12 +23,12 @@ import pytest
 
 from jaxpaged.models import quant
 from jaxpaged.models.matmul import layer_glu, layer_matmul
+from tests import ROOT
 from tests.hlo_checks import dot_ops, full_width_writes
+from tests.quant_weights import FORMS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS, K, N, ROWS = 4, 256, 512, 8
-FIELDS = {"int8": (8, quant.CHANNEL), "q8_0": (8, quant.BLOCK_SYM), "q4_0": (4, quant.BLOCK_SYM),
-          "q4_1": (4, quant.BLOCK_F16), "q4_k": (4, quant.BLOCK_F32)}
+KEPT = ["int8", "q8_0", "q4_0", "q4_1", "q4_k"]  # the formats the engine keeps from files or makes (int8)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,7 @@ def gpu_device():
 
 def abstract_weight(fmt: str, sharding, k: int = K, n: int = N):
     """A stacked [LAYERS, K, N] weight as the engine keeps it (plain layout), as ShapeDtypeStructs."""
-    bits, mode = FIELDS[fmt]
+    bits, mode = FORMS[fmt]
     blocks = k // quant.BLOCK
     scales = {quant.CHANNEL: ((LAYERS, n), jnp.float32), quant.BLOCK_SYM: ((LAYERS, n, blocks), jnp.float16),
               quant.BLOCK_F16: ((LAYERS, n, blocks, 2), jnp.float16),
@@ -85,7 +88,7 @@ def test_tpu_dot_fusion_reads_the_codes_and_no_full_width_weight_exists(tpu_devi
     compiled = compile_layer_loop(tpu_device, fmt, kind)
     hlo = compiled.as_text()
     assert full_width_writes(hlo, N, K) == []
-    readers = [op for op in dot_ops(hlo) if op.reads_codes(N, K, FIELDS[fmt][0])]
+    readers = [op for op in dot_ops(hlo) if op.reads_codes(N, K, FORMS[fmt][0])]
     assert len(readers) == (2 if kind == "glu" else 1)
     assert all(op.full_width_operands(N, K) == [] for op in readers)
     assert "convolution" in readers[0].inner_ops and "convert" in readers[0].inner_ops
@@ -104,12 +107,12 @@ def test_tpu_q8_0_block_scales_are_broadcast_to_full_width(tpu_device):
 # ---- GPU (H100) -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", list(FIELDS))
+@pytest.mark.parametrize("fmt", KEPT)
 def test_gpu_one_row_product_reads_the_codes(gpu_device, fmt):
     """At one row XLA GPU turns the product into a reduction, and its fusion dequantizes the codes itself."""
     hlo = compile_layer_loop(gpu_device, fmt, "matmul", rows=1).as_text()
     assert full_width_writes(hlo, N, K) == []
-    assert any(op.reads_codes(N, K, FIELDS[fmt][0]) and "reduce" in op.inner_ops for op in dot_ops(hlo))
+    assert any(op.reads_codes(N, K, FORMS[fmt][0]) and "reduce" in op.inner_ops for op in dot_ops(hlo))
 
 
 def test_gpu_int8_gemm_reads_signed_codes(gpu_device):
@@ -136,7 +139,7 @@ def test_gpu_gemm_takes_a_full_width_weight_written_by_another_fusion(gpu_device
     writes = full_width_writes(hlo, N, K)
     assert writes and all(w.startswith("bf16[") for w in writes)
     gemms = [op for op in dot_ops(hlo) if op.full_width_operands(N, K)]
-    assert gemms and all("triton" in op.kind and not op.reads_codes(N, K, FIELDS[fmt][0]) for op in gemms)
+    assert gemms and all("triton" in op.kind and not op.reads_codes(N, K, FORMS[fmt][0]) for op in gemms)
     assert compiled.memory_analysis().temp_size_in_bytes >= N * K * 2
 
 
