@@ -14,6 +14,7 @@ starts their copy to the host at once.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -336,16 +337,19 @@ class ModelRunner:
                       self._extra_shapes(layout.num_seqs), _signature((self.param_leaves, self.kv_pool,
                                                                        self.prev_tokens, self.draft_leaves,
                                                                        self.draft_pool)))
-            if shared in _SHARED_EXECUTABLES:
-                _SHARED_EXECUTABLES.move_to_end(shared)
-                return _SHARED_EXECUTABLES[shared]
+            executable = _SHARED_EXECUTABLES.get(shared)
+            if executable is not None:
+                with contextlib.suppress(KeyError):  # engines in other threads may evict it meanwhile
+                    _SHARED_EXECUTABLES.move_to_end(shared)
+                return executable
         if self.warmed_up:
             logger.warning("compiling a new step shape after start-up: %s", layout.key)
         executable = self.lower(layout).compile(compiler_options=options)
         if shared is not None:
             _SHARED_EXECUTABLES[shared] = executable
             while len(_SHARED_EXECUTABLES) > SHARED_EXECUTABLES_LIMIT:
-                _SHARED_EXECUTABLES.popitem(last=False)
+                with contextlib.suppress(KeyError):
+                    _SHARED_EXECUTABLES.popitem(last=False)
         return executable
 
     @property
