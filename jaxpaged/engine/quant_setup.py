@@ -23,7 +23,7 @@ GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k")
 # The formats whose dequantization XLA's compiler for a backend does not fuse into a decode step's dot, as its
 # compiled HLO shows (deviceless compiles for H100/H200 and TPU v5e/v6e, benchmarks/quant_fusion.py): it writes
 # each layer's weight at full width, then the dot reads it.
-NOT_FUSED = {"gpu": ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"), "tpu": ("q8_0", "q8_1", "q8_k")}
+NOT_FUSED = {"gpu": ("q8_0", "q4_0", "q4_1", "q4_k"), "tpu": ("q8_0",)}  # the kept formats compiled there
 
 
 def native_quantized() -> bool:
