@@ -249,7 +249,10 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_write_timeout(keyed):
         wait_for(lambda: (s := stats(keyed))["num_in_flight"] == 0 and s["num_used"] == 0 and s["num_running"] == 0,
                  120, "the stream being aborted and its blocks freed")
         data, _ = read_until_closed(sock, 30)
-    assert data.startswith(b"HTTP/1.1 200") and len(data) > 100_000  # it did stream, until its buffers filled
+    # It did stream (a whole event at least), until its buffers filled; how many bytes the socket buffers held when
+    # it was cut off depends on the kernel's buffer sizing, so only the first event is asserted.
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"data: {" in body and b"}\n\n" in body, data[:300]
     assert b"data: [DONE]" not in data  # cut off, not finished
     assert "--write-timeout" in keyed.log_path.read_bytes()[log_start:].decode(errors="replace")
     still_serves(keyed)

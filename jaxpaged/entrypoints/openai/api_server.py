@@ -460,12 +460,13 @@ async def serve(app: web.Application, host: str, port: int, grace_s: float, keep
         ended = engine.fail_in_flight(EngineStoppedError(
             f"the server shut down before this request finished (--shutdown-grace {grace_s:g} s)"))
         logger.warning("shutdown grace over: ending %d requests still in flight", ended)
-        await lifecycle.wait_idle(deadline - reserve / 2 - loop.time())
+        await lifecycle.wait_idle(deadline - reserve * 3 / 4 - loop.time())
     await runner.cleanup()  # stops listening; cancels what is left (a stream whose client does not read)
     app[SERVING].close()
     # If the engine thread is inside a long step it is left behind (a daemon thread): the grace is what counts, and
-    # its last part (reserve / 4) is left for the process's exit.
-    await loop.run_in_executor(None, engine.close, max(0.05, deadline - reserve / 4 - loop.time()))
+    # its last part (reserve / 2) is left for the process's exit, which waits for the GIL behind that step's thread
+    # (a quarter was not always enough on a loaded 2-core machine).
+    await loop.run_in_executor(None, engine.close, max(0.05, deadline - reserve / 2 - loop.time()))
     logger.info("stopped")
 
 
