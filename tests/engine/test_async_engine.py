@@ -84,6 +84,36 @@ def test_concurrent_requests_each_get_their_own_output(engine, aengine):
     assert together == alone and len({tuple(t) for t in alone}) > 1
 
 
+def test_a_step_s_outputs_reach_their_readers_in_one_wake_up_of_their_event_loop(engine, aengine):
+    """Each `call_soon_threadsafe` writes to the loop's wake-up pipe from the engine thread: once per step for all
+    of the step's streams, not once per stream (four streams decode together here)."""
+    calls = []
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            if threading.current_thread().name == "jaxpaged-engine" and \
+                    getattr(callback, "__name__", "") in ("_put", "_put_all"):  # outputs (not the adds' futures)
+                calls.append(len(args[0]) if callback.__name__ == "_put_all" else 1)
+            return wake(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted
+
+        async def one(i):
+            return [out async for out in aengine.generate(f"w{i}", [3 + i, 9, 4], GREEDY)][-1]
+
+        steps = engine.counters["steps"]
+        last = await asyncio.gather(*(one(i) for i in range(4)))
+        return last, engine.counters["steps"] - steps
+
+    last, steps = asyncio.run(run())
+    assert all(o.finished and len(o.outputs[0].token_ids) == 8 for o in last)
+    assert sum(calls) >= 4 * 8  # every stream heard of each of its tokens' steps (or of several at once)...
+    assert len(calls) <= steps + 1 and max(calls) == 4, (calls, steps)  # ...in one wake-up per step at most
+
+
 def test_bad_request_raises_to_the_caller_and_the_loop_goes_on(aengine):
     async def run():
         with pytest.raises(ValueError, match="longer than the context"):
