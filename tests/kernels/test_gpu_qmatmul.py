@@ -150,3 +150,51 @@ def test_kernel_lowers_for_cuda_without_a_gpu(fmt, m):
         module = export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
     assert sum(module.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1
     assert "stablehlo.while" not in module and "dynamic_slice" not in module
+
+
+# ---- the engine's plain-layout matmul on CUDA (jaxpaged.models.quant._plain_matmul) ------------------------------
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch, fmt):
+    """quant's CUDA branch (`_kernel_matmul`), the kernel run by the interpreter: the same product as the
+    dequantize-then-dot branch every other platform runs, from the stacked arrays and the layer."""
+    monkeypatch.setattr(gpu_qmatmul, "qmatmul_gpu", functools.partial(gpu_qmatmul.qmatmul_gpu, interpret=INTERPRET))
+    qw = weights(fmt, 96, 40, seed=11)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
+    got = jax.jit(functools.partial(quant._kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
+    want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8) -> str:
+    """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`."""
+    from jax import export
+
+    from jaxpaged.models.matmul import layer_matmul
+
+    def run(x):
+        def body(i, acc):
+            return acc + layer_matmul(x, qw, i)
+        return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
+
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exported = export.export(jax.jit(run), platforms=[platform], disabled_checks=checks)
+        return exported(jax.ShapeDtypeStruct((rows, qw.k), jnp.bfloat16)).mlir_module()
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_on_cuda_the_layer_loop_calls_the_kernel_on_the_whole_stack(fmt):
+    """Lowered for CUDA, each layer's product is the Triton kernel reading the stacked codes [L, N, ...] (no
+    dynamic-slice of them, no [N, K] float weight); lowered for TPU and CPU nothing changes (no Triton call)."""
+    qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(13), fmt, 4, 256, 512))
+    bits = qw.bits
+    cuda = _layer_loop_module(qw, "cuda")
+    assert sum(cuda.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1
+    assert f"tensor<4x512x{256 * bits // 8}xui8>" in cuda and f"tensor<2048x{256 * bits // 8}xui8>" in cuda
+    assert "dynamic_slice" not in cuda and "tensor<512x256xbf16>" not in cuda and "tensor<512x256xf32>" not in cuda
+    for platform in ("tpu", "cpu"):
+        other = _layer_loop_module(qw, platform)
+        assert not any(f"@{t}(" in other for t in TRITON_CALL_TARGETS) and "dynamic_slice" in other
