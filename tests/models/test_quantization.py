@@ -130,22 +130,23 @@ def test_startup_log_names_the_weight_bytes_and_format(caplog):
 
 
 def test_startup_warns_where_xla_does_not_fuse_the_dequantization(caplog, monkeypatch):
-    """On a GPU, kept GGUF block formats are dequantized to a full-width weight per layer before XLA's dot (its
-    compiled HLO: docs/quantization.md); int8 is fused. The start-up log says so, naming the formats."""
+    """On a TPU, Q8_0's block scales are broadcast to a full-width array per layer before XLA's dot (its compiled
+    HLO: docs/quantization.md); int8 and the 4-bit formats are fused, and on GPU every kept format is (int8 by XLA,
+    the block formats by the Pallas kernel). The start-up log says so, naming the formats."""
     from jaxpaged.engine import quant_setup
 
     int8 = _plain_stack(layers=1, k=64, n=32)
-    q4 = int8.replace(bits=4, scale_mode=quant.BLOCK_SYM)
-    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == ["q4_0", "q8_0"]
+    q8 = int8.replace(scale_mode=quant.BLOCK_SYM)
+    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == []
     assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "tpu") == ["q8_0"]
     assert quant_setup.unfused_formats(["q4_0"], "cpu") == []
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with caplog.at_level(logging.WARNING, logger="jaxpaged.engine.quant_setup"):
         quant_setup.describe_weights({"a": int8}, "int8")
         assert not caplog.records
-        quant_setup.describe_weights({"a": int8, "b": q4}, "gguf")
+        quant_setup.describe_weights({"a": int8, "b": q8}, "gguf")
     (record,) = caplog.records
-    assert "gpu compiler does not fuse the dequantization of q4_0 into the dot" in record.getMessage()
+    assert "tpu compiler does not fuse the dequantization of q8_0 into the dot" in record.getMessage()
 
 
 # ---- your own module -------------------------------------------------------------------------------------------------
