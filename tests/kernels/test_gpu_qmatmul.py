@@ -198,3 +198,16 @@ def test_on_cuda_the_layer_loop_calls_the_kernel_on_the_whole_stack(fmt):
     for platform in ("tpu", "cpu"):
         other = _layer_loop_module(qw, platform)
         assert not any(f"@{t}(" in other for t in TRITON_CALL_TARGETS) and "dynamic_slice" in other
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the benchmark times for minutes")
+def test_the_benchmark_says_it_needs_a_gpu_and_exits_0():
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_qmatmul.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and "needs a GPU" in result.stdout and "nothing timed" in result.stdout
