@@ -27,10 +27,12 @@ Inside the kernel (flat views: free reshapes, no copy, so `layer` selects rows a
   x_ref       [M, K]
   codes_ref   [L * N, Kp * bits / 8]      row layer * N + n
   scales_ref  [L * N, B] or [L * N, 2 B]  (s, m) of block b at columns 2 b, 2 b + 1
-  o_ref       [Mp, Np] float32            M and N padded to whole tiles (sliced off outside: no masked store)
+  o_ref       [S * Mp, Np] float32        M and N padded to whole tiles (sliced off outside: no masked store);
+                                          split s's partial sums at rows s * Mp + m (S = 1: the result)
 
-Grid (Mp / tm, Np / tn), the M tile fastest, so programs that share an N tile (one stretch of the weight) run
-together and the second reads it from L2. One program walks K in steps of tk (a power of two, whole blocks of 32):
+Grid (Mp / tm, Np / tn, S), the M tile fastest, so programs that share an N tile (one stretch of the weight) run
+together and the second reads it from L2. One program walks its share of K in steps of tk (a power of two, whole
+blocks of 32; S splits take ceil(steps / S) consecutive steps each, the last ones fewer or none):
 loads x [tm, tk] and the codes [tn, tk * bits / 8] (rows past N, columns past K, masked: never read), the block
 scales gathered per code (cache hits: 32 codes share one), dequantizes in float32, rounds to x's dtype, and
 accumulates x_tile @ w_tile^T [tm, tn] in float32. A 4-bit tile is not unpacked into k order: its low nibbles are
@@ -39,8 +41,14 @@ its own dot (x is small and in L2; the codes are read once, contiguously).
 
 Tiles (`tiles`, static from M): decode (M <= 16) 16 x 64 x 128 (Triton's dots need every dimension >= 16, so M is
 padded to 16 rows, masked); up to 64 rows M rounded up to a power of two; up to 256 rows 64 x 128 x 64; prefill
-128 x 128 x 64 with 8 warps. Reasoned, not tuned: no GPU has timed this kernel (benchmarks/gpu_qmatmul.py does,
-where one is lent).
+128 x 128 x 64 with 8 warps.
+
+Split K (`default_splits`): a decode batch of Llama-3-8B's down projection (N = 4096) has 64 N tiles, so 64 programs,
+too few to keep an H100's 132 SMs loading (a memory-bound product needs many loads in flight). Where the grid has
+fewer than TARGET_PROGRAMS programs, K is split S ways (a power of two, each split keeping at least MIN_SPLIT_STEPS
+steps), and XLA sums the S float32 partials [S, Mp, Np]; S stops growing where writing and reading the partials would
+move more than a quarter of the weight's bytes (so it splits decode batches, not prefill chunks). Reasoned, not
+tuned: no GPU has timed this kernel (benchmarks/gpu_qmatmul.py does, where one is lent).
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ from jax.experimental.pallas import triton as plgpu
 
 BLOCK = 32  # k per quantization block
 MIN_DOT_DIM = 16  # Triton's tensor-core dots need every dimension >= 16
+# Split K while the grid has fewer programs than this (about four resident on each of an H100's 132 SMs, as
+# gpu.py's flash-decoding splits), keeping at least MIN_SPLIT_STEPS K steps a split, up to MAX_SPLITS.
+TARGET_PROGRAMS = 512
+MIN_SPLIT_STEPS = 8
+MAX_SPLITS = 16
 
 
 def _next_pow2(n: int) -> int:
@@ -76,11 +89,23 @@ def tiles(m: int) -> tuple[int, int, int, int]:
     return 128, 128, 64, 8
 
 
+def default_splits(num_programs: int, steps: int, partial_bytes: int, weight_bytes: int) -> int:
+    """K splits for a grid of `num_programs` (M tiles x N tiles) walking `steps` K steps: a power of two, 1 where
+    the grid already fills the device. partial_bytes: one split's float32 output [Mp, Np]; weight_bytes: the
+    layer's codes and scales (the partials' write and read stay under a quarter of them)."""
+    splits = 1
+    while (splits < MAX_SPLITS and num_programs * splits < TARGET_PROGRAMS
+           and steps >= 2 * splits * MIN_SPLIT_STEPS and 2 * (2 * splits) * partial_bytes <= weight_bytes // 4):
+        splits *= 2
+    return splits
+
+
 def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n: int, k: int, bits: int,
-                    pair: bool, blocks: int, tm: int, tn: int, tk: int, precision):
-    """One [tm, tn] output tile (module docstring: shapes, grid)."""
+                    pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, precision):
+    """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
     mi = pl.program_id(0)
     ni = pl.program_id(1)
+    split = pl.program_id(2)
     layer = layer_ref[0]
     row_bytes = blocks * BLOCK * bits // 8
     rows = mi * tm + jnp.arange(tm, dtype=jnp.int32)  # [tm] rows of x
@@ -123,18 +148,25 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
         return acc + dot(load_x(k_low + BLOCK // 2), dequant(u >> 4, blk, ok))
 
     steps = pl.cdiv(blocks * BLOCK, tk)
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((tm, tn), jnp.float32))
-    o_ref[pl.ds(mi * tm, tm), pl.ds(ni * tn, tn)] = acc
+    zeros = jnp.zeros((tm, tn), jnp.float32)
+    if num_splits == 1:
+        acc = jax.lax.fori_loop(0, steps, body, zeros)
+    else:  # this split's steps [lo, hi): ceil(steps / S) each, the last ones fewer or none (then it writes zeros)
+        per_split = pl.cdiv(steps, num_splits)
+        lo = jnp.minimum(split * per_split, steps)
+        acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+    rows_out = pl.num_programs(0) * tm  # Mp
+    o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
 
 
 def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, bits: int,
                 pair: bool, interpret: bool = False, tile: tuple[int, int, int, int] | None = None,
-                num_stages: int = 3) -> jax.Array:
+                num_splits: int | None = None, num_stages: int = 3) -> jax.Array:
     """x [M, K] @ the dequantized weight of `layer` [N, K], transposed -> [M, N] float32 (module docstring).
 
     bits: 8 or 4; pair: scales hold (s, m) per block (Q4_1, Q4_K) rather than s alone (Q8_0, Q4_0). tile: (tm, tn,
-    tk, num_warps) instead of `tiles(M)` (powers of two, tm and tn >= 16, tk a multiple of 32). interpret=True runs
-    Pallas' interpreter (any backend, CPU included).
+    tk, num_warps) instead of `tiles(M)` (powers of two, tm and tn >= 16, tk a multiple of 32). num_splits: K
+    splits (None: `default_splits`). interpret=True runs Pallas' interpreter (any backend, CPU included).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported; use 4 or 8")
@@ -160,19 +192,27 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
         raise ValueError(f"tile={tile}: tm, tn, tk must be powers of two, tm and tn >= {MIN_DOT_DIM}, tk a "
                          f"multiple of {BLOCK}")
     mp, np_ = pl.cdiv(m, tm) * tm, pl.cdiv(n, tn) * tn
+    steps = pl.cdiv(blocks * BLOCK, tk)
+    if num_splits is None:
+        weight_bytes = n * (row_bytes + scales.size // num_layers * scales.dtype.itemsize // n)
+        num_splits = default_splits((mp // tm) * (np_ // tn), steps, mp * np_ * 4, weight_bytes)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
     # float32 inputs are multiplied in float32 (IEEE): Triton's default for them is TF32, ~1e-3 off.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_qmatmul_kernel, m=m, n=n, k=k, bits=bits, pair=pair, blocks=blocks, tm=tm, tn=tn,
-                               tk=tk, precision=precision)
+                               tk=tk, num_splits=num_splits, precision=precision)
     out = pl.pallas_call(
         kernel,
-        grid=(mp // tm, np_ // tn),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), jnp.float32),
+        grid=(mp // tm, np_ // tn, num_splits),
+        out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"qmatmul_q{bits}{'_pair' if pair else ''}",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x, codes.reshape(num_layers * n, row_bytes),
       scales.reshape(num_layers * n, -1))
+    if num_splits > 1:
+        out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
     return out if (mp, np_) == (m, n) else out[:m, :n]
 
 

@@ -34,8 +34,9 @@ def kernel_args(qw: quant.QuantizedWeight) -> dict:
 
 
 @functools.cache
-def run(bits: int, pair: bool, tile=None):
-    return jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair, tile=tile, interpret=INTERPRET))
+def run(bits: int, pair: bool, tile=None, num_splits=None):
+    return jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair, tile=tile, num_splits=num_splits,
+                                     interpret=INTERPRET))
 
 
 def weights(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
@@ -81,6 +82,25 @@ def test_a_ragged_k_over_several_k_steps(fmt):
         check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
 
 
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_k_split_over_programs_sums_to_the_product(splits):
+    """Split K: K = 570 is 5 steps of 128; 2 and 3 splits share them unevenly, 8 leave splits with none (zeros)."""
+    qw = weights("q4_k", 570, 200, seed=14)
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((3, qw.k)), jnp.bfloat16)
+    check(qw, x, run(**kernel_args(qw), num_splits=splits)(x, qw.codes, qw.scales, LAYER))
+
+
+def test_default_splits_fill_the_device_only_for_small_grids():
+    """Llama-3-8B's down projection [14336 -> 4096] in Q4_K (float32 s, m per block) at one row: 64 programs split
+    8 ways; with 64 rows the partials' bytes cap it at 4; prefill-sized grids and short K are not split."""
+    weight = 4096 * (14336 // 2 + 14336 // 32 * 8)
+    assert gpu_qmatmul.default_splits(64, 112, 16 * 4096 * 4, weight) == 8
+    assert gpu_qmatmul.default_splits(64, 112, 64 * 4096 * 4, weight) == 4
+    assert gpu_qmatmul.default_splits(512, 224, 2048 * 4096 * 4, weight) == 1
+    assert gpu_qmatmul.default_splits(24, 5, 16 * 1536 * 4, 1536 * 288) == 1  # SmolLM2: 5 steps of K
+    assert gpu_qmatmul.default_splits(2, 10_000, 1, 10**9) == gpu_qmatmul.MAX_SPLITS
+
+
 @pytest.mark.parametrize("tile", [(16, 16, 32, 4), (32, 128, 256, 4)], ids=["smallest", "wide"])
 def test_other_tiles_give_the_same_product(tile):
     """The tile is a free choice: the smallest legal one (one block a step, many programs) and a wide one."""
@@ -112,6 +132,7 @@ def test_the_layer_is_read_in_place():
     (dict(x_cols=100), "x has K=100 columns but codes hold 2 blocks"),
     (dict(tile=(16, 48, 64, 4)), "must be powers of two"),
     (dict(tile=(8, 64, 64, 4)), "tm and tn >= 16"),
+    (dict(num_splits=0), "num_splits=0 must be >= 1"),
 ])
 def test_bad_arguments_are_clear_errors(change, message):
     qw = weights("q8_0", 64, 48, seed=10)
