@@ -258,19 +258,25 @@ def test_nibble_matmul_is_the_dequantized_weight_times_x(fmt, m, k):
 
 def test_the_4bit_form_is_chosen_per_platform_and_row_count():
     """Lowered for TPU, a 4-bit product of up to NIBBLE_MAX_ROWS rows bitcasts the codes to uint4 (the form XLA TPU
-    fuses into the dot); for CUDA, or with more rows, it unpacks them to the dense [N, K] weight."""
+    fuses into the dot); with more rows it unpacks them to the dense [N, K] weight; for CUDA it is the Pallas kernel
+    (pallas_kernels/gpu_qmatmul.py) at any row count."""
+    from tests.hlo_checks import TRITON_CALL_TARGETS
+
     rng = np.random.default_rng(3)
 
     qw = jax.tree.map(jnp.asarray, random_weight(rng, "q4_1", 2, 256, 512))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
 
     def lowered(platform, rows):
         x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
         fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
-        return jax.export.export(fn, platforms=[platform])(x).mlir_module()
+        return jax.export.export(fn, platforms=[platform], disabled_checks=checks)(x).mlir_module()
 
     assert "xui4>" in lowered("tpu", 8) and "xui4>" in lowered("tpu", quant.NIBBLE_MAX_ROWS)
     assert "xui4>" not in lowered("tpu", quant.NIBBLE_MAX_ROWS + 1)
-    assert "xui4>" not in lowered("cuda", 8)
+    for rows in (8, quant.NIBBLE_MAX_ROWS + 1):
+        cuda = lowered("cuda", rows)
+        assert "xui4>" not in cuda and any(f"@{t}(" in cuda for t in TRITON_CALL_TARGETS)
 
 
 @pytest.mark.parametrize("m, k", [(1, 64), (5, 72), (64, 256)])
