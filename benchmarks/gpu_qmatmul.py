@@ -2,19 +2,22 @@
 at Llama-3-8B's MLP shapes, on a GPU. Needs one: elsewhere it says so and exits 0 (nothing is timed).
 
 For each weight format (GGUF Q8_0, Q4_0, Q4_1, Q4_K), shape ([4096 -> 14336] gate/up, [14336 -> 4096] down) and row
-count M (1, 16, 64, 256: decode batches), three ways to compute x [M, K] @ W^T [K, N] -> [M, N] for layer 1 of a
-stacked weight of --layers layers:
-  * bf16        a bf16 weight [N, K] of its own and XLA's GEMM: what a model dequantized at load runs;
-  * dequant+dot the layer's codes dequantized by jnp, then XLA's GEMM (`quant._dense_matmul`, the engine's path on
+count M (1, 16, 64, 256: decode batches), three ways to compute x [M, K] @ W_l^T [K, N] -> [M, N] for every layer l
+of a stacked weight of --layers layers (distinct weights, together larger than the card's L2, so each product reads
+its weight from memory; one jitted call does all L products, unrolled, and sums them, which spreads the host's
+dispatch over L products as the engine's layer loop does):
+  * bf16        L bf16 weights [N, K] of their own and XLA's GEMM: what a model dequantized at load runs (without
+                the engine's dynamic-slice of a stacked weight, so the best case for bf16);
+  * dequant+dot each layer's codes dequantized by jnp, then XLA's GEMM (`quant._dense_matmul`, the engine's path on
                 GPU before the kernel): XLA writes the [N, K] bf16 weight in a fusion of its own first;
   * kernel      the Pallas kernel on the stacked codes and the layer (the engine's path on CUDA now).
 Each is jitted, warmed up, then timed as the median of --samples samples of --reps back-to-back calls
-(jax.block_until_ready after each sample). Reported: us per call, the weight bytes each must read (bf16: N K 2;
-the quantized ways: the layer's codes and scales) over the time in GB/s, that as a share of a measured device copy
-bandwidth (a read + write of 1 GiB) and of the card's nominal bandwidth where known, and the kernel's largest
-difference from dequant+dot relative to the largest |output| (they differ in the float32 sum's order only). First,
-a correctness pass at ragged shapes (K, N not multiples of the tiles, M = 7 and 300) checks the compiled kernel
-against dequant+dot.
+(jax.block_until_ready after each sample). Reported per product (a call's time / L): us, the weight bytes it must
+read (bf16: N K 2; the quantized ways: a layer's codes and scales) over the time in GB/s, that as a share of a
+measured device copy bandwidth (a read + write of 1 GiB) and of the card's nominal bandwidth where known, and the
+kernel's largest difference from dequant+dot relative to the largest |output| (they differ in the float32 sum's
+order only). First, a correctness pass at ragged shapes (K, N not multiples of the tiles, M = 7 and 300) checks the
+compiled kernel against dequant+dot.
 
     python benchmarks/gpu_qmatmul.py                       # -> benchmarks/results/gpu_qmatmul.json
     python benchmarks/gpu_qmatmul.py --rows 1 16 --formats q4_k --tiles 16,128,128,4 16,64,256,4   # tile variants
@@ -86,21 +89,28 @@ def copy_bandwidth(num_bytes: int, **timing) -> float:
     return 2 * x.nbytes / time_call(jax.jit(lambda a: a + 1.0), (x,), **timing)
 
 
-def ways(qw: quant.QuantizedWeight, tile_variants) -> dict:
-    """name -> jitted fn(x, w) of the ways compared; w is the dense bf16 weight for "bf16", else qw."""
+def ways(qw: quant.QuantizedWeight, tile_variants, layers=None) -> dict:
+    """name -> jitted fn(x, w): the sum over `layers` (default: every layer) of x @ layer l's weight, [M, N] float32,
+    each product its own op (unrolled); w is the list of dense bf16 weights for "bf16", else qw."""
     pair = qw.scale_mode != quant.BLOCK_SYM
+    layers = range(qw.codes.shape[0]) if layers is None else layers
 
-    def dense(x, w):
-        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    def summed(product):
+        def run(x, w):
+            return sum(product(x, w, layer) for layer in layers)
+        return jax.jit(run)
 
-    def dequant_dot(x, w):
-        return quant._dense_matmul(x, w.codes[1], w.scales[1], qw=w)
+    def dense(x, w, layer):
+        return jax.lax.dot_general(x, w[layer], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    out = {"bf16": jax.jit(dense), "dequant+dot": jax.jit(dequant_dot)}
+    def dequant_dot(x, w, layer):
+        return quant._dense_matmul(x, w.codes[layer], w.scales[layer], qw=w)
+
+    out = {"bf16": summed(dense), "dequant+dot": summed(dequant_dot)}
     for tile in [None] + list(tile_variants):
         name = "kernel" if tile is None else "kernel {},{},{},{}".format(*tile)
-        out[name] = jax.jit(lambda x, w, tile=tile: qmatmul_gpu(x, w.codes, w.scales, 1, bits=w.bits, pair=pair,
-                                                                 tile=tile))
+        out[name] = summed(lambda x, w, layer, tile=tile: qmatmul_gpu(x, w.codes, w.scales, layer, bits=w.bits,
+                                                                       pair=pair, tile=tile))
     return out
 
 
@@ -122,7 +132,7 @@ def ragged_checks() -> list[dict]:
     for i, (fmt, k, n, m) in enumerate(RAGGED):
         qw = random_weight(jax.random.key(100 + i), fmt, 3, k, n)
         x = jax.random.normal(jax.random.key(200 + i), (m, k), jnp.bfloat16)
-        fns = ways(qw, [])
+        fns = ways(qw, [], layers=[1])
         err = relative_error(fns["kernel"](x, qw), fns["dequant+dot"](x, qw))
         rows.append({"format": fmt, "k": k, "n": n, "m": m, "rel_err": err, "ok": err < 1e-3})
     return rows
@@ -133,7 +143,9 @@ def main():
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
-    parser.add_argument("--layers", type=int, default=2, help="layers of the stacked weight (layer 1 is multiplied)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="layers of the stacked weight, each multiplied once a call (8: 264-940 MB of weights, "
+                             "beyond an H100's or H200's 50 MB L2)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="extra kernel tiles to time, each tm,tn,tk,num_warps (default: `tiles(M)` only)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -167,13 +179,13 @@ def main():
                     skipped.append(f"{shape} M={m} {fmt}")
                     continue
                 qw = random_weight(jax.random.key(m), fmt, args.layers, k, n)
-                dense_w = quant.dequantize(qw, jnp.bfloat16, layer=1).T  # [N, K]
+                dense_w = [quant.dequantize(qw, jnp.bfloat16, layer=i).T for i in range(args.layers)]  # L x [N, K]
                 x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
                 fns = ways(qw, tile_variants)
                 want = fns["dequant+dot"](x, qw)
                 for way, fn in fns.items():
                     w = dense_w if way == "bf16" else qw
-                    seconds = time_call(fn, (x, w), **timing)
+                    seconds = time_call(fn, (x, w), **timing) / args.layers  # per product
                     gb_s = weight_bytes(qw, way) / seconds / 1e9
                     rows.append({"shape": shape, "k": k, "n": n, "m": m, "format": fmt, "way": way,
                                  "tile": list(tiles(m)) if way == "kernel" else None, "us": seconds * 1e6,
@@ -185,7 +197,7 @@ def main():
     for r in rows:
         r["x_dequant_dot"] = base[(r["shape"], r["m"], r["format"])] / r["us"]
     print(f"\n{device.device_kind}: copy bandwidth {copy_bw / 1e9:.0f} GB/s, nominal "
-          f"{nominal or '?'} GB/s; jax {jax.__version__}; layer 1 of a {args.layers}-layer stack")
+          f"{nominal or '?'} GB/s; jax {jax.__version__}; per product, {args.layers} layers a call")
     print_table(rows, [("shape", "shape", "s"), ("m", "M", "d"), ("format", "format", "s"), ("way", "way", "s"),
                        ("us", "us/call", ".1f"), ("weight_mb", "weight MB", ".1f"), ("gb_s", "GB/s", ".0f"),
                        ("of_copy", "of copy bw", ".0%"), ("of_nominal", "of nominal", ".0%"),
