@@ -21,6 +21,8 @@ compiled kernel against dequant+dot.
 
     python benchmarks/gpu_qmatmul.py                       # -> benchmarks/results/gpu_qmatmul.json
     python benchmarks/gpu_qmatmul.py --rows 1 16 --formats q4_k --tiles 16,128,128,4 16,64,256,4   # tile variants
+    python benchmarks/gpu_qmatmul.py --scale-loads broadcast        # the engine's kernel only (default: also the
+                                                                    # kernel loading its scales per code, "gather")
     python benchmarks/gpu_qmatmul.py --budget-s 55         # stops timing new cases after 55 s (device_checks.sh)
 """
 
@@ -89,7 +91,7 @@ def copy_bandwidth(num_bytes: int, **timing) -> float:
     return 2 * x.nbytes / time_call(jax.jit(lambda a: a + 1.0), (x,), **timing)
 
 
-def ways(qw: quant.QuantizedWeight, tile_variants, layers=None) -> dict:
+def ways(qw: quant.QuantizedWeight, tile_variants, layers=None, scale_loads=("broadcast",)) -> dict:
     """name -> jitted fn(x, w): the sum over `layers` (default: every layer) of x @ layer l's weight, [M, N] float32,
     each product its own op (unrolled); w is the list of dense bf16 weights for "bf16", else qw."""
     pair = qw.scale_mode != quant.BLOCK_SYM
@@ -107,10 +109,12 @@ def ways(qw: quant.QuantizedWeight, tile_variants, layers=None) -> dict:
         return quant._dense_matmul(x, w.codes[layer], w.scales[layer], qw=w)
 
     out = {"bf16": summed(dense), "dequant+dot": summed(dequant_dot)}
-    for tile in [None] + list(tile_variants):
-        name = "kernel" if tile is None else "kernel {},{},{},{}".format(*tile)
-        out[name] = summed(lambda x, w, layer, tile=tile: qmatmul_gpu(x, w.codes, w.scales, layer, bits=w.bits,
-                                                                       pair=pair, tile=tile))
+    for load in scale_loads:
+        for tile in [None] + list(tile_variants):
+            name = "kernel" + ("" if tile is None else " {},{},{},{}".format(*tile)) + \
+                ("" if load == "broadcast" else f" ({load} scales)")
+            out[name] = summed(lambda x, w, layer, tile=tile, load=load: qmatmul_gpu(
+                x, w.codes, w.scales, layer, bits=w.bits, pair=pair, tile=tile, scale_load=load))
     return out
 
 
@@ -148,6 +152,8 @@ def main():
                              "beyond an H100's or H200's 50 MB L2)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="extra kernel tiles to time, each tm,tn,tk,num_warps (default: `tiles(M)` only)")
+    parser.add_argument("--scale-loads", nargs="+", default=["broadcast", "gather"], choices=["broadcast", "gather"],
+                        help="the kernel's ways of loading block scales to time (the engine uses broadcast)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=7)
     parser.add_argument("--reps", type=int, default=20)
@@ -181,7 +187,7 @@ def main():
                 qw = random_weight(jax.random.key(m), fmt, args.layers, k, n)
                 dense_w = [quant.dequantize(qw, jnp.bfloat16, layer=i).T for i in range(args.layers)]  # L x [N, K]
                 x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
-                fns = ways(qw, tile_variants)
+                fns = ways(qw, tile_variants, scale_loads=args.scale_loads)
                 want = fns["dequant+dot"](x, qw)
                 for way, fn in fns.items():
                     w = dense_w if way == "bf16" else qw

@@ -33,8 +33,10 @@ Inside the kernel (flat views: free reshapes, no copy, so `layer` selects rows a
 Grid (Mp / tm, Np / tn, S), the M tile fastest, so programs that share an N tile (one stretch of the weight) run
 together and the second reads it from L2. One program walks its share of K in steps of tk (a power of two, whole
 blocks of 32; S splits take ceil(steps / S) consecutive steps each, the last ones fewer or none):
-loads x [tm, tk] and the codes [tn, tk * bits / 8] (rows past N, columns past K, masked: never read), the block
-scales gathered per code (cache hits: 32 codes share one), dequantizes in float32, rounds to x's dtype, and
+loads x [tm, tk] and the codes [tn, tk * bits / 8] (rows past N, columns past K, masked: never read), the step's
+block scales [tn, tk / 32] once, repeated over their blocks' codes in registers (`scale_load="gather"` instead loads
+them per code, from the cache: the two are not yet timed against each other), dequantizes in float32, rounds to x's
+dtype, and
 accumulates x_tile @ w_tile^T [tm, tn] in float32. A 4-bit tile is not unpacked into k order: its low nibbles are
 k = 32 b + j and its high ones k = 32 b + 16 + j, so x is loaded as the two matching column sets and each half is
 its own dot (x is small and in L2; the codes are read once, contiguously).
@@ -101,7 +103,8 @@ def default_splits(num_programs: int, steps: int, partial_bytes: int, weight_byt
 
 
 def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n: int, k: int, bits: int,
-                    pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, precision):
+                    pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, scale_load: str,
+                    precision):
     """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
     mi = pl.program_id(0)
     ni = pl.program_id(1)
@@ -114,18 +117,35 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
     col_ok = cols < n
     w_rows = layer * n + cols  # [tn] rows of the flat codes / scales
     width = tk * bits // 8  # code bytes of one step
+    nb = tk // BLOCK  # blocks of one step
+    per_block = width // nb  # code bytes of a block: 32 (8 bits) or 16 (4 bits)
     j = jnp.arange(width, dtype=jnp.int32)  # [width]
     zero = float(offset(bits))
 
-    def dequant(u, blk, ok):
-        """float32 weights [tn, width] of codes u (uint8 values) in blocks blk [width], masked by ok [tn, width]."""
+    def load_scales(step, byte, ok):
+        """The scale (and min) of each code byte of a step, float32 [tn, width] (0 where masked). "broadcast":
+        the step's nb scales of each row loaded once, [tn, nb], and repeated over their blocks' bytes in registers;
+        "gather": loaded per byte (the same address for a block's bytes, served by the cache)."""
+        if scale_load == "broadcast":
+            b = step * nb + jnp.arange(nb, dtype=jnp.int32)  # [nb] blocks of the step
+            ok_b = col_ok[:, None] & (b < blocks)[None, :]
+
+            def load(col):  # [nb] columns of the flat scales -> [tn, width]
+                v = plgpu.load(scales_ref.at[w_rows[:, None], col[None, :]], mask=ok_b, other=0)
+                v = jnp.broadcast_to(v.astype(jnp.float32)[:, :, None], (tn, nb, per_block))
+                return v.reshape(tn, width)
+        else:
+            b = byte // per_block  # [width] block of each byte
+
+            def load(col):
+                v = plgpu.load(scales_ref.at[w_rows[:, None], col[None, :]], mask=ok, other=0)
+                return v.astype(jnp.float32)
+        return (load(2 * b), load(2 * b + 1)) if pair else (load(b), None)
+
+    def dequant(u, s, mn):
+        """float32 weights [tn, width] of codes u (uint8 values), as `_values_plain` computes them."""
         u = u.astype(jnp.float32)
-        if pair:
-            s = plgpu.load(scales_ref.at[w_rows[:, None], 2 * blk[None, :]], mask=ok, other=0).astype(jnp.float32)
-            mn = plgpu.load(scales_ref.at[w_rows[:, None], 2 * blk[None, :] + 1], mask=ok, other=0)
-            return u * s + mn.astype(jnp.float32)
-        s = plgpu.load(scales_ref.at[w_rows[:, None], blk[None, :]], mask=ok, other=0).astype(jnp.float32)
-        return (u - zero) * s
+        return u * s + mn if pair else (u - zero) * s
 
     def dot(xs, w):  # [tm, c] @ [tn, c]^T -> [tm, tn] float32
         return jax.lax.dot_general(xs, w.astype(xs.dtype), (((1,), (1,)), ((), ())), precision=precision,
@@ -139,13 +159,12 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
         byte = step * width + j  # [width] byte columns of the codes
         ok = col_ok[:, None] & (byte < row_bytes)[None, :]  # [tn, width]
         u = plgpu.load(codes_ref.at[w_rows[:, None], byte[None, :]], mask=ok, other=0)  # [tn, width] uint8
+        s, mn = load_scales(step, byte, ok)
         if bits == 8:
-            blk = byte // BLOCK
-            return acc + dot(load_x(byte), dequant(u, blk, ok))
-        blk = byte // (BLOCK // 2)
-        k_low = blk * BLOCK + byte % (BLOCK // 2)  # [width]: k of each byte's low nibble; its high one is k + 16
-        acc = acc + dot(load_x(k_low), dequant(u & 15, blk, ok))
-        return acc + dot(load_x(k_low + BLOCK // 2), dequant(u >> 4, blk, ok))
+            return acc + dot(load_x(byte), dequant(u, s, mn))
+        k_low = byte // 16 * BLOCK + byte % 16  # [width]: k of each byte's low nibble; its high one is k + 16
+        acc = acc + dot(load_x(k_low), dequant(u & 15, s, mn))
+        return acc + dot(load_x(k_low + BLOCK // 2), dequant(u >> 4, s, mn))
 
     steps = pl.cdiv(blocks * BLOCK, tk)
     zeros = jnp.zeros((tm, tn), jnp.float32)
@@ -161,12 +180,14 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
 
 def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, bits: int,
                 pair: bool, interpret: bool = False, tile: tuple[int, int, int, int] | None = None,
-                num_splits: int | None = None, num_stages: int = 3) -> jax.Array:
+                num_splits: int | None = None, scale_load: str = "broadcast", num_stages: int = 3) -> jax.Array:
     """x [M, K] @ the dequantized weight of `layer` [N, K], transposed -> [M, N] float32 (module docstring).
 
     bits: 8 or 4; pair: scales hold (s, m) per block (Q4_1, Q4_K) rather than s alone (Q8_0, Q4_0). tile: (tm, tn,
     tk, num_warps) instead of `tiles(M)` (powers of two, tm and tn >= 16, tk a multiple of 32). num_splits: K
-    splits (None: `default_splits`). interpret=True runs Pallas' interpreter (any backend, CPU included).
+    splits (None: `default_splits`). scale_load: "broadcast" or "gather", how a step's block scales reach its codes
+    (`_qmatmul_kernel`'s load_scales; not yet timed against each other). interpret=True runs Pallas' interpreter
+    (any backend, CPU included).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported; use 4 or 8")
@@ -198,10 +219,12 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
         num_splits = default_splits((mp // tm) * (np_ // tn), steps, mp * np_ * 4, weight_bytes)
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if scale_load not in ("broadcast", "gather"):
+        raise ValueError(f"scale_load={scale_load!r} is not supported; use 'broadcast' or 'gather'")
     # float32 inputs are multiplied in float32 (IEEE): Triton's default for them is TF32, ~1e-3 off.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_qmatmul_kernel, m=m, n=n, k=k, bits=bits, pair=pair, blocks=blocks, tm=tm, tn=tn,
-                               tk=tk, num_splits=num_splits, precision=precision)
+                               tk=tk, num_splits=num_splits, scale_load=scale_load, precision=precision)
     out = pl.pallas_call(
         kernel,
         grid=(mp // tm, np_ // tn, num_splits),

@@ -34,9 +34,9 @@ def kernel_args(qw: quant.QuantizedWeight) -> dict:
 
 
 @functools.cache
-def run(bits: int, pair: bool, tile=None, num_splits=None):
+def run(bits: int, pair: bool, tile=None, num_splits=None, scale_load="broadcast"):
     return jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair, tile=tile, num_splits=num_splits,
-                                     interpret=INTERPRET))
+                                     scale_load=scale_load, interpret=INTERPRET))
 
 
 def weights(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
@@ -71,15 +71,25 @@ def test_kernel_is_x_times_the_dequantized_layer(fmt, m):
     check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
 
 
+@pytest.mark.parametrize("scale_load", ["broadcast", "gather"])
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_a_ragged_k_over_several_k_steps(fmt):
+def test_a_ragged_k_over_several_k_steps(fmt, scale_load):
     """K = 570 (18 blocks, the codes padded to 576; x's last 6 columns do not exist): five steps of 128 k, the last
-    partly past the codes. f32 x is multiplied in IEEE float32."""
+    partly past the codes. f32 x is multiplied in IEEE float32. Both ways of loading the block scales."""
     qw = weights(fmt, 570, 200, seed=3)
     rng = np.random.default_rng(4)
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng.standard_normal((9, qw.k)), dtype)
-        check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+        check(qw, x, run(**kernel_args(qw), scale_load=scale_load)(x, qw.codes, qw.scales, LAYER))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
+def test_gathered_scales_give_the_same_numbers(fmt):
+    qw = weights(fmt, 96, 200, seed=16)
+    x = jnp.asarray(np.random.default_rng(17).standard_normal((7, qw.k)), jnp.bfloat16)
+    got = run(**kernel_args(qw), scale_load="gather")(x, qw.codes, qw.scales, LAYER)
+    check(qw, x, got)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER)))
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
@@ -133,6 +143,7 @@ def test_the_layer_is_read_in_place():
     (dict(tile=(16, 48, 64, 4)), "must be powers of two"),
     (dict(tile=(8, 64, 64, 4)), "tm and tn >= 16"),
     (dict(num_splits=0), "num_splits=0 must be >= 1"),
+    (dict(scale_load="shared"), "scale_load='shared' is not supported"),
 ])
 def test_bad_arguments_are_clear_errors(change, message):
     qw = weights("q8_0", 64, 48, seed=10)
