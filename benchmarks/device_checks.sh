@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one call of a lent H100 / H200 (a session has 15 minutes of device time, one
-# command at most 10): the GPU kernels' tests, then issue #29's and #30's throughput rows. Each part has its own
-# time limit so one that hangs leaves the others their time; the whole script ends within ~9 minutes. Output:
+# command at most 10): the GPU kernels' tests, the quantized matmul kernel against bf16 and dequantize-then-dot,
+# then issue #29's and #30's throughput rows. Each part has its own time limit so one that hangs leaves the others
+# their time (150 + 75 + 325 s, plus ~20 s to start); the whole script ends within ~9.5 minutes. Output:
 # $OUT (or benchmarks/results/device/ without $OUT) holds each part's log and the JSON.
 #
 # The card's image has JAX, flax, transformers and torch but not pydantic, gguf or llguidance: carry them as wheels.
@@ -35,8 +36,13 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
 # 1. correctness on the card: the Pallas GPU kernels (bf16, fp8 pools) and the quantized matmuls' fusion
 part kernels 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gpu.py \
   tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py
-# 2. issue #29 (decode step against its device time, output tok/s) and #30 (fp8 KV + int8 weights >= 1.3x bf16),
+# 2. issue #30: the GGUF block formats' Pallas kernel (pallas_kernels/gpu_qmatmul.py) compiled on the card, checked
+#    against dequantize-then-dot at ragged shapes, then timed at Llama-3-8B's MLP shapes (decode rows first; new
+#    cases stop after 55 s). Its unit tests on the card take a second call:
+#    `python3 -m pytest -q tests/kernels/test_gpu_qmatmul.py`
+part qmatmul 75 python3 benchmarks/gpu_qmatmul.py --budget-s 55 --out "$OUT_DIR/gpu_qmatmul.json"
+# 3. issue #29 (decode step against its device time, output tok/s) and #30 (fp8 KV + int8 weights >= 1.3x bf16),
 #    Llama-3.2-1B and Llama-3-8B shapes, workload D, no HF peers (their rows: a second call, `--workloads D P`)
-part throughput 400 python3 benchmarks/gpu_throughput.py --models 1b 8b --workloads D --formats bf16 fp8kv+int8 \
+part throughput 325 python3 benchmarks/gpu_throughput.py --models 1b 8b --workloads D --formats bf16 fp8kv+int8 \
   --no-hf --out "$OUT_DIR/gpu_throughput.json"
 echo "done in ${SECONDS} s"

@@ -19,16 +19,18 @@ gate/up pair and `layer_matmul` for its down projection, which call `quant.qglu`
 batches) and 2048 (a prefill chunk).
 
 A case is fused when an op that runs the product (a fusion holding the dot, a TPU convolution, or the reduce a
-one-row product becomes; or a library GEMM call) reads the weight's integer codes and no instruction of the entry
-or the loop body writes a float array of N * K elements (the weight dequantized to full width, or its scales
-broadcast to it: `tests/hlo_checks.full_width_writes`). The table also says what XLA made and the module's
-temporary bytes (`memory_analysis()`) against one full-width bf16 [N, K] weight (XLA TPU may place a full-width
-write in memory space S(1), outside those bytes; at M = 2048 the activations alone can exceed them).
+one-row product becomes; a library GEMM call; or, on CUDA for the GGUF block formats, the custom call of the Pallas
+Triton kernel pallas_kernels/gpu_qmatmul.py, whose dot XLA compiles from Triton IR) reads the weight's integer codes
+and no instruction of the entry or the loop body writes a float array of N * K elements (the weight dequantized to
+full width, or its scales broadcast to it: `tests/hlo_checks.full_width_writes`). The table also says what XLA made
+and the module's temporary bytes (`memory_analysis()`) against one full-width bf16 [N, K] weight (XLA TPU may place
+a full-width write in memory space S(1), outside those bytes; at M = 2048 the activations alone can exceed them).
 
 `--variants` compiles other formulations of the same product beside the engine's (`VARIANTS`: `dense` is the
-engine's path before the uint4 form, on every platform). Writes benchmarks/results/quant_fusion.json (or --out):
-versions, target configs, every case with its evidence (the ops' operands and a few lines of their fused
-computations); `--merge` keeps the file's cases this run does not compile again.
+engine's path before the uint4 form and the GPU kernel, dequantize-then-dot on every platform). Writes
+benchmarks/results/quant_fusion.json (or --out): versions, target configs, every case with its evidence (the ops'
+operands and a few lines of their fused computations); `--merge` keeps the file's cases this run does not compile
+again.
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ def _fused_lines(hlo: str, op) -> list[str]:
 
 def _what(op) -> str:
     """A matmul op in a few words: its kind, and "reduce" where a one-row product became one."""
+    if "custom-call" in op.inner_ops:  # a library GEMM or a Pallas GPU kernel
+        return op.kind
     inner = "dot" if "dot" in op.inner_ops else "convolution" if "convolution" in op.inner_ops else "reduce"
     return f"{op.kind} ({inner})"
 
@@ -189,10 +193,11 @@ def _scale_and_min(qw, scales):
     return scales[..., 0].astype(jnp.float32), scales[..., 1].astype(jnp.float32)
 
 
-def _blocked(x, qw, codes, scales, split_nibbles: bool):
+def _blocked(x, qw, codes, scales, layer=None, *, split_nibbles: bool):
     """x @ w with w kept [N, B, 32] (or its nibble halves [N, B, 16]): the dot contracts over (B, 32), so the block
     scales are a broadcast along a dimension of the dot's own operand, and the 4-bit codes are never interleaved
     (x's halves are, which is cheap). Each weight is the value `_values_plain` gives; only the sum's order differs."""
+    codes, scales = _layer(codes, scales, layer)
     n, kp = codes.shape[0], codes.shape[1] * 8 // qw.bits
     blocks = kp // quant.BLOCK
     if x.shape[1] != kp:
@@ -220,17 +225,22 @@ def _blocked(x, qw, codes, scales, split_nibbles: bool):
 _ENGINE_PLAIN = quant._plain_matmul
 
 
-def _dense_everywhere(x, qw, codes, scales):
+def _layer(codes, scales, layer):
+    """The matrix of `layer` (None: codes and scales are one matrix already), sliced as the engine's branches do."""
+    return (codes, scales) if layer is None else (codes[layer], scales[layer])
+
+
+def _dense_everywhere(x, qw, codes, scales, layer=None):
     """The engine's plain path before this comparison: `_values_plain` [N, K] and one dot, on every platform (no
-    uint4 form on TPU, no signed int8 form on CUDA)."""
-    return quant._dense_matmul(x, codes, scales, qw=qw)
+    uint4 form on TPU, no signed int8 form and no Pallas kernel on CUDA)."""
+    return quant._dense_matmul(x, *_layer(codes, scales, layer), qw=qw)
 
 
-def _uint4_everywhere(x, qw, codes, scales):
+def _uint4_everywhere(x, qw, codes, scales, layer=None):
     """The 4-bit formats by `quant._nibble_matmul` on every platform and at every row count (8-bit: the engine's)."""
     if qw.bits == 4:
-        return quant._nibble_matmul(x, codes, scales, qw=qw)
-    return _ENGINE_PLAIN(x, qw, codes, scales)
+        return quant._nibble_matmul(x, *_layer(codes, scales, layer), qw=qw)
+    return _ENGINE_PLAIN(x, qw, codes, scales, layer)
 
 
 class _patched:

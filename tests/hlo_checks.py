@@ -105,8 +105,8 @@ class Operand:
 @dataclasses.dataclass(frozen=True)
 class DotOp:
     """One instruction of a top-level computation (the entry or a loop body) that runs a matmul: a fusion whose
-    computations hold a dot, a convolution (TPU) or a reduce (a matrix-vector product at one row), or a library GEMM
-    call."""
+    computations hold a dot, a convolution (TPU) or a reduce (a matrix-vector product at one row), a library GEMM
+    call, or a Pallas GPU (Triton) kernel's custom call."""
 
     name: str
     kind: str  # "fusion kCustom __triton_gemm", "custom-call __cublas$gemm", "fusion kOutput", ...
@@ -187,6 +187,10 @@ def dot_ops(hlo: str) -> list[DotOp]:
             target = re.search(r'custom_call_target="([^"]+)"', line)
             if inst["opcode"] == "custom-call" and target and target.group(1).startswith(GEMM_CALL_TARGETS):
                 kind, inner = f"custom-call {target.group(1)}", ("custom-call",)
+            elif inst["opcode"] == "custom-call" and target and target.group(1) in TRITON_CALL_TARGETS:
+                # a Pallas GPU kernel (its dot is inside the Triton IR, not in HLO): counted as a matmul where a
+                # caller asks what reads a weight's codes (dot_ops of a module without quantized matmuls has none)
+                kind, inner = f"custom-call {target.group(1)}", ("custom-call", "triton")
             elif inst["opcode"] == "fusion":
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
                 inner = sorted({i["opcode"] for c in reachable(comps, callee)

@@ -2,8 +2,10 @@
 lay quantized weights out for the kernel that multiplies them, and describe the weights (start-up log, stats()).
 
 Where the products run: on a CPU whose native quantized matmul has its AVX-512 VNNI path (`native_quantized`), by
-that kernel (pallas_kernels/cpu_native/qmatmul.cc) from the panel layout; elsewhere (GPU, TPU, other CPUs) the plain
-layout is dequantized by `jnp` inside the jitted step, next to XLA's dot (`jaxpaged.models.quant.qmatmul`).
+that kernel (pallas_kernels/cpu_native/qmatmul.cc) from the panel layout; on CUDA the GGUF block formats by the
+Pallas Triton kernel (pallas_kernels/gpu_qmatmul.py) from the plain layout; elsewhere (TPU, other CPUs, int8 on
+GPU) the plain layout is dequantized by `jnp` inside the jitted step, next to XLA's dot
+(`jaxpaged.models.quant.qmatmul`).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ logger = logging.getLogger(__name__)
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k")
 # The formats whose dequantization XLA's compiler for a backend does not fuse into a decode step's dot, as its
 # compiled HLO shows (deviceless compiles for H100/H200 and TPU v5e/v6e, benchmarks/quant_fusion.py): it writes
-# each layer's weight at full width, then the dot reads it.
-NOT_FUSED = {"gpu": ("q8_0", "q4_0", "q4_1", "q4_k"), "tpu": ("q8_0",)}  # the kept formats compiled there
+# each layer's weight at full width, then the dot reads it. On GPU none: int8 is fused into XLA's GEMM, and the
+# block formats run the Pallas kernel, which dequantizes in registers (compiled for H100 and H200).
+NOT_FUSED = {"gpu": (), "tpu": ("q8_0",)}  # the kept formats compiled there
 
 
 def native_quantized() -> bool:
@@ -67,6 +70,9 @@ def describe_weights(state, quantization: str | None) -> dict:
     if quantized:
         where = "; products by the native CPU kernel (int8 activations, VPDPBUSD)" if native_quantized() else \
             "; dequantized inside the step next to XLA's dot"
+        if jax.default_backend() == "gpu" and set(quantized) & set(GGUF_FORMATS):
+            where = "; GGUF block formats by the Pallas GPU kernel on CUDA (dequantized in registers), int8 next to " \
+                    "XLA's dot"
     logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
                 where)

@@ -266,8 +266,7 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
 
         return qmatmul_native(x, qw.codes, qw.scales, 0 if layer is None else layer, rows, n=qw.n, bits=qw.bits,
                               scale_mode=qw.scale_mode, mode=mode or NATIVE_MODE, out_dtype=out_dtype)
-    codes, scales = (qw.codes, qw.scales) if layer is None else (qw.codes[layer], qw.scales[layer])
-    return _plain_matmul(x, qw, codes, scales).astype(out_dtype)
+    return _plain_matmul(x, qw, qw.codes, qw.scales, layer).astype(out_dtype)
 
 
 # XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
@@ -276,18 +275,35 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
 NIBBLE_MAX_ROWS = 64
 
 
-def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """x [M, K] @ one plain-layout matrix (codes [N, Kp * bits / 8], its scales) -> [M, N] float32: on TPU the 4-bit
-    formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where `_dense_matmul`'s nibble interleave makes
-    it write the weight at full width); on CUDA int8 per channel by `_signed_channel_matmul` (its GEMM reads int8);
-    everywhere else `_dense_matmul`."""
-    dense = functools.partial(_dense_matmul, qw=qw)
-    if qw.bits == 4 and qw.scale_mode != CHANNEL and x.shape[0] <= NIBBLE_MAX_ROWS:
-        return jax.lax.platform_dependent(x, codes, scales, tpu=functools.partial(_nibble_matmul, qw=qw),
-                                          default=dense)
+def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: jax.Array, layer=None) -> jax.Array:
+    """x [M, K] @ one plain-layout matrix -> [M, N] float32; codes and scales are qw's whole arrays, of which `layer`
+    (None: they are one matrix) is multiplied: on CUDA the block formats by the Pallas Triton kernel
+    (pallas_kernels/gpu_qmatmul.py), which takes the stacked codes and the layer and dequantizes tile by tile in
+    registers (XLA GPU writes their weight at full width before its GEMM, and a dynamic-slice of the stack may copy
+    the layer); on TPU the 4-bit formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where
+    `_dense_matmul`'s nibble interleave makes it write the weight at full width); on CUDA int8 per channel by
+    `_signed_channel_matmul` (its GEMM reads int8); everywhere else `_dense_matmul`. Every branch but the kernel's
+    multiplies the layer's codes[layer], scales[layer]."""
+    def at_layer(fn):
+        if layer is None:
+            return fn
+        return lambda x, codes, scales: fn(x, codes[layer], scales[layer])
+
+    dense = at_layer(functools.partial(_dense_matmul, qw=qw))
     if qw.scale_mode == CHANNEL:
-        return jax.lax.platform_dependent(x, codes, scales, cuda=_signed_channel_matmul, default=dense)
-    return dense(x, codes, scales)
+        return jax.lax.platform_dependent(x, codes, scales, cuda=at_layer(_signed_channel_matmul), default=dense)
+    kernel = functools.partial(_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
+    if qw.bits == 4 and x.shape[0] <= NIBBLE_MAX_ROWS:
+        return jax.lax.platform_dependent(x, codes, scales, cuda=kernel,
+                                          tpu=at_layer(functools.partial(_nibble_matmul, qw=qw)), default=dense)
+    return jax.lax.platform_dependent(x, codes, scales, cuda=kernel, default=dense)
+
+
+def _kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight, layer) -> jax.Array:
+    """The block formats on CUDA: the Pallas Triton kernel on the stacked codes (or one matrix's, layer 0)."""
+    from pallas_kernels.gpu_qmatmul import qmatmul_gpu
+
+    return qmatmul_gpu(x, codes, scales, layer, bits=qw.bits, pair=qw.scale_mode in (BLOCK_F16, BLOCK_F32))
 
 
 def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:

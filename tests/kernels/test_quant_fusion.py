@@ -107,12 +107,37 @@ def test_tpu_q8_0_block_scales_are_broadcast_to_full_width(tpu_device):
 # ---- GPU (H100) -----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", KEPT)
-def test_gpu_one_row_product_reads_the_codes(gpu_device, fmt):
-    """At one row XLA GPU turns the product into a reduction, and its fusion dequantizes the codes itself."""
-    hlo = compile_layer_loop(gpu_device, fmt, "matmul", rows=1).as_text()
+def test_gpu_one_row_product_reads_the_codes(gpu_device):
+    """At one row XLA GPU turns int8's product into a reduction, and its fusion dequantizes the codes itself."""
+    hlo = compile_layer_loop(gpu_device, "int8", "matmul", rows=1).as_text()
     assert full_width_writes(hlo, N, K) == []
-    assert any(op.reads_codes(N, K, FORMS[fmt][0]) and "reduce" in op.inner_ops for op in dot_ops(hlo))
+    assert any(op.reads_codes(N, K, 8) and "reduce" in op.inner_ops for op in dot_ops(hlo))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 100])  # (not 256: [256, N] activations would look like an [N, K] weight)
+@pytest.mark.parametrize("kind", ["glu", "matmul"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
+def test_gpu_block_formats_run_the_pallas_kernel_on_the_stacked_codes(gpu_device, fmt, kind, rows):
+    """The GGUF block formats on CUDA (`quant._kernel_matmul`, pallas_kernels/gpu_qmatmul.py), compiled for an H100
+    (Triton -> PTX inside XLA's compile): each matrix's product is one Triton custom call whose operand is the whole
+    stack of codes (a bitcast of the loop's parameter, not a dynamic-slice or a fusion's output), nothing writes an
+    [N, K] float array, and the module's temporaries are the kernels' float32 outputs (M padded to its tile) plus
+    less than a quarter of one [N, K] bf16 weight."""
+    from pallas_kernels.gpu_qmatmul import tiles
+    from tests.hlo_checks import TRITON_CALL_TARGETS
+
+    compiled = compile_layer_loop(gpu_device, fmt, kind, rows=rows)
+    hlo = compiled.as_text()
+    assert full_width_writes(hlo, N, K) == []
+    calls = [op for op in dot_ops(hlo) if op.kind.removeprefix("custom-call ") in TRITON_CALL_TARGETS]
+    assert len(calls) == (2 if kind == "glu" else 1)
+    for op in calls:
+        (codes,) = [o for o in op.operands if o.dtype == "u8"]
+        assert codes.size == LAYERS * N * K * FORMS[fmt][0] // 8
+        assert codes.producer in ("parameter", "get-tuple-element", "while") or codes.producer.startswith("param")
+    tm = tiles(rows)[0]
+    outputs = len(calls) * -(-rows // tm) * tm * N * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < outputs + N * K * 2 // 4
 
 
 def test_gpu_int8_gemm_reads_signed_codes(gpu_device):
@@ -129,11 +154,18 @@ def test_gpu_int8_gemm_reads_signed_codes(gpu_device):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
-def test_gpu_gemm_takes_a_full_width_weight_written_by_another_fusion(gpu_device, fmt):
-    """Where XLA GPU (jaxlib 0.10.2, H100) does not fuse: at 8 rows the Triton GEMM fusion takes a bf16 [N, K] weight
-    that a loop fusion wrote from the uint8 codes (its GEMM fusion accepts only a bare convert of signed s8 / s4
-    codes, and block scales cannot wait until after the dot). If this fails, XLA fuses it now: update
-    docs/quantization.md ("Where it is multiplied")."""
+def test_gpu_gemm_without_the_kernel_takes_a_full_width_weight_written_by_another_fusion(gpu_device, fmt,
+                                                                                         monkeypatch):
+    """Why the block formats have a kernel on CUDA: dequantize-then-dot (`quant._dense_matmul`, what every other
+    platform runs) compiled by XLA GPU (jaxlib 0.10.2, H100) at 8 rows: the Triton GEMM fusion takes a bf16 [N, K]
+    weight that a loop fusion wrote from the uint8 codes (its GEMM fusion accepts only a bare convert of signed s8 /
+    s4 codes, and block scales cannot wait until after the dot). If this fails, XLA fuses it now: the kernel may
+    no longer be needed (docs/quantization.md, "Where it is multiplied")."""
+    def dense(x, qw, codes, scales, layer=None):
+        codes, scales = (codes, scales) if layer is None else (codes[layer], scales[layer])
+        return quant._dense_matmul(x, codes, scales, qw=qw)
+
+    monkeypatch.setattr(quant, "_plain_matmul", dense)
     compiled = compile_layer_loop(gpu_device, fmt, "matmul")
     hlo = compiled.as_text()
     writes = full_width_writes(hlo, N, K)

@@ -130,22 +130,23 @@ def test_startup_log_names_the_weight_bytes_and_format(caplog):
 
 
 def test_startup_warns_where_xla_does_not_fuse_the_dequantization(caplog, monkeypatch):
-    """On a GPU, kept GGUF block formats are dequantized to a full-width weight per layer before XLA's dot (its
-    compiled HLO: docs/quantization.md); int8 is fused. The start-up log says so, naming the formats."""
+    """On a TPU, Q8_0's block scales are broadcast to a full-width array per layer before XLA's dot (its compiled
+    HLO: docs/quantization.md); int8 and the 4-bit formats are fused, and on GPU every kept format is (int8 by XLA,
+    the block formats by the Pallas kernel). The start-up log says so, naming the formats."""
     from jaxpaged.engine import quant_setup
 
     int8 = _plain_stack(layers=1, k=64, n=32)
-    q4 = int8.replace(bits=4, scale_mode=quant.BLOCK_SYM)
-    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == ["q4_0", "q8_0"]
+    q8 = int8.replace(scale_mode=quant.BLOCK_SYM)
+    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == []
     assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "tpu") == ["q8_0"]
     assert quant_setup.unfused_formats(["q4_0"], "cpu") == []
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     with caplog.at_level(logging.WARNING, logger="jaxpaged.engine.quant_setup"):
         quant_setup.describe_weights({"a": int8}, "int8")
         assert not caplog.records
-        quant_setup.describe_weights({"a": int8, "b": q4}, "gguf")
+        quant_setup.describe_weights({"a": int8, "b": q8}, "gguf")
     (record,) = caplog.records
-    assert "gpu compiler does not fuse the dequantization of q4_0 into the dot" in record.getMessage()
+    assert "tpu compiler does not fuse the dequantization of q8_0 into the dot" in record.getMessage()
 
 
 # ---- your own module -------------------------------------------------------------------------------------------------
@@ -257,19 +258,25 @@ def test_nibble_matmul_is_the_dequantized_weight_times_x(fmt, m, k):
 
 def test_the_4bit_form_is_chosen_per_platform_and_row_count():
     """Lowered for TPU, a 4-bit product of up to NIBBLE_MAX_ROWS rows bitcasts the codes to uint4 (the form XLA TPU
-    fuses into the dot); for CUDA, or with more rows, it unpacks them to the dense [N, K] weight."""
+    fuses into the dot); with more rows it unpacks them to the dense [N, K] weight; for CUDA it is the Pallas kernel
+    (pallas_kernels/gpu_qmatmul.py) at any row count."""
+    from tests.hlo_checks import TRITON_CALL_TARGETS
+
     rng = np.random.default_rng(3)
 
     qw = jax.tree.map(jnp.asarray, random_weight(rng, "q4_1", 2, 256, 512))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
 
     def lowered(platform, rows):
         x = jax.ShapeDtypeStruct((rows, 256), jnp.bfloat16)
         fn = jax.jit(lambda x: layer_matmul(x, qw, 1))
-        return jax.export.export(fn, platforms=[platform])(x).mlir_module()
+        return jax.export.export(fn, platforms=[platform], disabled_checks=checks)(x).mlir_module()
 
     assert "xui4>" in lowered("tpu", 8) and "xui4>" in lowered("tpu", quant.NIBBLE_MAX_ROWS)
     assert "xui4>" not in lowered("tpu", quant.NIBBLE_MAX_ROWS + 1)
-    assert "xui4>" not in lowered("cuda", 8)
+    for rows in (8, quant.NIBBLE_MAX_ROWS + 1):
+        cuda = lowered("cuda", rows)
+        assert "xui4>" not in cuda and any(f"@{t}(" in cuda for t in TRITON_CALL_TARGETS)
 
 
 @pytest.mark.parametrize("m, k", [(1, 64), (5, 72), (64, 256)])

@@ -1,0 +1,245 @@
+"""The Pallas GPU quantized matmul (pallas_kernels/gpu_qmatmul.py) against the weights that
+`jaxpaged.models.quant.dequantize` gives: compiled for the GPU where JAX's default backend is one, else in interpret
+mode; and lowered for CUDA without a GPU (jax.export), which runs Triton's static checks. Whether XLA then compiles
+it for an H100 / H200, and what the engine's layer loop becomes with it, is tests/kernels/test_quant_fusion.py
+(deviceless, in a venv with the CUDA plugin).
+
+Shapes are small (interpret mode runs every program of the grid in turn) but cover what the kernel masks: K not a
+multiple of the K tile (96, 570), N not a multiple of the N tile (200), M padded to whole tiles (1, 7, 64, 300),
+and the layer of a stacked weight read in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.models import quant
+from pallas_kernels import gpu_qmatmul
+from tests.hlo_checks import TRITON_CALL_TARGETS
+from tests.quant_weights import FORMS, f64, random_weight
+
+INTERPRET = jax.default_backend() != "gpu"
+BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"]  # every kept format with per-block scales
+LAYERS, LAYER = 3, 1
+
+
+def kernel_args(qw: quant.QuantizedWeight) -> dict:
+    return dict(bits=qw.bits, pair=qw.scale_mode in (quant.BLOCK_F16, quant.BLOCK_F32))
+
+
+@functools.cache
+def run(bits: int, pair: bool, tile=None, num_splits=None, scale_load="broadcast"):
+    return jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair, tile=tile, num_splits=num_splits,
+                                     scale_load=scale_load, interpret=INTERPRET))
+
+
+def weights(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
+    """A stacked [LAYERS, K, N] weight whose other layers' scales are NaN: reading any layer but LAYER shows."""
+    qw = random_weight(np.random.default_rng(seed), fmt, LAYERS, k, n)
+    scales = np.full_like(qw.scales, np.nan)
+    scales[LAYER] = qw.scales[LAYER]
+    return jax.tree.map(jnp.asarray, qw.replace(scales=scales))
+
+
+def check(qw: quant.QuantizedWeight, x, got):
+    """got equals x times the layer's weights rounded to x's dtype up to float32 sum order, and x times the float32
+    weights up to that rounding (bf16: 2^-8 of each weight)."""
+    w32 = f64(quant.dequantize(qw, np.float32, LAYER))  # [K, N]
+    w_x = f64(quant.dequantize(qw, np.float32, LAYER).astype(x.dtype))
+    xs = f64(x)
+    got = np.asarray(got)
+    assert got.shape == (x.shape[0], qw.n) and got.dtype == np.float32
+    scale = np.abs(xs) @ np.abs(w32) + 1e-30
+    np.testing.assert_array_less(np.abs(got - xs @ w_x), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
+    rounding = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_array_less(np.abs(got - xs @ w32), rounding * scale)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_kernel_is_x_times_the_dequantized_layer(fmt, m):
+    """K = 96: three blocks, one step of 128 k whose last 32 are masked; N = 200: a partial N tile; M padded to
+    whole tiles of 16 to 128 rows. Every block format, including the 8-bit (s, m) ones of re-quantized types."""
+    qw = weights(fmt, 96, 200, seed=m)
+    x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, qw.k)), jnp.bfloat16)
+    check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+
+
+@pytest.mark.parametrize("scale_load", ["broadcast", "gather"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_a_ragged_k_over_several_k_steps(fmt, scale_load):
+    """K = 570 (18 blocks, the codes padded to 576; x's last 6 columns do not exist): five steps of 128 k, the last
+    partly past the codes. f32 x is multiplied in IEEE float32. Both ways of loading the block scales."""
+    qw = weights(fmt, 570, 200, seed=3)
+    rng = np.random.default_rng(4)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng.standard_normal((9, qw.k)), dtype)
+        check(qw, x, run(**kernel_args(qw), scale_load=scale_load)(x, qw.codes, qw.scales, LAYER))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
+def test_gathered_scales_give_the_same_numbers(fmt):
+    qw = weights(fmt, 96, 200, seed=16)
+    x = jnp.asarray(np.random.default_rng(17).standard_normal((7, qw.k)), jnp.bfloat16)
+    got = run(**kernel_args(qw), scale_load="gather")(x, qw.codes, qw.scales, LAYER)
+    check(qw, x, got)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER)))
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_k_split_over_programs_sums_to_the_product(splits):
+    """Split K: K = 570 is 5 steps of 128; 2 and 3 splits share them unevenly, 8 leave splits with none (zeros)."""
+    qw = weights("q4_k", 570, 200, seed=14)
+    x = jnp.asarray(np.random.default_rng(15).standard_normal((3, qw.k)), jnp.bfloat16)
+    check(qw, x, run(**kernel_args(qw), num_splits=splits)(x, qw.codes, qw.scales, LAYER))
+
+
+def test_default_splits_fill_the_device_only_for_small_grids():
+    """Llama-3-8B's down projection [14336 -> 4096] in Q4_K (float32 s, m per block) at one row: 64 programs split
+    8 ways; with 64 rows the partials' bytes cap it at 4; prefill-sized grids and short K are not split."""
+    weight = 4096 * (14336 // 2 + 14336 // 32 * 8)
+    assert gpu_qmatmul.default_splits(64, 112, 16 * 4096 * 4, weight) == 8
+    assert gpu_qmatmul.default_splits(64, 112, 64 * 4096 * 4, weight) == 4
+    assert gpu_qmatmul.default_splits(512, 224, 2048 * 4096 * 4, weight) == 1
+    assert gpu_qmatmul.default_splits(24, 5, 16 * 1536 * 4, 1536 * 288) == 1  # SmolLM2: 5 steps of K
+    assert gpu_qmatmul.default_splits(2, 10_000, 1, 10**9) == gpu_qmatmul.MAX_SPLITS
+
+
+@pytest.mark.parametrize("tile", [(16, 16, 32, 4), (32, 128, 256, 4)], ids=["smallest", "wide"])
+def test_other_tiles_give_the_same_product(tile):
+    """The tile is a free choice: the smallest legal one (one block a step, many programs) and a wide one."""
+    qw = weights("q4_k", 96, 200, seed=5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((20, qw.k)), jnp.bfloat16)
+    check(qw, x, run(**kernel_args(qw), tile=tile)(x, qw.codes, qw.scales, LAYER))
+
+
+def test_an_unstacked_weight_and_the_reference():
+    """2-D codes [N, ...] are one layer; `qmatmul_reference` is the same contract in jnp."""
+    qw = weights("q4_0", 64, 48, seed=7)
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((3, qw.k)), jnp.bfloat16)
+    got = run(4, False)(x, qw.codes[LAYER], qw.scales[LAYER], 0)
+    check(qw, x, got)
+    ref = gpu_qmatmul.qmatmul_reference(x, qw.codes, qw.scales, LAYER, bits=4, pair=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_the_layer_is_read_in_place():
+    """Reading layer 0 (NaN scales) gives NaN everywhere: the layer operand, not a slice, picks the rows."""
+    qw = weights("q8_0", 64, 48, seed=9)
+    x = jnp.ones((2, qw.k), jnp.bfloat16)
+    assert np.isnan(np.asarray(run(8, False)(x, qw.codes, qw.scales, 0))).all()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(bits=5), "bits=5 is not supported"),
+    (dict(pair=True), r"scales must be \[3, 48, 2, 2\] for pair=True"),
+    (dict(x_cols=100), "x has K=100 columns but codes hold 2 blocks"),
+    (dict(tile=(16, 48, 64, 4)), "must be powers of two"),
+    (dict(tile=(8, 64, 64, 4)), "tm and tn >= 16"),
+    (dict(num_splits=0), "num_splits=0 must be >= 1"),
+    (dict(scale_load="shared"), "scale_load='shared' is not supported"),
+])
+def test_bad_arguments_are_clear_errors(change, message):
+    qw = weights("q8_0", 64, 48, seed=10)
+    x = jnp.ones((2, change.pop("x_cols", qw.k)), jnp.bfloat16)
+    kwargs = dict(bits=8, pair=False) | change
+    with pytest.raises(ValueError, match=message):
+        gpu_qmatmul.qmatmul_gpu(x, qw.codes, qw.scales, 0, interpret=True, **kwargs)
+
+
+def test_tiles_are_powers_of_two_and_dot_sized():
+    for m in (1, 7, 16, 17, 64, 65, 256, 257, 2048):
+        tm, tn, tk, warps = gpu_qmatmul.tiles(m)
+        assert all(v & (v - 1) == 0 for v in (tm, tn, tk)) and min(tm, tn, tk // 2) >= 16 and tk % 32 == 0
+        assert tm <= max(16, 2 * m) and warps in (4, 8)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("m", [1, 64, 2048])
+def test_kernel_lowers_for_cuda_without_a_gpu(fmt, m):
+    """jax.export(platforms=['cuda']) runs the Pallas -> Triton lowering (Triton's static rules: power-of-two
+    blocks), at Llama-3-8B's down projection [14336 -> 4096] of a 32-layer stack: one launch, the stacked codes
+    passed whole (a bitcast, no slice), no XLA loop around it."""
+    from jax import export
+
+    bits, mode = FORMS[fmt]
+    pair = mode != quant.BLOCK_SYM
+    k, n, layers = 14336, 4096, 32
+    sds = jax.ShapeDtypeStruct
+    scales = sds((layers, n, k // 32, 2) if pair else (layers, n, k // 32),
+                 jnp.float32 if mode == quant.BLOCK_F32 else jnp.float16)
+    args = (sds((m, k), jnp.bfloat16), sds((layers, n, k * bits // 8), jnp.uint8), scales, sds((), jnp.int32))
+    fn = jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "jax-pallas-triton" from JAX 0.11
+        module = export.export(fn, platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    assert sum(module.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1
+    assert "stablehlo.while" not in module and "dynamic_slice" not in module
+
+
+# ---- the engine's plain-layout matmul on CUDA (jaxpaged.models.quant._plain_matmul) ------------------------------
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch, fmt):
+    """quant's CUDA branch (`_kernel_matmul`), the kernel run by the interpreter: the same product as the
+    dequantize-then-dot branch every other platform runs, from the stacked arrays and the layer."""
+    monkeypatch.setattr(gpu_qmatmul, "qmatmul_gpu", functools.partial(gpu_qmatmul.qmatmul_gpu, interpret=INTERPRET))
+    qw = weights(fmt, 96, 40, seed=11)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
+    got = jax.jit(functools.partial(quant._kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
+    want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8) -> str:
+    """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`."""
+    from jax import export
+
+    from jaxpaged.models.matmul import layer_matmul
+
+    def run(x):
+        def body(i, acc):
+            return acc + layer_matmul(x, qw, i)
+        return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
+
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        exported = export.export(jax.jit(run), platforms=[platform], disabled_checks=checks)
+        return exported(jax.ShapeDtypeStruct((rows, qw.k), jnp.bfloat16)).mlir_module()
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_on_cuda_the_layer_loop_calls_the_kernel_on_the_whole_stack(fmt):
+    """Lowered for CUDA, each layer's product is the Triton kernel reading the stacked codes [L, N, ...] (no
+    dynamic-slice of them, no [N, K] float weight); lowered for TPU and CPU nothing changes (no Triton call)."""
+    qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(13), fmt, 4, 256, 512))
+    bits = qw.bits
+    cuda = _layer_loop_module(qw, "cuda")
+    assert sum(cuda.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1
+    assert f"tensor<4x512x{256 * bits // 8}xui8>" in cuda and f"tensor<2048x{256 * bits // 8}xui8>" in cuda
+    assert "dynamic_slice" not in cuda and "tensor<512x256xbf16>" not in cuda and "tensor<512x256xf32>" not in cuda
+    for platform in ("tpu", "cpu"):
+        other = _layer_loop_module(qw, platform)
+        assert not any(f"@{t}(" in other for t in TRITON_CALL_TARGETS) and "dynamic_slice" in other
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on a GPU the benchmark times for minutes")
+def test_the_benchmark_says_it_needs_a_gpu_and_exits_0():
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_qmatmul.py"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and "needs a GPU" in result.stdout and "nothing timed" in result.stdout
