@@ -4,11 +4,30 @@ Decoding token by token can split a multi-byte character across tokens: the part
 We decode the tokens since the last emitted text together with the ones before them and hold text back while it
 ends in U+FFFD, so emitted text never contains half a character. Text that could be the start of a stop string is
 held back too, so what was already streamed is always a prefix of the final text.
+
+A transformers fast tokenizer whose `decode` is its `tokenizers.Tokenizer`'s alone (no clean-up of spaces) is
+decoded by that library's `DecodeStream`, which does the same in Rust: one call per token where the Python way makes
+two `decode` calls through transformers. Any other tokenizer takes the Python way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+try:
+    from tokenizers import Tokenizer as _RustTokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # tokenizers < 0.21
+    DecodeStream = None
+
+
+def rust_tokenizer(tokenizer):
+    """The `tokenizers.Tokenizer` that decodes for `tokenizer`, where its `decode` adds nothing to that object's
+    (transformers' clean-up of spaces off); else None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or not isinstance(backend, _RustTokenizer):
+        return None
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", False) else backend
 
 
 @dataclasses.dataclass
@@ -21,9 +40,23 @@ class Detokenizer:
     _prefix_offset: int = 0
     _read_offset: int = 0
     stopped_on: str | None = None
+    _rust: object = None  # the tokenizer's `tokenizers.Tokenizer`, where `DecodeStream` decodes for it
+    _stream: object = None
+
+    def __post_init__(self):
+        self._rust = rust_tokenizer(self.tokenizer)
+        if self._rust is not None:
+            self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> None:
         """Decodes the newly appended tokens of `token_ids` (the sequence's full output so far)."""
+        if self._stream is not None:
+            for token in token_ids[self._read_offset:]:
+                piece = self._stream.step(self._rust, token)
+                if piece:
+                    self.text += piece
+            self._read_offset = len(token_ids)
+            return
         prefix = self._decode(token_ids[self._prefix_offset:self._read_offset])
         full = self._decode(token_ids[self._prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

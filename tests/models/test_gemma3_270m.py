@@ -226,3 +226,18 @@ def test_chat_template_and_end_of_turn(llm):
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") in llm.engine.eos_token_ids
     out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4
+
+
+def test_streamed_text_is_the_rust_decoders_and_the_python_ways(llm):
+    """Gemma's SentencePiece-style tokenizer (a prefix space to drop, byte fallback for the emoji) streams the same
+    text by `tokenizers.DecodeStream` as by the Python way, token by token (tests/engine/test_detokenizer.py)."""
+    from jaxpaged.engine.detokenizer import rust_tokenizer
+    from tests.text_streams import TEXT, python_way, streamed
+
+    tok = llm.tokenizer
+    assert rust_tokenizer(tok) is not None
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    fast, fast_texts = streamed(tok, ids)
+    _, slow_texts = streamed(python_way(tok), ids)
+    assert fast._stream is not None and fast_texts == slow_texts
+    assert fast_texts[-1] == tok.decode(ids, skip_special_tokens=True)
