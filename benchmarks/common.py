@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import statistics
 import subprocess
 import time
+import urllib.request
 
 
 class StepSampler:
@@ -112,3 +115,53 @@ def cpu_name() -> str:
     extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
     family = f" family {fields['CPU family']} model {fields.get('Model', '?')}" if "CPU family" in fields else ""
     return f"{fields.get('Model name', '?')}{family} ({', '.join(extras) or 'no avx512'})"
+
+
+def time_call(fn, args, *, warmup: int, samples: int, reps: int) -> float:
+    """Median seconds per call of a jitted `fn` over `samples` timings of `reps` back-to-back calls, after `warmup`
+    calls."""
+    import jax
+
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server the benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def start_server(root, server_args: list[str], log) -> tuple[subprocess.Popen, str]:
+    """`root`/server.py with `server_args` (and a free --port), output to `log`, once its /health says ok (up to
+    5 minutes: it compiles its step shapes first). Returns the process and its URL."""
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(str(root), "server.py"), "--port", str(port), *server_args],
+                            cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if get_json(f"{url}/health")["status"] == "ok":
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the server did not start")

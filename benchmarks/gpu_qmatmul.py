@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -41,7 +40,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from common import RESULTS_DIR, print_table, time_call, write_json  # noqa: E402
 
 from jaxpaged.models import quant  # noqa: E402
 from pallas_kernels.gpu_qmatmul import qmatmul_gpu, tiles  # noqa: E402
@@ -69,20 +68,6 @@ def random_weight(key, fmt: str, layers: int, k: int, n: int) -> quant.Quantized
         m = -jax.random.uniform(km, s.shape, jnp.float32, 0.0, 0.1)
         scales = jnp.stack([s, m], -1).astype(jnp.float16 if mode == quant.BLOCK_F16 else jnp.float32)
     return quant.QuantizedWeight(codes, scales, bits, mode, (layers, k, n), compute_dtype="bfloat16")
-
-
-def time_call(fn, args, *, warmup: int, samples: int, reps: int) -> float:
-    """Median seconds per call over `samples` timings of `reps` back-to-back calls, after `warmup` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
 
 
 def copy_bandwidth(num_bytes: int, **timing) -> float:

@@ -29,13 +29,11 @@ import argparse
 import functools
 import logging
 import math
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import print_table, write_json
+from common import print_table, time_call, write_json
 
 from pallas_kernels.fp8 import FP8_NAMES, to_pool_dtype
 from pallas_kernels.gpu import ragged_paged_attention_gpu
@@ -103,20 +101,6 @@ def min_bytes(batch: dict) -> int:
     kv = int(np.sum(np.asarray(batch["context_lens"]))) * kv_heads * head_dim * 2 * k.dtype.itemsize
     real_tokens = int(np.sum(np.asarray(batch["positions"]) >= 0))
     return kv + 2 * real_tokens * q.shape[1] * head_dim * q.dtype.itemsize
-
-
-def time_call(fn, args, *, warmup: int, samples: int, reps: int) -> float:
-    """Median seconds per call over `samples` timings of `reps` back-to-back calls, after `warmup` calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / reps)
-    return statistics.median(times)
 
 
 def copy_bandwidth(num_bytes: int, **timing) -> float:

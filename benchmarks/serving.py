@@ -29,13 +29,13 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import aiohttp
 import numpy as np
+from common import free_port
 from workload import NEW_TOKENS, workload_prompts
 
 QUICK_SERVER_ARGS = "--max-num-seqs 8 --max-num-batched-tokens 512 --max-model-len 512"
@@ -182,12 +182,6 @@ def long_prompts(prompts: list[list[int]], count: int, length: int) -> list[list
 
 
 # ---- server handling ----------------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     port = free_port()

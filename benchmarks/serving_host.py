@@ -27,13 +27,11 @@ import os
 import re
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -41,7 +39,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import RESULTS_DIR, cpu_name, print_table, write_json  # noqa: E402
+from benchmarks.common import RESULTS_DIR, cpu_name, print_table, start_server, write_json  # noqa: E402
 from tests.tiny_hf import make_tiny_hf_model  # noqa: E402
 
 PROMPT = "The lighthouse keeper kept a ledger of every ship"
@@ -50,34 +48,10 @@ ENGINE = {"dtype": "float32", "max_num_batched_tokens": 2048, "max_model_len": M
           "kv_cache_memory": "128MiB"}
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(root: Path, model: str, num_seqs: int, log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def server_args(model: str, num_seqs: int) -> list[str]:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items()]
-    cmd = [sys.executable, str(root / "server.py"), "--model", model, "--port", str(port), "--served-model-name",
-           "tiny", "--max-num-seqs", str(num_seqs), "--max-decode-slowdown", "0", *flags]
-    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if get(f"{url}/health")["status"] == "ok":
-                return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start")
+    return ["--model", model, "--served-model-name", "tiny", "--max-num-seqs", str(num_seqs),
+            "--max-decode-slowdown", "0", *flags]
 
 
 # ---- CPU time by thread, from /proc --------------------------------------------------------------------------------
@@ -227,7 +201,7 @@ def main() -> None:
                                                                                        args.max_tokens)})
         for root in roots:
             with open(tmp / "server.log", "w") as log:
-                proc, url = start_server(root, model, n, log)
+                proc, url = start_server(root, server_args(model, n), log)
                 try:
                     runs = [asyncio.run(streamed(url, n, args.max_tokens, proc.pid)) for _ in range(args.repeats)]
                     row = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]  # the median run

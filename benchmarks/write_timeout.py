@@ -19,13 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import get_json, print_table, start_server, write_json  # noqa: E402
 from tests.tiny_hf import make_tiny_hf_model  # noqa: E402
 
 WRITE_TIMEOUT = 2.0
@@ -42,33 +41,9 @@ def cpu_model() -> str:
                 platform.machine())
 
 
-def get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(root: Path, model: str, log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, str(root / "server.py"), "--model", model, "--port", str(port), "--served-model-name",
-           "tiny", "--dtype", "float32", "--no-precompile", "--max-num-seqs", "16", "--max-num-batched-tokens",
-           "256", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16", "--kv-cache-memory", "48MiB",
-           "--write-timeout", str(WRITE_TIMEOUT)]
-    proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(480):
-        try:
-            if get(f"{url}/health")["status"] == "ok":
-                return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start")
+SERVER_ARGS = ["--served-model-name", "tiny", "--dtype", "float32", "--no-precompile", "--max-num-seqs", "16",
+               "--max-num-batched-tokens", "256", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "16",
+               "--kv-cache-memory", "48MiB", "--write-timeout", str(WRITE_TIMEOUT)]
 
 
 def wait(predicate, timeout: float):
@@ -82,7 +57,7 @@ def wait(predicate, timeout: float):
 
 
 def never_read(url: str, rcvbuf: int | None) -> dict:
-    before = get(f"{url}/stats")
+    before = get_json(f"{url}/stats")
     body = json.dumps({"model": "tiny", "prompt": "The lighthouse keeper kept a ledger", "n": N,
                        "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 1.0, "stream": True}).encode()
     sock = socket.socket()
@@ -92,16 +67,16 @@ def never_read(url: str, rcvbuf: int | None) -> dict:
     try:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        wait(lambda: get(f"{url}/stats")["generation_tokens"] > before["generation_tokens"], 120)
+        wait(lambda: get_json(f"{url}/stats")["generation_tokens"] > before["generation_tokens"], 120)
         t0 = time.monotonic()
-        after = wait(lambda: s if (s := get(f"{url}/stats"))["num_in_flight"] == 0 and s["num_used"] == 0 else None,
-                     300)
+        after = wait(lambda: s if (s := get_json(f"{url}/stats"))["num_in_flight"] == 0 and s["num_used"] == 0
+                     else None, 300)
         held_s = time.monotonic() - t0
     finally:
         sock.close()
     return {"rcvbuf": "default" if rcvbuf is None else f"{rcvbuf >> 20} MiB asked",
             "blocks_held_s": held_s if after else None,
-            "tokens_generated": (after or get(f"{url}/stats"))["generation_tokens"] - before["generation_tokens"],
+            "tokens_generated": (after or get_json(f"{url}/stats"))["generation_tokens"] - before["generation_tokens"],
             "tokens_asked": N * MAX_TOKENS}
 
 
@@ -113,7 +88,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     model = make_tiny_hf_model(tmp / "model", "llama", max_position_embeddings=MAX_MODEL_LEN)
     with open(tmp / "server.log", "w") as log:
-        proc, url = start_server(args.root.resolve(), model, log)
+        proc, url = start_server(args.root.resolve(), ["--model", model, *SERVER_ARGS], log)
         try:
             never_read(url, None)  # compiles the step shapes this request needs; not counted
             rows = [never_read(url, rcvbuf) for rcvbuf in (None, 64 * 2**20)]
