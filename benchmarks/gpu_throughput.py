@@ -229,6 +229,8 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(FORMATS),
                     help="jaxpaged rows: KV cache and weight formats")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new row after this many seconds (the JSON keeps the rows done after each one)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
     args = ap.parse_args()
@@ -246,15 +248,35 @@ def main() -> None:
         args.num_prompts, args.max_num_seqs, args.max_model_len = 8, 8, 256
         WORKLOADS.update(P=((16, 64), 8), D=((8, 32), 16))
     runs: list[Run] = []
+    started = time.monotonic()
+    skipped = []
     for m in models:
         config = SHAPES[m]
         for w in args.workloads:
             prompts, new = workload(w, args.num_prompts, config.vocab_size)
             for fmt in args.formats:
+                if args.budget_s and time.monotonic() - started > args.budget_s:
+                    skipped.append(f"{m} {w} {fmt}")
+                    continue
                 runs.append(run_ours(config, w, prompts, new, args, fmt))
                 print(runs[-1], flush=True)
-            if not args.no_hf:
+                write_rows(args, card, peak, runs, skipped, jax.__version__)  # kept if a time limit ends the run
+            if not args.no_hf and not skipped:
                 runs += run_hf(config, w, prompts, new, args, "cuda" if device.platform == "gpu" else "cpu")
+    if skipped:
+        print(f"not run (past --budget-s {args.budget_s:g}): {', '.join(skipped)}", flush=True)
+    rows = write_rows(args, card, peak, runs, skipped, jax.__version__)
+    print(f"\n{card} (bf16 peak {peak or '?'} TFLOP/s); tok/s: output tokens for D, all tokens for P")
+    print_table(rows, [("model", "model", ""), ("workload", "workload", ""), ("system", "system", ""),
+                       ("tok_s", "tok/s", ",.0f"), ("vs_bf16", "vs jaxpaged bf16", ".2f"),
+                       ("model_tflops", "model TFLOP/s", ".1f"),
+                       ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
+                       ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
+                       ("compile_s", "start-up s", ".1f")])
+
+
+def write_rows(args, card: str, peak: float | None, runs: list[Run], skipped: list[str], jax_version: str):
+    """The rows so far, each against jaxpaged bf16 on its shape and workload, written to --out; returns them."""
     rows = []
     for r in runs:
         tokens = r.output_tokens if r.workload == "D" else r.prompt_tokens + r.output_tokens
@@ -266,15 +288,9 @@ def main() -> None:
     for r in rows:  # each row against jaxpaged bf16 on the same shape and workload
         b = base.get((r["model"], r["workload"]))
         r["vs_bf16"] = r["tok_s"] / b if b else None
-    print(f"\n{card} (bf16 peak {peak or '?'} TFLOP/s); tok/s: output tokens for D, all tokens for P")
-    print_table(rows, [("model", "model", ""), ("workload", "workload", ""), ("system", "system", ""),
-                       ("tok_s", "tok/s", ",.0f"), ("vs_bf16", "vs jaxpaged bf16", ".2f"),
-                       ("model_tflops", "model TFLOP/s", ".1f"),
-                       ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
-                       ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
-                       ("compile_s", "start-up s", ".1f")])
-    write_json(args.out, {"card": card, "peak_bf16_tflops": peak, "jax": jax.__version__, "args": vars(args),
-                          "rows": rows})
+    write_json(args.out, {"card": card, "peak_bf16_tflops": peak, "jax": jax_version, "args": vars(args),
+                          "rows": rows, "not_run": skipped})
+    return rows
 
 
 if __name__ == "__main__":
