@@ -13,9 +13,13 @@ from tests.text_streams import TEXT, python_way, streamed
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    from jaxpaged.loader.tokenizer import gguf_tokenizer
+    from jaxpaged.loader.cache import cache_path
+    from jaxpaged.loader.tokenizer import directory_tokenizer
+    from tests import ROOT
 
-    return gguf_tokenizer(default_model())
+    # the tokenizer files of its converted copy (default_model() writes it): transformers reads them in well under a
+    # second, where building the tokenizer from the GGUF's vocabulary takes several
+    return directory_tokenizer(cache_path(default_model(), str(ROOT / "checkpoints")))
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
