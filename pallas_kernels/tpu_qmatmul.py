@@ -18,13 +18,23 @@ features, Kp = K rounded up to a multiple of 32, B = Kp / 32 blocks):
 Each weight is computed in float32 as `jaxpaged.models.quant._values_plain` does, rounded to x's dtype, and
 multiplied with float32 accumulation: the numbers of dequantize-then-dot in x's dtype, up to the float32 sum's order.
 
-What the kernel sees (`layer` is scalar-prefetched into SMEM and read by the index maps, so the layer's rows are
-DMAd straight from the stack: nothing is sliced or copied outside):
+What the kernel sees (`layer` is scalar-prefetched into SMEM and read by the index maps, so the layer's codes are
+DMAd straight from the stack: the codes are never sliced or copied outside):
+  layer_ref   [2] int32 (SMEM): the layer of the codes, and of the scales as passed (0 where sliced, below)
   x_ref       [tm, Kp]  (8 bits) or [2, tm, Kp / 2] (4 bits: x's columns of the low nibbles, k = 32 b + j, then of
               the high ones, k = 32 b + 16 + j; permuted outside, x is small), zero past K and past M
   codes_ref   [tn, Kp * bits / 8]  uint8, whole rows of the layer's codes
-  scales_ref  [tn, B] or [tn, 2 B] ((s, m) of block b at columns 2 b, 2 b + 1: a free reshape outside)
+  scales_ref  [1, tn, B] or, pair, [1, tn, 2, B] (s then m: `swapaxes` of [L, N, B, 2] outside, a bitcast since
+              XLA TPU lays that array out with B minor-most, {2, 3, 1, 0}); float32, or float16 as uint16 bits
   o_ref       [tm, tn] float32 of the [Mp, Np] result (M, N padded to whole tiles, sliced off outside)
+
+float16 scales (Q8_0, Q4_0, Q4_1): Mosaic takes no float16 operand ("Only arguments with float8..., bfloat16 or
+32-bit element types are supported") and has no float16 vector loads, so the kernel takes their uint16 bits and
+converts them exactly (`_f16_bits_to_f32`). XLA TPU does not treat a bitcast-convert as free (it writes a new
+buffer), so the wrapper converts only the layer's scales, [1, N, ...] (a dynamic-slice fused with the convert: one
+layer's scales, 1/16 of its codes' bytes for Q8_0, 1/8 for Q4_0, 1/4 for Q4_1, written once and read once more).
+float32 scales (Q4_K, Q8_K) are read from the stack in place. Scales stored as float32 at load on TPU would spare
+the slice at twice their bytes; not done here.
 
 Grid (Mp / tm, Np / tn), both "parallel", N fastest: the x block stays in VMEM while the N tiles stream past, each
 codes / scales block is read once per M tile (once in all for a decode batch, M <= tm), and Pallas double-buffers
@@ -104,13 +114,12 @@ def _bf16_parts(v: jax.Array, count: int) -> list[jax.Array]:
     return parts
 
 
-def _expansion(rows: int, cols: int, per_block: int, stride: int, first: int) -> jax.Array:
-    """E [rows, cols] bfloat16: 1 where row == stride * (col // per_block) + first (the scale column of each code
-    column), else 0."""
+def _expansion(rows: int, cols: int, per_block: int) -> jax.Array:
+    """E [rows, cols] bfloat16: 1 where row == col // per_block (the block of each code column), else 0."""
     r = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
     block = jax.lax.div(c, jnp.int32(per_block))  # not `//`: its floor lowers through sign, which asks the device
-    return jnp.where(r == stride * block + first, 1.0, 0.0).astype(jnp.bfloat16)
+    return jnp.where(r == block, 1.0, 0.0).astype(jnp.bfloat16)
 
 
 def _f16_bits_to_f32(h: jax.Array) -> jax.Array:
@@ -132,16 +141,14 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int
     per_block = BLOCK * bits // 8  # code bytes of one block: 32 or 16
     chunk = CHUNK_K * bits // 8  # code bytes of one chunk
     zero = float(offset(bits))
-    stride = 2 if pair else 1
     dtype = x_ref.dtype
     expansions = {}
 
-    def expand(sc, width, first):
-        """sc [tn, stride * nb] float32 -> [tn, width]: the scale of each code column (exact)."""
-        key = (width, first)
-        if key not in expansions:
-            expansions[key] = _expansion(sc.shape[1], width, per_block, stride, first)
-        e = expansions[key]
+    def expand(sc, width):
+        """sc [tn, nb] float32 -> [tn, width]: the scale of each code column (exact)."""
+        if width not in expansions:
+            expansions[width] = _expansion(sc.shape[1], width, per_block)
+        e = expansions[width]
         out = None
         for part in _bf16_parts(sc, scale_parts):
             y = jax.lax.dot_general(part, e, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
@@ -158,14 +165,21 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int
                                    preferred_element_type=jnp.float32)
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
-    scales = scales_ref[...]  # [tn, stride * B]
-    scales = _f16_bits_to_f32(scales) if scales.dtype == jnp.uint16 else scales.astype(jnp.float32)
+    half = scales_ref.dtype == jnp.uint16  # float16 scales, as their bits
+
+    def load(ref):  # -> float32
+        v = ref[...]
+        return _f16_bits_to_f32(v) if half else v.astype(jnp.float32)
+
+    if pair:  # [tn, B] each
+        s_all, m_all = load(scales_ref.at[0, :, 0, :]), load(scales_ref.at[0, :, 1, :])
+    else:
+        s_all, m_all = load(scales_ref.at[0]), None
     for c0 in range(0, row_bytes, chunk):
         width = min(chunk, row_bytes - c0)
         b0, nb = c0 // per_block, width // per_block
-        sc = scales[:, stride * b0:stride * (b0 + nb)]  # [tn, stride * nb]
-        s = expand(sc, width, 0)  # [tn, width]
-        m = expand(sc, width, 1) if pair else None
+        s = expand(s_all[:, b0:b0 + nb], width)  # [tn, width]
+        m = expand(m_all[:, b0:b0 + nb], width) if pair else None
         u = codes_ref[:, c0:c0 + width].astype(jnp.int32)  # [tn, width]
 
         if bits == 8:
@@ -216,21 +230,29 @@ def qmatmul_tpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
         x_spec = pl.BlockSpec((2, tm, kp // 2), lambda i, j, layer: (0, i, 0))
     else:
         x_spec = pl.BlockSpec((tm, kp), lambda i, j, layer: (i, 0))
-    scale_cols = 2 * blocks if pair else blocks
     scale_parts = 2 if scales.dtype == jnp.float16 else 3
-    scales = scales.reshape(num_layers, n, scale_cols)
-    if scales.dtype == jnp.float16:  # as their bits (same width: a bitcast, no copy)
-        scales = jax.lax.bitcast_convert_type(scales, jnp.uint16)
+    layer = jnp.asarray(layer, jnp.int32)
+    scale_layer = layer
+    if pair:  # [L, N, 2, B]: XLA TPU keeps [L, N, B, 2] with B minor-most ({2, 3, 1, 0}), so this is a bitcast
+        scales = jnp.swapaxes(scales, -1, -2)
+    if scales.dtype == jnp.float16:  # Mosaic takes no float16 operand, and XLA TPU writes a bitcast-convert out
+        # (a copy), so only the layer's scales are converted to their uint16 bits: [1, N, ...], one layer's bytes
+        scales = jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(scales, layer, 0), jnp.uint16)
+        scale_layer = jnp.int32(0)
+    if pair:
+        scales_spec = pl.BlockSpec((1, tn, 2, blocks), lambda i, j, layer: (layer[1], j, 0, 0))
+    else:
+        scales_spec = pl.BlockSpec((1, tn, blocks), lambda i, j, layer: (layer[1], j, 0))
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_qmatmul_kernel, bits=bits, pair=pair, row_bytes=row_bytes,
                                scale_parts=scale_parts, precision=precision)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=1,  # [layer of the codes, layer of the scales]
         grid=(mp // tm, np_ // tn),
         in_specs=[
             x_spec,
             pl.BlockSpec((None, tn, row_bytes), lambda i, j, layer: (layer[0], j, 0)),
-            pl.BlockSpec((None, tn, scale_cols), lambda i, j, layer: (layer[0], j, 0)),
+            scales_spec,
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j, layer: (i, j)),
     )
@@ -242,5 +264,5 @@ def qmatmul_tpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
                                              vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
         name=f"qmatmul_tpu_q{bits}{'_pair' if pair else ''}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, codes, scales)
+    )(jnp.stack([layer, scale_layer]), x, codes, scales)
     return out if (mp, np_) == (m, n) else out[:m, :n]
