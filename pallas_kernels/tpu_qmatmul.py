@@ -18,23 +18,32 @@ features, Kp = K rounded up to a multiple of 32, B = Kp / 32 blocks):
 Each weight is computed in float32 as `jaxpaged.models.quant._values_plain` does, rounded to x's dtype, and
 multiplied with float32 accumulation: the numbers of dequantize-then-dot in x's dtype, up to the float32 sum's order.
 
-What the kernel sees (`layer` is scalar-prefetched into SMEM and read by the index maps, so the layer's codes are
-DMAd straight from the stack: the codes are never sliced or copied outside):
-  layer_ref   [2] int32 (SMEM): the layer of the codes, and of the scales as passed (0 where sliced, below)
+What the kernel sees (`layer` is scalar-prefetched into SMEM and read by the codes' index map, so the layer's codes
+are DMAd straight from the stack, never sliced or copied outside):
+  layer_ref   [1] int32 (SMEM)
   x_ref       [tm, Kp]  (8 bits) or [2, tm, Kp / 2] (4 bits: x's columns of the low nibbles, k = 32 b + j, then of
               the high ones, k = 32 b + 16 + j; permuted outside, x is small), zero past K and past M
-  codes_ref   [tn, Kp * bits / 8]  uint8, whole rows of the layer's codes
-  scales_ref  [1, tn, B] or, pair, [1, tn, 2, B] (s then m: `swapaxes` of [L, N, B, 2] outside, a bitcast since
-              XLA TPU lays that array out with B minor-most, {2, 3, 1, 0}); float32, or float16 as uint16 bits
+  codes_ref   [tn, Kp * bits / 8]  uint8, whole rows of the layer's codes; or [Kp * bits / 8, tn] (`codes_kn`:
+              the view [L, Kp * bits / 8, N] of the stack, a bitcast where XLA TPU lays the codes out N-minor-most,
+              as it does where a row's bytes are not a multiple of 128; then w^T is dequantized and x @ w^T is a
+              plain dot)
+  scales_ref  [tn, B] the layer's scales s: float32, or float16 as their uint16 bits
+  mins_ref    [tn, B] its mins m (pair only), the same way
   o_ref       [tm, tn] float32 of the [Mp, Np] result (M, N padded to whole tiles, sliced off outside)
 
-float16 scales (Q8_0, Q4_0, Q4_1): Mosaic takes no float16 operand ("Only arguments with float8..., bfloat16 or
-32-bit element types are supported") and has no float16 vector loads, so the kernel takes their uint16 bits and
-converts them exactly (`_f16_bits_to_f32`). XLA TPU does not treat a bitcast-convert as free (it writes a new
-buffer), so the wrapper converts only the layer's scales, [1, N, ...] (a dynamic-slice fused with the convert: one
-layer's scales, 1/16 of its codes' bytes for Q8_0, 1/8 for Q4_0, 1/4 for Q4_1, written once and read once more).
-float32 scales (Q4_K, Q8_K) are read from the stack in place. Scales stored as float32 at load on TPU would spare
-the slice at twice their bytes; not done here.
+Scales are the one thing sliced outside (`scales[layer]`, for pairs split into s and m, for float16 bitcast to
+uint16: XLA writes one layer's scales, 1/16 of its codes' bytes for Q8_0, 1/8 for Q4_0, 1/4 for Q4_1,
+1/2 for Q4_K, and the kernel reads them once more). Why, measured with libtpu 0.0.42's compile-only client:
+  * Mosaic takes no float16 operand ("Only arguments with float8..., bfloat16 or 32-bit element types are
+    supported") and has no float16 vector loads, so the kernel takes float16 scales as their uint16 bits and
+    converts them exactly (`_f16_bits_to_f32`); XLA TPU writes a bitcast-convert out as a new buffer, so on the
+    whole stack it would copy every layer's scales per call;
+  * XLA TPU's default layout of a scales array depends on its shape: [L, N, B] is row-major where B is a multiple
+    of 128 (Llama-3-8B's gate/up, B = 128) but N-minor-most ({1, 2, 0}) where it is not (the down projection,
+    B = 448; SmolLM2, B = 18), and [L, N, B, 2] is {2, 3, 1, 0} or {1, 3, 2, 0} alike. The kernel's operands
+    are row-major, so a stacked operand would be re-laid out whole (float32 Q4_K scales: a copy of the stack).
+Reading them in place would need the kernel to take each layout XLA may pick (N on lanes where it is minor-most);
+not done here.
 
 Grid (Mp / tm, Np / tn), both "parallel", N fastest: the x block stays in VMEM while the N tiles stream past, each
 codes / scales block is read once per M tile (once in all for a decode batch, M <= tm), and Pallas double-buffers
@@ -87,15 +96,16 @@ def _round_up(v: int, m: int) -> int:
     return -(-v // m) * m
 
 
-def tiles(m: int, kp: int, n: int, bits: int, x_itemsize: int) -> tuple[int, int]:
+def tiles(m: int, kp: int, n: int, bits: int, x_itemsize: int, pair: bool = False) -> tuple[int, int]:
     """(tm, tn): tm a multiple of 16 sublanes (bf16 x's tile; f32's 8 divides it) up to MAX_TM, tn 256 or 128
-    lanes, halved (tm first, down to 16) while the double-buffered x and codes blocks pass VMEM_BUDGET."""
+    lanes, halved (tm first, down to 16) while the double-buffered x, codes and scales blocks pass VMEM_BUDGET."""
     tm = min(_round_up(max(m, 1), 16), MAX_TM)
     tn = 256 if n > 128 else 128
     row_bytes = kp * bits // 8
+    scale_row = _round_up(kp // BLOCK, 128) * 4 * (2 if pair else 1)  # [tn, B] blocks: B padded to 128 lanes
 
     def need(tm, tn):
-        return 2 * (tm * kp * x_itemsize + tn * row_bytes) + 2 * tm * tn * 4
+        return 2 * (tm * kp * x_itemsize + tn * (row_bytes + scale_row)) + 2 * tm * tn * 4
 
     while need(tm, tn) > VMEM_BUDGET and tm > 16:
         tm = max(16, tm // 2)
@@ -122,6 +132,14 @@ def _expansion(rows: int, cols: int, per_block: int) -> jax.Array:
     return jnp.where(r == block, 1.0, 0.0).astype(jnp.bfloat16)
 
 
+def codes_kn(row_bytes: int, n: int) -> bool:
+    """Whether the kernel takes the codes as [L, Kp * bits / 8, N] (N on lanes): where XLA TPU's default layout of
+    [L, N, row_bytes] uint8 puts N minor-most, which it does (libtpu 0.0.42) where row_bytes is not a multiple of
+    128 and N is (SmolLM2: 576 and 288 bytes). Taking the codes in their own layout is what keeps XLA from copying
+    the whole stack to row-major on every call."""
+    return row_bytes % 128 != 0 and n % 128 == 0
+
+
 def _f16_bits_to_f32(h: jax.Array) -> jax.Array:
     """float16 values given as their uint16 bits -> float32, exactly (subnormals, infinities and NaN included).
     Mosaic has no float16 vector loads on v5e / v6e, so the scales come in as their bits."""
@@ -134,8 +152,8 @@ def _f16_bits_to_f32(h: jax.Array) -> jax.Array:
     return jnp.where((h & 0x8000) != 0, -v, v)
 
 
-def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int, pair: bool, row_bytes: int,
-                    scale_parts: int, precision):
+def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, *refs, bits: int, pair: bool, row_bytes: int,
+                    scale_parts: int, kn: bool, precision):
     """One [tm, tn] output tile: static chunks over K (module docstring)."""
     del layer_ref  # read by the index maps
     per_block = BLOCK * bits // 8  # code bytes of one block: 32 or 16
@@ -145,13 +163,16 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int
     expansions = {}
 
     def expand(sc, width):
-        """sc [tn, nb] float32 -> [tn, width]: the scale of each code column (exact)."""
+        """sc [tn, nb] float32 -> the scale of each code: [tn, width], or [width, tn] for `kn` codes (exact)."""
         if width not in expansions:
             expansions[width] = _expansion(sc.shape[1], width, per_block)
-        e = expansions[width]
+        e = expansions[width]  # [nb, width]
         out = None
         for part in _bf16_parts(sc, scale_parts):
-            y = jax.lax.dot_general(part, e, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            if kn:  # E^T [width, nb] @ part^T: contract nb of both
+                y = jax.lax.dot_general(e.T, part, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            else:
+                y = jax.lax.dot_general(part, e, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
             out = y if out is None else out + y
         return out
 
@@ -160,10 +181,11 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int
         u = u.astype(jnp.float32)
         return u * s + m if pair else (u - zero) * s
 
-    def dot(xs, w):  # [tm, c] @ [tn, c]^T -> [tm, tn] float32
-        return jax.lax.dot_general(xs, w.astype(dtype), (((1,), (1,)), ((), ())), precision=precision,
+    def dot(xs, w):  # [tm, c] @ w^T [tn, c]^T (or w [c, tn] for `kn` codes) -> [tm, tn] float32
+        return jax.lax.dot_general(xs, w.astype(dtype), (((1,), (0 if kn else 1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32)
 
+    mins_ref, o_ref = refs if pair else (None, refs[0])
     acc = jnp.zeros(o_ref.shape, jnp.float32)
     half = scales_ref.dtype == jnp.uint16  # float16 scales, as their bits
 
@@ -172,15 +194,15 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, bits: int
         return _f16_bits_to_f32(v) if half else v.astype(jnp.float32)
 
     if pair:  # [tn, B] each
-        s_all, m_all = load(scales_ref.at[0, :, 0, :]), load(scales_ref.at[0, :, 1, :])
+        s_all, m_all = load(scales_ref), load(mins_ref)
     else:
-        s_all, m_all = load(scales_ref.at[0]), None
+        s_all, m_all = load(scales_ref), None
     for c0 in range(0, row_bytes, chunk):
         width = min(chunk, row_bytes - c0)
         b0, nb = c0 // per_block, width // per_block
         s = expand(s_all[:, b0:b0 + nb], width)  # [tn, width]
         m = expand(m_all[:, b0:b0 + nb], width) if pair else None
-        u = codes_ref[:, c0:c0 + width].astype(jnp.int32)  # [tn, width]
+        u = (codes_ref[c0:c0 + width, :] if kn else codes_ref[:, c0:c0 + width]).astype(jnp.int32)
 
         if bits == 8:
             acc = acc + dot(x_ref[:, c0:c0 + width], dequant(u, s, m))
@@ -220,7 +242,7 @@ def qmatmul_tpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
         raise ValueError(f"scales must be {list(want)} for pair={pair}, got {list(scales.shape)}")
     if scales.dtype not in (jnp.float16, jnp.float32):
         raise ValueError(f"scales must be float16 or float32, got {scales.dtype}")
-    tm, tn = tile or tiles(m, kp, n, bits, x.dtype.itemsize)
+    tm, tn = tile or tiles(m, kp, n, bits, x.dtype.itemsize, pair)
     if tm % 16 or tn % 128:
         raise ValueError(f"tile={tile}: tm must be a multiple of 16, tn of 128")
     mp, np_ = _round_up(m, tm), _round_up(n, tn)
@@ -232,27 +254,28 @@ def qmatmul_tpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
         x_spec = pl.BlockSpec((tm, kp), lambda i, j, layer: (i, 0))
     scale_parts = 2 if scales.dtype == jnp.float16 else 3
     layer = jnp.asarray(layer, jnp.int32)
-    scale_layer = layer
-    if pair:  # [L, N, 2, B]: XLA TPU keeps [L, N, B, 2] with B minor-most ({2, 3, 1, 0}), so this is a bitcast
-        scales = jnp.swapaxes(scales, -1, -2)
-    if scales.dtype == jnp.float16:  # Mosaic takes no float16 operand, and XLA TPU writes a bitcast-convert out
-        # (a copy), so only the layer's scales are converted to their uint16 bits: [1, N, ...], one layer's bytes
-        scales = jax.lax.bitcast_convert_type(jax.lax.dynamic_index_in_dim(scales, layer, 0), jnp.uint16)
-        scale_layer = jnp.int32(0)
-    if pair:
-        scales_spec = pl.BlockSpec((1, tn, 2, blocks), lambda i, j, layer: (layer[1], j, 0, 0))
-    else:
-        scales_spec = pl.BlockSpec((1, tn, blocks), lambda i, j, layer: (layer[1], j, 0))
+    # The layer's scales only, [N, B] (and its mins [N, B]): a few one-layer-sized XLA ops (module docstring).
+    scales = jax.lax.dynamic_index_in_dim(scales, layer, 0, keepdims=False)
+    if scales.dtype == jnp.float16:  # Mosaic takes no float16 operand: their uint16 bits
+        scales = jax.lax.bitcast_convert_type(scales, jnp.uint16)
+    scale_ops = [scales[..., 0], scales[..., 1]] if pair else [scales]
+    scale_specs = [pl.BlockSpec((tn, blocks), lambda i, j, layer: (j, 0))] * len(scale_ops)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kn = codes_kn(row_bytes, n)
+    if kn:  # [L, Kp * bits / 8, N]: the array as XLA TPU lays it out (N minor-most), a bitcast
+        codes = jnp.swapaxes(codes, 1, 2)
+        codes_spec = pl.BlockSpec((None, row_bytes, tn), lambda i, j, layer: (layer[0], 0, j))
+    else:
+        codes_spec = pl.BlockSpec((None, tn, row_bytes), lambda i, j, layer: (layer[0], j, 0))
     kernel = functools.partial(_qmatmul_kernel, bits=bits, pair=pair, row_bytes=row_bytes,
-                               scale_parts=scale_parts, precision=precision)
+                               scale_parts=scale_parts, kn=kn, precision=precision)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,  # [layer of the codes, layer of the scales]
+        num_scalar_prefetch=1,
         grid=(mp // tm, np_ // tn),
         in_specs=[
             x_spec,
-            pl.BlockSpec((None, tn, row_bytes), lambda i, j, layer: (layer[0], j, 0)),
-            scales_spec,
+            codes_spec,
+            *scale_specs,
         ],
         out_specs=pl.BlockSpec((tm, tn), lambda i, j, layer: (i, j)),
     )
@@ -264,5 +287,5 @@ def qmatmul_tpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
                                              vmem_limit_bytes=VMEM_LIMIT),
         interpret=interpret,
         name=f"qmatmul_tpu_q{bits}{'_pair' if pair else ''}",
-    )(jnp.stack([layer, scale_layer]), x, codes, scales)
+    )(layer.reshape(1), x, codes, *scale_ops)
     return out if (mp, np_) == (m, n) else out[:m, :n]

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,7 @@ import pytest
 
 from jaxpaged.models import quant
 from pallas_kernels import tpu_qmatmul
-from tests.hlo_checks import TPU_KERNEL
+from tests.hlo_checks import TPU_KERNEL, computations, dot_ops
 from tests.quant_weights import FORMS, f64, random_weight
 
 BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"]  # every kept format with per-block scales
@@ -79,6 +81,16 @@ def test_a_ragged_k_over_several_chunks(fmt):
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng.standard_normal((9, qw.k)), dtype)
         check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
+def test_codes_taken_n_minor(fmt):
+    """N = 256 with K = 570 (576 or 288 code bytes a row, not a multiple of 128): the kernel takes the codes as
+    [L, Kp * bits / 8, N] (`codes_kn`, XLA TPU's layout of them) over two N tiles and two K chunks."""
+    qw = weights(fmt, 570, 256, seed=18)
+    assert tpu_qmatmul.codes_kn(qw.codes.shape[-1], qw.n)
+    x = jnp.asarray(np.random.default_rng(19).standard_normal((5, qw.k)), jnp.bfloat16)
+    check(qw, x, run(**kernel_args(qw), tile=(16, 128))(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
@@ -146,9 +158,11 @@ def test_tiles_fit_the_vmem_budget():
     double-buffered x and codes blocks stay under VMEM_BUDGET."""
     for m in (1, 7, 16, 17, 256, 300, 2048):
         for kp, n, bits, itemsize in ((14336, 4096, 8, 2), (14336, 4096, 4, 4), (4096, 14336, 8, 2), (576, 100, 4, 2)):
-            tm, tn = tpu_qmatmul.tiles(m, kp, n, bits, itemsize)
+            tm, tn = tpu_qmatmul.tiles(m, kp, n, bits, itemsize, pair=True)
             assert tm % 16 == 0 and tn % 128 == 0 and tm <= max(16, -(-m // 16) * 16)
-            assert 2 * (tm * kp * itemsize + tn * kp * bits // 8) + 2 * tm * tn * 4 <= tpu_qmatmul.VMEM_BUDGET
+            scales = 2 * -(-kp // 32 // 128) * 128 * 4
+            assert 2 * (tm * kp * itemsize + tn * (kp * bits // 8 + scales)) + 2 * tm * tn * 4 \
+                <= tpu_qmatmul.VMEM_BUDGET
 
 
 # ---- lowering and compiling for TPU without one ----------------------------------------------------------------------
@@ -174,14 +188,16 @@ def _fn(fmt: str):
 @pytest.mark.parametrize("m", [1, 2048])
 def test_kernel_lowers_for_tpu_without_a_tpu(fmt, m):
     """jax.export(platforms=['tpu']) runs the Pallas -> Mosaic lowering at Llama-3-8B's down projection: one
-    kernel call on the whole stack of codes (no dynamic-slice of it)."""
+    kernel call on the whole stack of codes; the only dynamic-slice is the layer's scales."""
     from jax import export
 
     device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         module = export.export(_fn(fmt), platforms=["tpu"])(*_args(fmt, 14336, 4096, m)).mlir_module()
     assert module.count("@tpu_custom_call(") == 1
-    assert "dynamic_slice" not in module
+    slices = re.findall(r"stablehlo.dynamic_slice .*-> (tensor<[^>]*>)", module)
+    pair = {"q4_1": "x2xf16", "q4_k": "x2xf32"}.get(fmt, "xf16")
+    assert slices == [f"tensor<1x4096x448{pair}>"]  # the layer's scales, not its codes
 
 
 @pytest.fixture(scope="module", params=["v5e", "v6e"])
@@ -192,16 +208,85 @@ def tpu_device(request):
     return topologies.get_topology_desc(platform="tpu", topology_name=f"{request.param}:2x2").devices[0]
 
 
+def written_arrays(hlo: str) -> list[tuple[int, str]]:
+    """(elements, line) of every array the entry computation writes, but parameters, bitcasts, tuples and XLA TPU's
+    moves of a parameter into VMEM (S(1)) in its own layout (cross-program prefetches, or slices concatenated back
+    there: XLA's placement of a small stack that a kernel reads more than once, not a re-layout)."""
+    (entry,) = [name for name in computations(hlo) if f"ENTRY %{name} " in hlo]
+    lines = computations(hlo)[entry]
+    params = {re.match(r"\s*%\S+ = (\S+) parameter", line).group(1) for line in lines if " parameter(" in line}
+    out = []
+    for line in lines:
+        m = re.match(r"\s*(?:ROOT )?%\S+ = ((\w+)\[([\d,]*)\]\S*) ([\w\-]+)\(", line)
+        if not m or m.group(4) in ("parameter", "bitcast", "constant"):
+            continue
+        if "S(1)" in m.group(1) and m.group(1).replace("S(1)", "").replace(":)", ")") in params:
+            continue
+        out.append((math.prod(int(d) for d in m.group(3).split(",") if d), line.strip()[:160]))
+    return out
+
+
 @pytest.mark.parametrize("m", [1, 8, 256, 2048])
 @pytest.mark.parametrize("shape", list(BIG))
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
 def test_kernel_compiles_for_tpu_with_no_full_width_weight(tpu_device, fmt, shape, m):
     """libtpu's compile-only client runs Mosaic's passes (layouts, VMEM) and XLA:TPU: one kernel call reading the
-    uint8 stack, and the module's temporaries far below one [N, K] bf16 weight (at M = 2048 they hold the permuted
-    activations, x-sized)."""
+    whole uint8 stack, and nothing else written bigger than one layer's scales or an activation-sized array (x
+    padded and permuted, the output). Temp bytes alone would not show it: XLA TPU may place a buffer in VMEM
+    (S(1)), outside `temp_size_in_bytes`."""
     k, n = BIG[shape]
     sharding = jax.sharding.SingleDeviceSharding(tpu_device)
     compiled = _fn(fmt).lower(*_args(fmt, k, n, m, sharding=sharding)).compile()
     hlo = compiled.as_text()
     assert hlo.count(TPU_KERNEL) == 1
-    assert compiled.memory_analysis().temp_size_in_bytes <= max(n * k * 2 // 8, 2 * m * k * 2)
+    (call,) = [op for op in dot_ops(hlo) if "tpu_custom_call" in op.kind]
+    bits = FORMS[fmt][0]
+    assert any(o.dtype == "u8" and o.size == 4 * n * k * bits // 8 for o in call.operands)  # the stack, unsliced
+    mp = -(-m // 16) * 16
+    limit = max(n * (k // 32) * 2, mp * k, mp * n)  # one layer's (s, m) / x / the output
+    assert [line for size, line in written_arrays(hlo) if size > limit] == []
+    assert compiled.memory_analysis().temp_size_in_bytes <= max(n * k * 2 // 8, 2 * mp * k * 2)
+
+
+# ---- the engine's plain-layout matmul on TPU (jaxpaged.models.quant._plain_matmul) ---------------------------------
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch, fmt):
+    """quant's TPU branch (`_tpu_kernel_matmul`), the kernel run by the interpreter: the same product as the
+    dequantize-then-dot branch the CPU runs, from the stacked arrays and the layer."""
+    monkeypatch.setattr(tpu_qmatmul, "qmatmul_tpu", functools.partial(tpu_qmatmul.qmatmul_tpu, interpret=True))
+    qw = weights(fmt, 96, 40, seed=11)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
+    got = jax.jit(functools.partial(quant._tpu_kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
+    want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_on_tpu_the_layer_loop_calls_the_kernel_where_xla_would_not_fuse(fmt):
+    """Lowered for TPU, the models' layer loop runs the Mosaic kernel for the 8-bit block formats at any row count
+    and for the 4-bit ones above NIBBLE_MAX_ROWS (at or below it, XLA's fused uint4 form); for CPU never."""
+    from jax import export
+
+    from jaxpaged.models.matmul import layer_matmul
+
+    qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(13), fmt, 4, 256, 512))
+
+    def lowered(platform, rows):
+        def run(x):
+            def body(i, acc):
+                return acc + layer_matmul(x, qw, i)
+            return jax.lax.fori_loop(0, 4, body, jnp.zeros((x.shape[0], qw.n), x.dtype))
+
+        x = jax.ShapeDtypeStruct((rows, qw.k), jnp.bfloat16)
+        return export.export(jax.jit(run), platforms=[platform])(x).mlir_module()
+
+    for rows in (8, quant.NIBBLE_MAX_ROWS + 1):
+        tpu = lowered("tpu", rows)
+        kernel = qw.bits == 8 or rows > quant.NIBBLE_MAX_ROWS
+        assert tpu.count("@tpu_custom_call(") == (1 if kernel else 0)
+        assert ("xui4>" in tpu) == (not kernel)
+        if kernel:
+            assert f"tensor<4x512x{256 * qw.bits // 8}xui8>" in tpu
+    assert "tpu_custom_call" not in lowered("cpu", 8)
