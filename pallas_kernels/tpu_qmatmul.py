@@ -56,19 +56,22 @@ Why whole K rows per block, not a K grid axis: a block's last dimension must be 
 array's whole dimension (Mosaic's tiling), and a K step's block scales are CHUNK_K / 32 = 16 lanes of the [N, B]
 scales; a K axis would need K steps of 4096 (128 scales) or a dynamic, unaligned lane slice. With whole rows every
 slice is static. VMEM holds two buffers of [tn, Kp * bits / 8] codes (Llama-3-8B's down projection, Q8_0:
-2 x 128 x 14336 B = 3.5 MiB) and of x [tm, Kp] (`tiles` keeps them in budget and sets the scoped VMEM limit).
+2 x 256 x 14336 B = 7 MiB), of the scales and of x [tm, Kp]; `tiles` keeps them under VMEM_BUDGET, and the call asks
+Mosaic for a VMEM_LIMIT scoped limit (libtpu's compile checks it: an earlier layout of the pair scales, [tn, 2, B]
+padded to 16 sublanes, failed there with "CompileTimeScopedVmemOom" at Llama's down projection, 2048 rows).
 
 The scale expansion: Mosaic restricts reshapes of the lane dimension, so [tn, nb] -> [tn, nb, 32] -> [tn, c] is not
 written as a reshape but as a matmul with a 0/1 matrix E [nb, c] (E[b, col] = 1 where col is in block b), on the
-MXU. It must be exact: each scale is split into bfloat16 parts whose sum is the scale (float16: 2 parts; float32:
-3), each part times 0/1 is exact in float32 accumulation, so the expanded scale equals the stored one. For (s, m)
-pairs the matrices pick the even (s) and odd (m) columns of the interleaved [tn, 2 nb] chunk. Cost: nb MACs per
-weight per part, against tm per weight for the product itself.
+MXU (E^T @ s^T, [c, tn], for codes taken N-minor). It must be exact: each scale is split into bfloat16 parts whose
+sum is the scale (float16: 2 parts; float32: 3), each part times 0/1 is exact in float32 accumulation, so the
+expanded scale equals the stored one (a test checks it). The mins of the pair formats are expanded the same way.
+Cost: nb = 16 MACs per weight per part (and per min), against tm per weight for the product itself.
 
 Known limits (no TPU was at hand: checked by Pallas' interpreter, by jax.export's TPU lowering and by libtpu's
 compile-only client for v5e and v6e; nothing was run or timed on a TPU, so every speed is unmeasured):
   * a prefill chunk of M rows re-reads the weight Mp / tm times (tm <= 256): compute-bound there anyway;
-  * the expansion matmul costs MXU time (above) that a decode product, memory-bound, should hide.
+  * the expansion matmul costs MXU time (above) that a decode product, memory-bound, should hide;
+  * the layer's scales are written by XLA before the call (above), and the tiles are reasoned, not tuned.
 """
 
 from __future__ import annotations
