@@ -131,7 +131,7 @@ def test_scale_expansion_is_exact_for_float16_and_float32_scales():
     rng = np.random.default_rng(10)
     for dtype, parts in ((np.float16, 2), (np.float32, 3)):
         s = (rng.standard_normal((8, 4)) * 10.0 ** rng.integers(-6, 3, (8, 4))).astype(dtype).astype(np.float32)
-        e = tpu_qmatmul._expansion(4, 128, 32, 1, 0)
+        e = tpu_qmatmul._expansion(4, 128, 32)
         out = sum(jnp.dot(p, e, preferred_element_type=jnp.float32)
                   for p in tpu_qmatmul._bf16_parts(jnp.asarray(s), parts))
         np.testing.assert_array_equal(np.asarray(out), np.repeat(s, 32, axis=1))
