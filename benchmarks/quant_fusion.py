@@ -19,8 +19,10 @@ gate/up pair and `layer_matmul` for its down projection, which call `quant.qglu`
 batches) and 2048 (a prefill chunk).
 
 A case is fused when an op that runs the product (a fusion holding the dot, a TPU convolution, or the reduce a
-one-row product becomes; a library GEMM call; or, on CUDA for the GGUF block formats, the custom call of the Pallas
-Triton kernel pallas_kernels/gpu_qmatmul.py, whose dot XLA compiles from Triton IR) reads the weight's integer codes
+one-row product becomes; a library GEMM call; or, for the GGUF block formats, the custom call of a Pallas kernel:
+on CUDA the Triton kernel pallas_kernels/gpu_qmatmul.py, whose dot XLA compiles from Triton IR, and on TPU the Mosaic
+kernel pallas_kernels/tpu_qmatmul.py for Q8_0 and for 4-bit products above `quant.NIBBLE_MAX_ROWS` rows, compiled by
+libtpu's Mosaic) reads the weight's integer codes
 and no instruction of the entry or the loop body writes a float array of N * K elements (the weight dequantized to
 full width, or its scales broadcast to it: `tests/hlo_checks.full_width_writes`). The table also says what XLA made
 and the module's temporary bytes (`memory_analysis()`) against one full-width bf16 [N, K] weight (XLA TPU may place
@@ -232,7 +234,7 @@ def _layer(codes, scales, layer):
 
 def _dense_everywhere(x, qw, codes, scales, layer=None):
     """The engine's plain path before this comparison: `_values_plain` [N, K] and one dot, on every platform (no
-    uint4 form on TPU, no signed int8 form and no Pallas kernel on CUDA)."""
+    uint4 form and no Pallas kernel on TPU, no signed int8 form and no Pallas kernel on CUDA)."""
     return quant._dense_matmul(x, *_layer(codes, scales, layer), qw=qw)
 
 
@@ -241,6 +243,16 @@ def _uint4_everywhere(x, qw, codes, scales, layer=None):
     if qw.bits == 4:
         return quant._nibble_matmul(x, *_layer(codes, scales, layer), qw=qw)
     return _ENGINE_PLAIN(x, qw, codes, scales, layer)
+
+
+def _tpu_kernel_everywhere(x, qw, codes, scales, layer=None):
+    """The block formats by the Pallas TPU kernel at every row count (the engine keeps `_nibble_matmul` for 4-bit
+    products up to NIBBLE_MAX_ROWS rows); int8 per channel: the engine's."""
+    if qw.scale_mode == quant.CHANNEL:
+        return _ENGINE_PLAIN(x, qw, codes, scales, layer)
+    return jax.lax.platform_dependent(
+        x, codes, scales, tpu=functools.partial(quant._tpu_kernel_matmul, qw=qw, layer=0 if layer is None else layer),
+        default=lambda x, codes, scales: _ENGINE_PLAIN(x, qw, codes, scales, layer))
 
 
 class _patched:
@@ -261,6 +273,7 @@ VARIANTS = {  # name: what replaces quant._plain_matmul
     "blocked": lambda: _patched(functools.partial(_blocked, split_nibbles=False)),
     "dense": lambda: _patched(_dense_everywhere),
     "uint4": lambda: _patched(_uint4_everywhere),
+    "tpu_kernel": lambda: _patched(_tpu_kernel_everywhere),
 }
 
 

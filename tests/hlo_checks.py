@@ -106,7 +106,7 @@ class Operand:
 class DotOp:
     """One instruction of a top-level computation (the entry or a loop body) that runs a matmul: a fusion whose
     computations hold a dot, a convolution (TPU) or a reduce (a matrix-vector product at one row), a library GEMM
-    call, or a Pallas GPU (Triton) kernel's custom call."""
+    call, or a Pallas kernel's custom call (Triton on GPU, Mosaic on TPU)."""
 
     name: str
     kind: str  # "fusion kCustom __triton_gemm", "custom-call __cublas$gemm", "fusion kOutput", ...
@@ -191,6 +191,9 @@ def dot_ops(hlo: str) -> list[DotOp]:
                 # a Pallas GPU kernel (its dot is inside the Triton IR, not in HLO): counted as a matmul where a
                 # caller asks what reads a weight's codes (dot_ops of a module without quantized matmuls has none)
                 kind, inner = f"custom-call {target.group(1)}", ("custom-call", "triton")
+            elif inst["opcode"] == "custom-call" and target and target.group(1) == "tpu_custom_call":
+                # a Pallas TPU (Mosaic) kernel, the same way: a module's quantized matmuls may be one
+                kind, inner = "custom-call tpu_custom_call", ("custom-call", "mosaic")
             elif inst["opcode"] == "fusion":
                 callee = re.search(r"calls=%([\w.\-]+)", line).group(1)
                 inner = sorted({i["opcode"] for c in reachable(comps, callee)

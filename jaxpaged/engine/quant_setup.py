@@ -3,9 +3,10 @@ lay quantized weights out for the kernel that multiplies them, and describe the 
 
 Where the products run: on a CPU whose native quantized matmul has its AVX-512 VNNI path (`native_quantized`), by
 that kernel (pallas_kernels/cpu_native/qmatmul.cc) from the panel layout; on CUDA the GGUF block formats by the
-Pallas Triton kernel (pallas_kernels/gpu_qmatmul.py) from the plain layout; elsewhere (TPU, other CPUs, int8 on
-GPU) the plain layout is dequantized by `jnp` inside the jitted step, next to XLA's dot
-(`jaxpaged.models.quant.qmatmul`).
+Pallas Triton kernel (pallas_kernels/gpu_qmatmul.py) from the plain layout; on TPU Q8_0 (and the 4-bit formats
+above `quant.NIBBLE_MAX_ROWS` rows) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py); elsewhere (the
+rest on TPU, other CPUs, int8 on GPU) the plain layout is dequantized by `jnp` inside the jitted step, next to XLA's
+dot (`jaxpaged.models.quant.qmatmul`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ logger = logging.getLogger(__name__)
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k")
 # The formats whose dequantization XLA's compiler for a backend does not fuse into a decode step's dot, as its
 # compiled HLO shows (deviceless compiles for H100/H200 and TPU v5e/v6e, benchmarks/quant_fusion.py): it writes
-# each layer's weight at full width, then the dot reads it. On GPU none: int8 is fused into XLA's GEMM, and the
-# block formats run the Pallas kernel, which dequantizes in registers (compiled for H100 and H200).
-NOT_FUSED = {"gpu": (), "tpu": ("q8_0",)}  # the kept formats compiled there
+# each layer's weight at full width, then the dot reads it. None now: on GPU int8 is fused into XLA's GEMM and the
+# block formats run the Pallas Triton kernel (compiled for H100 and H200); on TPU int8 and the 4-bit formats up to
+# NIBBLE_MAX_ROWS rows are fused by XLA, and Q8_0 (every row count) and the 4-bit formats above run the Pallas
+# Mosaic kernel, which dequantizes in VMEM (compiled for v5e and v6e).
+NOT_FUSED = {"gpu": (), "tpu": ()}  # the kept formats compiled there
 
 
 def native_quantized() -> bool:
@@ -73,6 +76,9 @@ def describe_weights(state, quantization: str | None) -> dict:
         if jax.default_backend() == "gpu" and set(quantized) & set(GGUF_FORMATS):
             where = "; GGUF block formats by the Pallas GPU kernel on CUDA (dequantized in registers), int8 next to " \
                     "XLA's dot"
+        if jax.default_backend() == "tpu" and set(quantized) & set(GGUF_FORMATS):
+            where = "; GGUF block formats by the Pallas TPU kernel (dequantized in VMEM; 4-bit up to 64 rows fused " \
+                    "by XLA), int8 next to XLA's dot"
     logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
                 where)

@@ -270,7 +270,7 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
 
 
 # XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
-# shapes; above it writes the weight at full width in either form, and `_dense_matmul`'s needs fewer temporary bytes
+# shapes; above it writes the weight at full width in either form, and the Pallas TPU kernel runs those products
 # (benchmarks/quant_fusion.py, docs/quantization.md "Where it is multiplied").
 NIBBLE_MAX_ROWS = 64
 
@@ -280,10 +280,12 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     (None: they are one matrix) is multiplied: on CUDA the block formats by the Pallas Triton kernel
     (pallas_kernels/gpu_qmatmul.py), which takes the stacked codes and the layer and dequantizes tile by tile in
     registers (XLA GPU writes their weight at full width before its GEMM, and a dynamic-slice of the stack may copy
-    the layer); on TPU the 4-bit formats by `_nibble_matmul` (which XLA TPU fuses into the dot, where
-    `_dense_matmul`'s nibble interleave makes it write the weight at full width); on CUDA int8 per channel by
-    `_signed_channel_matmul` (its GEMM reads int8); everywhere else `_dense_matmul`. Every branch but the kernel's
-    multiplies the layer's codes[layer], scales[layer]."""
+    the layer); on TPU the 4-bit formats up to NIBBLE_MAX_ROWS rows by `_nibble_matmul` (which XLA TPU fuses into
+    the dot, where `_dense_matmul`'s nibble interleave makes it write the weight at full width), and the other block
+    products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
+    which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
+    channel by `_signed_channel_matmul` (its GEMM reads int8); everywhere else `_dense_matmul`. Every branch but the
+    kernels' multiplies the layer's codes[layer], scales[layer]."""
     def at_layer(fn):
         if layer is None:
             return fn
@@ -296,7 +298,16 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     if qw.bits == 4 and x.shape[0] <= NIBBLE_MAX_ROWS:
         return jax.lax.platform_dependent(x, codes, scales, cuda=kernel,
                                           tpu=at_layer(functools.partial(_nibble_matmul, qw=qw)), default=dense)
-    return jax.lax.platform_dependent(x, codes, scales, cuda=kernel, default=dense)
+    tpu_kernel = functools.partial(_tpu_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
+    return jax.lax.platform_dependent(x, codes, scales, cuda=kernel, tpu=tpu_kernel, default=dense)
+
+
+def _tpu_kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight, layer) -> jax.Array:
+    """The block formats on TPU where XLA writes their weight at full width (8 bits at every row count, 4 bits above
+    NIBBLE_MAX_ROWS): the Pallas Mosaic kernel on the stacked codes (or one matrix's, layer 0)."""
+    from pallas_kernels.tpu_qmatmul import qmatmul_tpu
+
+    return qmatmul_tpu(x, codes, scales, layer, bits=qw.bits, pair=qw.scale_mode in (BLOCK_F16, BLOCK_F32))
 
 
 def _kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight, layer) -> jax.Array:

@@ -1,7 +1,8 @@
 """Kept-quantized weights on GPU and TPU: does XLA's compiler put the dequantization inside the dot?
 
 Compiled for devices that are not here (deviceless AOT), from ShapeDtypeStructs: nothing is allocated or run.
-  * TPU v5e: libtpu's compile-only client (skipped when the `libtpu` package is not importable).
+  * TPU v5e: libtpu's compile-only client (skipped when the `libtpu` package is not importable). The block formats
+    XLA TPU does not fuse run the Pallas Mosaic kernel pallas_kernels/tpu_qmatmul.py there.
   * GPU H100: the CUDA PJRT plugin with benchmarks/target_configs/h100_sxm.txtpb (skipped when no plugin compiles
     for it here: `jax-cuda12-plugin` and the nvidia wheels' ptxas are not the project's dependencies). Without a
     driver, run with JAX_PLATFORMS=cpu, or the plugin's start-up fails (cuInit) and the GPU tests skip:
@@ -95,10 +96,38 @@ def test_tpu_dot_fusion_reads_the_codes_and_no_full_width_weight_exists(tpu_devi
     assert compiled.memory_analysis().temp_size_in_bytes < N * K * 2
 
 
-def test_tpu_q8_0_block_scales_are_broadcast_to_full_width(tpu_device):
-    """Where XLA TPU (libtpu 0.0.42) does not fuse: Q8_0's float16 block scales are converted and broadcast to an
-    [N, K] float32 array of their own before the dot (the codes themselves are read inside the fusion). If this
-    fails, XLA fuses it now: update docs/quantization.md ("Where it is multiplied") and move q8_0 to the test above."""
+@pytest.mark.parametrize("rows", [1, 8, 100])
+@pytest.mark.parametrize("kind", ["glu", "matmul"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
+def test_tpu_block_formats_run_the_pallas_kernel_on_the_stacked_codes(tpu_device, fmt, kind, rows):
+    """Where XLA TPU would write the weight at full width (Q8_0 at every row count, the 4-bit formats above
+    `quant.NIBBLE_MAX_ROWS`), each matrix's product is one Pallas Mosaic kernel call (pallas_kernels/tpu_qmatmul.py)
+    whose codes operand is the whole stack (the loop's parameter, not a dynamic-slice), nothing writes an [N, K]
+    float array, and the temporaries stay under a quarter of one [N, K] bf16 weight. Below the threshold the 4-bit
+    formats keep `_nibble_matmul` (the test above)."""
+    if FORMS[fmt][0] == 4 and rows <= quant.NIBBLE_MAX_ROWS:
+        pytest.skip("fused by XLA (_nibble_matmul): the test above")
+    compiled = compile_layer_loop(tpu_device, fmt, kind, rows=rows)
+    hlo = compiled.as_text()
+    assert full_width_writes(hlo, N, K) == []
+    calls = [op for op in dot_ops(hlo) if op.kind == "custom-call tpu_custom_call"]
+    assert len(calls) == (2 if kind == "glu" else 1)
+    for op in calls:
+        (codes,) = [o for o in op.operands if o.dtype == "u8"]
+        assert codes.size == LAYERS * N * K * FORMS[fmt][0] // 8
+    assert compiled.memory_analysis().temp_size_in_bytes < N * K * 2 // 4
+
+
+def test_tpu_q8_0_without_the_kernel_broadcasts_its_block_scales_to_full_width(tpu_device, monkeypatch):
+    """Why Q8_0 has a kernel on TPU: dequantize-then-dot (`quant._dense_matmul`) compiled by XLA TPU (libtpu 0.0.42):
+    the float16 block scales are converted and broadcast to an [N, K] float32 array of their own before the dot (the
+    codes themselves are read inside the fusion). If this fails, XLA fuses it now: the kernel may no longer be
+    needed (docs/quantization.md, "Where it is multiplied")."""
+    def dense(x, qw, codes, scales, layer=None):
+        codes, scales = (codes, scales) if layer is None else (codes[layer], scales[layer])
+        return quant._dense_matmul(x, codes, scales, qw=qw)
+
+    monkeypatch.setattr(quant, "_plain_matmul", dense)
     hlo = compile_layer_loop(tpu_device, "q8_0", "matmul").as_text()
     writes = full_width_writes(hlo, N, K)
     assert writes and all(w.startswith("f32[") and " broadcast " in w for w in writes)

@@ -130,17 +130,23 @@ def test_startup_log_names_the_weight_bytes_and_format(caplog):
 
 
 def test_startup_warns_where_xla_does_not_fuse_the_dequantization(caplog, monkeypatch):
-    """On a TPU, Q8_0's block scales are broadcast to a full-width array per layer before XLA's dot (its compiled
-    HLO: docs/quantization.md); int8 and the 4-bit formats are fused, and on GPU every kept format is (int8 by XLA,
-    the block formats by the Pallas kernel). The start-up log says so, naming the formats."""
+    """Every kept format is fused or run by a Pallas kernel now: on GPU int8 by XLA, the block formats by the Triton
+    kernel; on TPU int8 and small 4-bit products by XLA, Q8_0 and larger 4-bit ones by the Mosaic kernel
+    (docs/quantization.md), so nothing is warned about and the TPU log names the kernel. Where a backend lists a
+    format in `NOT_FUSED`, the start-up log warns, naming it."""
     from jaxpaged.engine import quant_setup
 
     int8 = _plain_stack(layers=1, k=64, n=32)
     q8 = int8.replace(scale_mode=quant.BLOCK_SYM)
-    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "gpu") == []
-    assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], "tpu") == ["q8_0"]
-    assert quant_setup.unfused_formats(["q4_0"], "cpu") == []
+    for backend in ("gpu", "tpu", "cpu"):
+        assert quant_setup.unfused_formats(["int8", "q4_0", "q8_0"], backend) == []
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    with caplog.at_level(logging.INFO, logger="jaxpaged.engine.quant_setup"):
+        quant_setup.describe_weights({"a": int8, "b": q8}, "gguf")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "Pallas TPU kernel" in caplog.records[-1].getMessage()
+    caplog.clear()
+    monkeypatch.setitem(quant_setup.NOT_FUSED, "tpu", ("q8_0",))
     with caplog.at_level(logging.WARNING, logger="jaxpaged.engine.quant_setup"):
         quant_setup.describe_weights({"a": int8}, "int8")
         assert not caplog.records
