@@ -36,3 +36,40 @@ def random_weight(rng, fmt: str, layers: int, k: int, n: int) -> quant.Quantized
 
 def f64(a) -> np.ndarray:
     return np.asarray(a, np.float64)
+
+
+# ---- the Pallas quantized matmuls' tests (tests/kernels/test_gpu_qmatmul.py, test_tpu_qmatmul.py) -------------------
+
+BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"]  # every kept format with per-block scales
+LAYERS, LAYER = 3, 1  # a stacked weight of LAYERS, the kernels asked for LAYER
+
+
+def kernel_args(qw: quant.QuantizedWeight) -> dict:
+    return dict(bits=qw.bits, pair=qw.scale_mode in (quant.BLOCK_F16, quant.BLOCK_F32))
+
+
+def layered_weight(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
+    """A stacked [LAYERS, K, N] weight whose other layers' scales are NaN: reading any layer but LAYER shows."""
+    import jax
+    import jax.numpy as jnp
+
+    qw = random_weight(np.random.default_rng(seed), fmt, LAYERS, k, n)
+    scales = np.full_like(qw.scales, np.nan)
+    scales[LAYER] = qw.scales[LAYER]
+    return jax.tree.map(jnp.asarray, qw.replace(scales=scales))
+
+
+def check_layer_product(qw: quant.QuantizedWeight, x, got) -> None:
+    """got equals x times LAYER's weights rounded to x's dtype up to float32 sum order, and x times the float32
+    weights up to that rounding (bf16: 2^-8 of each weight)."""
+    import jax.numpy as jnp
+
+    w32 = f64(quant.dequantize(qw, np.float32, LAYER))  # [K, N]
+    w_x = f64(quant.dequantize(qw, np.float32, LAYER).astype(x.dtype))
+    xs = f64(x)
+    got = np.asarray(got)
+    assert got.shape == (x.shape[0], qw.n) and got.dtype == np.float32
+    scale = np.abs(xs) @ np.abs(w32) + 1e-30
+    np.testing.assert_array_less(np.abs(got - xs @ w_x), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
+    rounding = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_array_less(np.abs(got - xs @ w32), rounding * scale)

@@ -22,15 +22,18 @@ import pytest
 from jaxpaged.models import quant
 from pallas_kernels import gpu_qmatmul
 from tests.hlo_checks import TRITON_CALL_TARGETS
-from tests.quant_weights import FORMS, f64, random_weight
+from tests.quant_weights import (
+    BLOCK_FORMATS,
+    FORMS,
+    LAYER,
+    check_layer_product,
+    kernel_args,
+    layered_weight,
+    random_weight,
+)
 
 INTERPRET = jax.default_backend() != "gpu"
-BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"]  # every kept format with per-block scales
-LAYERS, LAYER = 3, 1
 
-
-def kernel_args(qw: quant.QuantizedWeight) -> dict:
-    return dict(bits=qw.bits, pair=qw.scale_mode in (quant.BLOCK_F16, quant.BLOCK_F32))
 
 
 @functools.cache
@@ -39,36 +42,14 @@ def run(bits: int, pair: bool, tile=None, num_splits=None, scale_load="broadcast
                                      scale_load=scale_load, interpret=INTERPRET))
 
 
-def weights(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
-    """A stacked [LAYERS, K, N] weight whose other layers' scales are NaN: reading any layer but LAYER shows."""
-    qw = random_weight(np.random.default_rng(seed), fmt, LAYERS, k, n)
-    scales = np.full_like(qw.scales, np.nan)
-    scales[LAYER] = qw.scales[LAYER]
-    return jax.tree.map(jnp.asarray, qw.replace(scales=scales))
-
-
-def check(qw: quant.QuantizedWeight, x, got):
-    """got equals x times the layer's weights rounded to x's dtype up to float32 sum order, and x times the float32
-    weights up to that rounding (bf16: 2^-8 of each weight)."""
-    w32 = f64(quant.dequantize(qw, np.float32, LAYER))  # [K, N]
-    w_x = f64(quant.dequantize(qw, np.float32, LAYER).astype(x.dtype))
-    xs = f64(x)
-    got = np.asarray(got)
-    assert got.shape == (x.shape[0], qw.n) and got.dtype == np.float32
-    scale = np.abs(xs) @ np.abs(w32) + 1e-30
-    np.testing.assert_array_less(np.abs(got - xs @ w_x), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
-    rounding = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 1e-6
-    np.testing.assert_array_less(np.abs(got - xs @ w32), rounding * scale)
-
-
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_kernel_is_x_times_the_dequantized_layer(fmt, m):
     """K = 96: three blocks, one step of 128 k whose last 32 are masked; N = 200: a partial N tile; M padded to
     whole tiles of 16 to 128 rows. Every block format, including the 8-bit (s, m) ones of re-quantized types."""
-    qw = weights(fmt, 96, 200, seed=m)
+    qw = layered_weight(fmt, 96, 200, seed=m)
     x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("scale_load", ["broadcast", "gather"])
@@ -76,28 +57,28 @@ def test_kernel_is_x_times_the_dequantized_layer(fmt, m):
 def test_a_ragged_k_over_several_k_steps(fmt, scale_load):
     """K = 570 (18 blocks, the codes padded to 576; x's last 6 columns do not exist): five steps of 128 k, the last
     partly past the codes. f32 x is multiplied in IEEE float32. Both ways of loading the block scales."""
-    qw = weights(fmt, 570, 200, seed=3)
+    qw = layered_weight(fmt, 570, 200, seed=3)
     rng = np.random.default_rng(4)
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng.standard_normal((9, qw.k)), dtype)
-        check(qw, x, run(**kernel_args(qw), scale_load=scale_load)(x, qw.codes, qw.scales, LAYER))
+        check_layer_product(qw, x, run(**kernel_args(qw), scale_load=scale_load)(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_k"])
 def test_gathered_scales_give_the_same_numbers(fmt):
-    qw = weights(fmt, 96, 200, seed=16)
+    qw = layered_weight(fmt, 96, 200, seed=16)
     x = jnp.asarray(np.random.default_rng(17).standard_normal((7, qw.k)), jnp.bfloat16)
     got = run(**kernel_args(qw), scale_load="gather")(x, qw.codes, qw.scales, LAYER)
-    check(qw, x, got)
+    check_layer_product(qw, x, got)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER)))
 
 
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_k_split_over_programs_sums_to_the_product(splits):
     """Split K: K = 570 is 5 steps of 128; 2 and 3 splits share them unevenly, 8 leave splits with none (zeros)."""
-    qw = weights("q4_k", 570, 200, seed=14)
+    qw = layered_weight("q4_k", 570, 200, seed=14)
     x = jnp.asarray(np.random.default_rng(15).standard_normal((3, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw), num_splits=splits)(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw), num_splits=splits)(x, qw.codes, qw.scales, LAYER))
 
 
 def test_default_splits_fill_the_device_only_for_small_grids():
@@ -114,24 +95,24 @@ def test_default_splits_fill_the_device_only_for_small_grids():
 @pytest.mark.parametrize("tile", [(16, 16, 32, 4), (32, 128, 256, 4)], ids=["smallest", "wide"])
 def test_other_tiles_give_the_same_product(tile):
     """The tile is a free choice: the smallest legal one (one block a step, many programs) and a wide one."""
-    qw = weights("q4_k", 96, 200, seed=5)
+    qw = layered_weight("q4_k", 96, 200, seed=5)
     x = jnp.asarray(np.random.default_rng(6).standard_normal((20, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw), tile=tile)(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw), tile=tile)(x, qw.codes, qw.scales, LAYER))
 
 
 def test_an_unstacked_weight_and_the_reference():
     """2-D codes [N, ...] are one layer; `qmatmul_reference` is the same contract in jnp."""
-    qw = weights("q4_0", 64, 48, seed=7)
+    qw = layered_weight("q4_0", 64, 48, seed=7)
     x = jnp.asarray(np.random.default_rng(8).standard_normal((3, qw.k)), jnp.bfloat16)
     got = run(4, False)(x, qw.codes[LAYER], qw.scales[LAYER], 0)
-    check(qw, x, got)
+    check_layer_product(qw, x, got)
     ref = gpu_qmatmul.qmatmul_reference(x, qw.codes, qw.scales, LAYER, bits=4, pair=False)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
 def test_the_layer_is_read_in_place():
     """Reading layer 0 (NaN scales) gives NaN everywhere: the layer operand, not a slice, picks the rows."""
-    qw = weights("q8_0", 64, 48, seed=9)
+    qw = layered_weight("q8_0", 64, 48, seed=9)
     x = jnp.ones((2, qw.k), jnp.bfloat16)
     assert np.isnan(np.asarray(run(8, False)(x, qw.codes, qw.scales, 0))).all()
 
@@ -146,7 +127,7 @@ def test_the_layer_is_read_in_place():
     (dict(scale_load="shared"), "scale_load='shared' is not supported"),
 ])
 def test_bad_arguments_are_clear_errors(change, message):
-    qw = weights("q8_0", 64, 48, seed=10)
+    qw = layered_weight("q8_0", 64, 48, seed=10)
     x = jnp.ones((2, change.pop("x_cols", qw.k)), jnp.bfloat16)
     kwargs = dict(bits=8, pair=False) | change
     with pytest.raises(ValueError, match=message):
@@ -192,7 +173,7 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
     """quant's CUDA branch (`_kernel_matmul`), the kernel run by the interpreter: the same product as the
     dequantize-then-dot branch every other platform runs, from the stacked arrays and the layer."""
     monkeypatch.setattr(gpu_qmatmul, "qmatmul_gpu", functools.partial(gpu_qmatmul.qmatmul_gpu, interpret=INTERPRET))
-    qw = weights(fmt, 96, 40, seed=11)
+    qw = layered_weight(fmt, 96, 40, seed=11)
     x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
     got = jax.jit(functools.partial(quant._kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
     want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)

@@ -26,14 +26,15 @@ import pytest
 from jaxpaged.models import quant
 from pallas_kernels import tpu_qmatmul
 from tests.hlo_checks import TPU_KERNEL, computations, dot_ops
-from tests.quant_weights import FORMS, f64, random_weight
-
-BLOCK_FORMATS = ["q8_0", "q4_0", "q4_1", "q4_k", "q8_1", "q8_k"]  # every kept format with per-block scales
-LAYERS, LAYER = 3, 1
-
-
-def kernel_args(qw: quant.QuantizedWeight) -> dict:
-    return dict(bits=qw.bits, pair=qw.scale_mode in (quant.BLOCK_F16, quant.BLOCK_F32))
+from tests.quant_weights import (
+    BLOCK_FORMATS,
+    FORMS,
+    LAYER,
+    check_layer_product,
+    kernel_args,
+    layered_weight,
+    random_weight,
+)
 
 
 @functools.cache
@@ -41,76 +42,54 @@ def run(bits: int, pair: bool, tile=None):
     return jax.jit(functools.partial(tpu_qmatmul.qmatmul_tpu, bits=bits, pair=pair, tile=tile, interpret=True))
 
 
-def weights(fmt: str, k: int, n: int, seed: int) -> quant.QuantizedWeight:
-    """A stacked [LAYERS, K, N] weight whose other layers' scales are NaN: reading any layer but LAYER shows."""
-    qw = random_weight(np.random.default_rng(seed), fmt, LAYERS, k, n)
-    scales = np.full_like(qw.scales, np.nan)
-    scales[LAYER] = qw.scales[LAYER]
-    return jax.tree.map(jnp.asarray, qw.replace(scales=scales))
-
-
-def check(qw: quant.QuantizedWeight, x, got):
-    """got equals x times the layer's weights rounded to x's dtype up to float32 sum order, and x times the float32
-    weights up to that rounding (bf16: 2^-8 of each weight)."""
-    w32 = f64(quant.dequantize(qw, np.float32, LAYER))  # [K, N]
-    w_x = f64(quant.dequantize(qw, np.float32, LAYER).astype(x.dtype))
-    xs = f64(x)
-    got = np.asarray(got)
-    assert got.shape == (x.shape[0], qw.n) and got.dtype == np.float32
-    scale = np.abs(xs) @ np.abs(w32) + 1e-30
-    np.testing.assert_array_less(np.abs(got - xs @ w_x), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
-    rounding = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 1e-6
-    np.testing.assert_array_less(np.abs(got - xs @ w32), rounding * scale)
-
-
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 def test_kernel_is_x_times_the_dequantized_layer(fmt, m):
     """K = 96: one chunk of three blocks; N = 200: a partial N tile; M padded to whole tiles."""
-    qw = weights(fmt, 96, 200, seed=m)
+    qw = layered_weight(fmt, 96, 200, seed=m)
     x = jnp.asarray(np.random.default_rng(m + 1).standard_normal((m, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
 def test_a_ragged_k_over_several_chunks(fmt):
     """K = 570 (18 blocks, codes padded to 576): a chunk of 512 k and one of 64; bf16 and f32 x (f32: multiplied
     with Precision.HIGHEST)."""
-    qw = weights(fmt, 570, 200, seed=3)
+    qw = layered_weight(fmt, 570, 200, seed=3)
     rng = np.random.default_rng(4)
     for dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.asarray(rng.standard_normal((9, qw.k)), dtype)
-        check(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
+        check_layer_product(qw, x, run(**kernel_args(qw))(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1", "q4_k"])
 def test_codes_taken_n_minor(fmt):
     """N = 256 with K = 570 (576 or 288 code bytes a row, not a multiple of 128): the kernel takes the codes as
     [L, Kp * bits / 8, N] (`codes_kn`, XLA TPU's layout of them) over two N tiles and two K chunks."""
-    qw = weights(fmt, 570, 256, seed=18)
+    qw = layered_weight(fmt, 570, 256, seed=18)
     assert tpu_qmatmul.codes_kn(qw.codes.shape[-1], qw.n)
     x = jnp.asarray(np.random.default_rng(19).standard_normal((5, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw), tile=(16, 128))(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw), tile=(16, 128))(x, qw.codes, qw.scales, LAYER))
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_several_m_and_n_tiles(fmt):
     """tile (16, 128): M = 40 is three M tiles, N = 300 three N tiles (the last partial)."""
-    qw = weights(fmt, 96, 300, seed=5)
+    qw = layered_weight(fmt, 96, 300, seed=5)
     x = jnp.asarray(np.random.default_rng(6).standard_normal((40, qw.k)), jnp.bfloat16)
-    check(qw, x, run(**kernel_args(qw), tile=(16, 128))(x, qw.codes, qw.scales, LAYER))
+    check_layer_product(qw, x, run(**kernel_args(qw), tile=(16, 128))(x, qw.codes, qw.scales, LAYER))
 
 
 def test_an_unstacked_weight():
     """2-D codes [N, ...] are one layer."""
-    qw = weights("q4_0", 64, 48, seed=7)
+    qw = layered_weight("q4_0", 64, 48, seed=7)
     x = jnp.asarray(np.random.default_rng(8).standard_normal((3, qw.k)), jnp.bfloat16)
-    check(qw, x, run(4, False)(x, qw.codes[LAYER], qw.scales[LAYER], 0))
+    check_layer_product(qw, x, run(4, False)(x, qw.codes[LAYER], qw.scales[LAYER], 0))
 
 
 def test_the_layer_is_read_in_place():
     """Reading layer 0 (NaN scales) gives NaN everywhere: the scalar-prefetched layer picks the blocks."""
-    qw = weights("q8_0", 64, 48, seed=9)
+    qw = layered_weight("q8_0", 64, 48, seed=9)
     x = jnp.ones((2, qw.k), jnp.bfloat16)
     assert np.isnan(np.asarray(run(8, False)(x, qw.codes, qw.scales, 0))).all()
     assert not np.isnan(np.asarray(run(8, False)(x, qw.codes, qw.scales, LAYER))).any()
@@ -146,7 +125,7 @@ def test_scale_expansion_is_exact_for_float16_and_float32_scales():
     (dict(x_dtype=jnp.float16), "x must be bfloat16 or float32"),
 ])
 def test_bad_arguments_are_clear_errors(change, message):
-    qw = weights("q8_0", 64, 48, seed=10)
+    qw = layered_weight("q8_0", 64, 48, seed=10)
     x = jnp.ones((2, change.pop("x_cols", qw.k)), change.pop("x_dtype", jnp.bfloat16))
     kwargs = dict(bits=8, pair=False) | change
     with pytest.raises(ValueError, match=message):
@@ -257,7 +236,7 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
     """quant's TPU branch (`_tpu_kernel_matmul`), the kernel run by the interpreter: the same product as the
     dequantize-then-dot branch the CPU runs, from the stacked arrays and the layer."""
     monkeypatch.setattr(tpu_qmatmul, "qmatmul_tpu", functools.partial(tpu_qmatmul.qmatmul_tpu, interpret=True))
-    qw = weights(fmt, 96, 40, seed=11)
+    qw = layered_weight(fmt, 96, 40, seed=11)
     x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
     got = jax.jit(functools.partial(quant._tpu_kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
     want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
