@@ -560,9 +560,16 @@ class AsyncEngine:
 
 
 def _put_all(targets: list[tuple[RequestStream, EngineOutput | BaseException]]) -> None:
-    """On an event loop: a step's outputs into their streams."""
+    """On an event loop: a step's outputs into their streams. A stream whose hand-off raises fails alone (its reader
+    gets the error, the engine aborts its request): the other streams of the step still get theirs."""
     for stream, item in targets:
-        stream._put(item)
+        try:
+            stream._put(item)
+        except Exception:
+            logger.exception("handing request %s its output failed", stream.request_id)
+            stream._unread = EngineStepError(f"internal error handing request {stream.request_id} its output")
+            stream._wakeup.set()
+            stream._engine._forget(stream.request_id, abort=True)
 
 
 def _name_os_thread(name: str) -> None:

@@ -114,6 +114,39 @@ def test_a_step_s_outputs_reach_their_readers_in_one_wake_up_of_their_event_loop
     assert len(calls) <= steps + 1 and max(calls) == 4, (calls, steps)  # ...in one wake-up per step at most
 
 
+def test_a_hand_off_that_raises_fails_its_request_alone(engine, aengine, monkeypatch):
+    """All of a step's outputs reach their readers in one callback: one stream's failure there must not keep the
+    others' outputs from them, and its request is aborted (its blocks freed)."""
+    from jaxpaged.entrypoints import async_engine
+
+    merge = async_engine._merge
+
+    def merge_failing_for_bad(old, new):
+        if new.request_id == "bad":
+            raise RuntimeError("injected")
+        return merge(old, new)
+
+    monkeypatch.setattr(async_engine, "_merge", merge_failing_for_bad)
+    slow = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run():
+        async def good(i):
+            return [out async for out in aengine.generate(f"good{i}", [3 + i, 9, 4], slow)][-1]
+
+        async def bad():
+            stream = await aengine.add_request("bad", [5, 6, 7], slow)
+            await asyncio.sleep(0.3)  # outputs pile up unread: the next one is merged, which raises
+            with pytest.raises(EngineStepError, match="handing request bad its output"):
+                async for _ in stream:
+                    pass
+
+        return await asyncio.gather(bad(), *(good(i) for i in range(3)))
+
+    _, *goods = asyncio.run(run())
+    assert all(o.finished and len(o.outputs[0].token_ids) == 24 for o in goods)
+    assert wait_for(lambda: aengine.stats()["num_used"] == 0 and aengine.stats()["num_in_flight"] == 0)
+
+
 def test_bad_request_raises_to_the_caller_and_the_loop_goes_on(aengine):
     async def run():
         with pytest.raises(ValueError, match="longer than the context"):
