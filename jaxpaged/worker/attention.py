@@ -74,7 +74,8 @@ class KVPool:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "logits_indices"],
+    data_fields=["positions", "slot_mapping", "block_tables", "context_lens", "query_start_loc", "logits_indices",
+                 "prompt_lens"],
     meta_fields=["tile_size", "decode_blocks"])
 @dataclasses.dataclass
 class AttentionMetadata:
@@ -93,6 +94,8 @@ class AttentionMetadata:
     tile_size: int  # static: tokens per query tile: 16 for prefill steps (segments start at multiples), 1 for decode
     # and for the mixed steps of a backend that `mixes_steps`
     decode_blocks: int | None  # static: flat K/V block count of a decode-only step; None for prefill
+    # [S] int32, each sequence's prompt length, for a kernel that `takes_prompt_lens`; None: not known
+    prompt_lens: jax.Array | None = None
 
     @property
     def shape_key(self) -> tuple:
@@ -140,6 +143,10 @@ class PagedAttention:
     # An fp8 pool's per-layer scales (`kv_quant.KVScales`, set by the engine for an fp8 kv_cache_dtype): K and V are
     # divided by them as they are written and the kernel multiplies them back. None: no scales (not fp8, or 1.0).
     kv_scales: object | None = None
+    # Whether the kernel takes `prompt_lens` (the native CPU kernel: prompt tokens in query tiles, the others one
+    # token at a time, so a token's bits do not depend on how its sequence was cut into steps: the same tokens after
+    # a prefix-cache hit, in any chunking, when verified or recomputed).
+    takes_prompt_lens: bool = False
 
     @property
     def writes_16bit(self) -> bool:
@@ -158,7 +165,8 @@ class PagedAttention:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         out = self.kernel(q, kv_pool.k, kv_pool.v, layer, md.block_tables, md.context_lens, md.query_start_loc,
                           md.positions, scale=scale, tile_size=md.tile_size, sliding_window=sliding_window,
-                          soft_cap=soft_cap, decode_blocks=md.decode_blocks, **scales)
+                          soft_cap=soft_cap, decode_blocks=md.decode_blocks, **scales,
+                          **({"prompt_lens": md.prompt_lens} if self.takes_prompt_lens else {}))
         return out, kv_pool
 
     def refusal(self, head_dim: int, *dtypes) -> str | None:
@@ -194,7 +202,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
             return PagedAttention("native" if strict else "native_else_reference",
                                   functools.partial(cpu_native.native_else_reference, strict=strict),
                                   reads_flat_blocks=False, mixes_steps=True, kv_write=cpu_native.write_kv_native,
-                                  block_write=cpu_native.set_blocks_native)
+                                  block_write=cpu_native.set_blocks_native, takes_prompt_lens=True)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: "
                              f"{cpu_native.unavailable_reason('attention')}")

@@ -138,7 +138,7 @@ class StepLayout:
             positions=field("positions"), slot_mapping=field("slot_mapping"),
             block_tables=field("block_tables", shape=(s, self.width)), context_lens=field("context_lens"),
             query_start_loc=field("query_start_loc"), logits_indices=field("logits_indices"),
-            tile_size=self.tile_size, decode_blocks=self.decode_blocks)
+            tile_size=self.tile_size, decode_blocks=self.decode_blocks, prompt_lens=field("output_start"))
         sm = SamplingMetadata(
             temperature=field("temperature", jnp.float32), top_p=field("top_p", jnp.float32),
             top_k=field("top_k"), min_p=field("min_p", jnp.float32), seed_lo=field("seed_lo", jnp.uint32),

@@ -96,7 +96,7 @@ def score_text(runner, token_ids, *, window: int = 2048, chunk: int = 256, bos_t
                                    context_lens=np.array([c1], np.int32),
                                    query_start_loc=np.array([0, chunk], np.int32),
                                    logits_indices=np.array([n - 1], np.int32), tile_size=runner.prefill_tile,
-                                   decode_blocks=None)
+                                   decode_blocks=None, prompt_lens=np.array([len(seq)], np.int32))
             if compiled is None:
                 with jax.default_matmul_precision(step_matmul_precision(runner.params)):
                     lowered = fn.lower(runner.params, pool, tok, tgt, md)

@@ -4,7 +4,8 @@ weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc
 the sampler's argmax (argmax.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
-                           scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None)
+                           scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None,
+                           prompt_lens=None)
 
 Arguments and result are those of `ragged_paged_attention_reference` (reference.py states every layout), for any
 batch: decodes, prefill chunks, or both. tile_size and decode_blocks are accepted for the contract's sake and
@@ -12,6 +13,12 @@ ignored: each query token reads exactly the blocks its sequence holds up to its 
 float32 or bfloat16 (softmax and p @ V accumulate in float32), or the pools fp8 (float8_e4m3fn / float8_e5m2, with
 q either, read with k_scale / v_scale: pallas_kernels/fp8.py); the pool is passed whole with the layer index, so no
 per-layer slice is copied, and the call works inside jit and lax.fori_loop.
+
+prompt_lens [S] int32 (the prompt length of each sequence; the engine passes it) makes every token's result
+independent of how its sequence was cut into steps: prompt tokens run in query tiles, the others (decodes,
+speculative proposals) one token at a time, so a prompt gives the same bits in one chunk or as the short tail of a
+prefix-cache hit, and a generated token the same bits when verified or recomputed. Without it, a sequence with at
+most 17 tokens in the call runs per token and a longer one in tiles.
 
 Each function checks its arguments (ValueError naming the field), then that its kernel is available
 (`available(kernel)`; RuntimeError with the reason if not).
@@ -71,6 +78,7 @@ def paged_attention_native(
     decode_blocks: int | None = None,
     k_scale: float | jax.Array = 1.0,
     v_scale: float | jax.Array = 1.0,
+    prompt_lens: jax.Array | None = None,
 ) -> jax.Array:
     """Ragged paged attention on the CPU by the native kernel; see the module docstring."""
     del tile_size, decode_blocks  # the kernel walks each token's own blocks, whatever the batch's layout
@@ -99,13 +107,19 @@ def paged_attention_native(
                          f"[S] and [S + 1] for block_tables {block_tables.shape}")
     if positions.shape != (num_tokens,):
         raise ValueError(f"positions {positions.shape} must be [T] = ({num_tokens},)")
+    if prompt_lens is None:
+        prompt_lens = jnp.full((num_seqs,), -1, jnp.int32)
+    prompt_lens = _int32("prompt_lens", prompt_lens, 1)
+    if prompt_lens.shape != (num_seqs,):
+        raise ValueError(f"prompt_lens {prompt_lens.shape} must be [S] = ({num_seqs},)")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window={sliding_window} must be positive or None")
     if soft_cap is not None and soft_cap <= 0:
         raise ValueError(f"soft_cap={soft_cap} must be positive or None")
     call = _ffi_call("JaxpagedPagedAttention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     kv_scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])  # [2]
-    return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions, kv_scales,
+    return call(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions, prompt_lens,
+                kv_scales,
                 scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0),
                 soft_cap=np.float32(soft_cap or 0.0))
 
@@ -297,6 +311,7 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
         # Queries in the pool's dtype (e.g. a bfloat16 model over the engine's float32 CPU pool); with strict, an
         # unsupported dtype is the kernel's ValueError.
         return paged_attention_native(q.astype(pool.dtype), *args[1:], **kwargs).astype(q.dtype)
+    kwargs.pop("prompt_lens", None)  # the native kernel's alone
     return ragged_paged_attention_reference(*args, **kwargs)
 
 

@@ -12,6 +12,7 @@
 //   context_lens    [S] int32                                   cached tokens of sequence s (0: padding sequence)
 //   query_start_loc [S + 1] int32                               sequence s's queries are tokens [qsl[s], qsl[s+1])
 //   positions       [T] int32                                   absolute position of each token (-1: padding)
+//   prompt_lens     [S] int32                                   prompt tokens of sequence s (-1: not given)
 //   kv_scales       [2] float32                                 (k_scale, v_scale): 1 for pools that are not fp8
 //   attributes      scale (f32), sliding_window (i64, 0 = none), soft_cap (f32, 0 = none)
 //   out             [T, Hq, D]            q's dtype             0 on rows that no real sequence owns
@@ -23,7 +24,14 @@
 // work). Block ids are clipped to [0, NB) and the layer to [0, L), so nothing is read out of bounds; a token that
 // no sequence owns, or with position -1, gives a 0 row.
 //
-// Work items. A decode (a sequence with one query token this step) is one token and a range of its kv heads (all of
+// Work items. Which path a query token takes depends on the token alone, never on how its sequence's tokens were cut
+// into steps: its prompt tokens (positions < prompt_lens[s]) run in tiles, its other tokens (a decode, or a verified
+// token and its proposals) one per token. So a prompt token gives the same bits as one chunk of a long prompt, as the
+// short tail after a prefix-cache hit, or in whatever chunk the step's token budget left it, and a generated token
+// the same bits in a decode step, a verifying step or a recompute after preemption (both paths are exact per row:
+// a row's sums run over the same keys in the same order whatever else the tile or step holds). Without prompt_lens
+// (-1) a sequence with at most kMaxPerTokenRun tokens this step runs per token, a longer one in tiles.
+// A per-token item (a "decode") is one token and a range of its kv heads (all of
 // them when the batch has enough tokens to keep every thread busy, so each block is read as one contiguous run;
 // else one kv head per item): the item's query vectors are loaded once (as float32), then the sequence's blocks are
 // walked through its block table; per block the (query heads) x (offsets in range) scores, an online softmax
@@ -193,6 +201,7 @@ struct Problem {
   const int32_t* context_lens;
   const int32_t* query_start_loc;
   const int32_t* positions;
+  const int32_t* prompt_lens;  // [S]; -1: not given (tiles by run length)
   float scale;             // the softmax scale times k_scale
   float v_scale;           // each output row is multiplied by it
   int64_t sliding_window;  // 0: none
@@ -620,10 +629,8 @@ inline bool AttendItemFastIfAny(const Problem&, const uint16_t*, const TKV*, con
 #endif
 
 constexpr int64_t kTile = 16;  // query tokens of one sequence per prefill work item
-// A sequence with at most this many query tokens in a step runs them as decode items, one per token: a speculative
-// decoding step verifies a sequence's last token and up to 16 proposals this way, so each position's result is the
-// one a decode step gives it, bit for bit (the tile path sums in another order), and verified greedy tokens are those
-// of plain decoding.
+// Without prompt_lens, a sequence with at most this many query tokens in a step runs them one per token (a decode,
+// or a verified token and up to 16 proposals), a longer run in tiles.
 constexpr int64_t kMaxPerTokenRun = 17;
 
 // Per-thread scratch of a tile item: `rows` = tokens x query heads, and one kv head's block in float32.
@@ -642,11 +649,14 @@ struct TileScratch {
 template <int BSC>
 inline void TileScores(const float* const* rows, int64_t num_rows, const float* __restrict kt, int64_t D,
                        float* __restrict scores) {
-  // Four rows at a time: four independent accumulator chains, each kt row loaded once for the four.
-  int64_t r = 0;
-  for (; r + 4 <= num_rows; r += 4) {
+  // Four rows at a time: four independent accumulator chains, each kt row loaded once for the four. A last group
+  // of fewer rows repeats its last row (computed, not stored), so every row's sums run through this same loop: a
+  // row's scores do not depend on how many rows the tile has.
+  for (int64_t r = 0; r < num_rows; r += 4) {
     float a0[BSC] = {0}, a1[BSC] = {0}, a2[BSC] = {0}, a3[BSC] = {0};
-    const float *q0 = rows[r], *q1 = rows[r + 1], *q2 = rows[r + 2], *q3 = rows[r + 3];
+    const int64_t last = num_rows - 1;
+    const float *q0 = rows[r], *q1 = rows[std::min(r + 1, last)], *q2 = rows[std::min(r + 2, last)],
+                *q3 = rows[std::min(r + 3, last)];
     for (int64_t d = 0; d < D; ++d) {
       const float* __restrict kd = kt + d * BSC;
       const float x0 = q0[d], x1 = q1[d], x2 = q2[d], x3 = q3[d];
@@ -657,18 +667,9 @@ inline void TileScores(const float* const* rows, int64_t num_rows, const float* 
         a3[j] += x3 * kd[j];
       }
     }
-    for (int j = 0; j < BSC; ++j) {
-      scores[r * BSC + j] = a0[j];
-      scores[(r + 1) * BSC + j] = a1[j];
-      scores[(r + 2) * BSC + j] = a2[j];
-      scores[(r + 3) * BSC + j] = a3[j];
-    }
-  }
-  for (; r < num_rows; ++r) {
-    float a[BSC] = {0};
-    for (int64_t d = 0; d < D; ++d)
-      for (int j = 0; j < BSC; ++j) a[j] += rows[r][d] * kt[d * BSC + j];
-    for (int j = 0; j < BSC; ++j) scores[r * BSC + j] = a[j];
+    const float* chains[4] = {a0, a1, a2, a3};
+    for (int64_t i = 0; i < 4 && r + i < num_rows; ++i)
+      for (int j = 0; j < BSC; ++j) scores[(r + i) * BSC + j] = chains[i][j];
   }
 }
 
@@ -1039,7 +1040,11 @@ void AttendTileFast(const Problem& p, const uint16_t* q, const TKV* k_cache, con
         PrefetchRows(k_cache + next, BS, row_stride * kBytes, D * kBytes);
         PrefetchRows(v_cache + next, BS, row_stride * kBytes, D * kBytes);
       }
-      const int64_t jlo = std::max<int64_t>(first - b * BS, 0), jhi = std::min<int64_t>(last - b * BS, BS);
+      // Chunks of 16 offsets on a fixed grid (multiples of 16 in the block), whatever the tile's first visible
+      // position: a row's sums then run over the same chunks in any tile (a sliding window makes `first` depend on
+      // the tile's other rows). The offsets before `first` are in the sequence's context (finite) and weigh 0.
+      const int64_t jlo = std::max<int64_t>(first - b * BS, 0) & ~int64_t{15};
+      const int64_t jhi = std::min<int64_t>(last - b * BS, BS);
       for (int64_t j = jlo; j < jhi; j += 16) {
         const int n = static_cast<int>(std::min<int64_t>(16, jhi - j));
         const uint16_t *k_rows, *v_rows;
@@ -1097,6 +1102,7 @@ inline bool AttendTileFastIfAny(const Problem&, const uint16_t*, const TKV*, con
 // one sequence (AttendTile): tokens[start, start + count) of the state's token list, all of sequence `seq`.
 struct Unit {
   int32_t seq, start, count;
+  bool tile;  // prompt tokens (AttendTile); else one token (AttendItem)
 };
 
 // One call's work (work_queue.h): every item is a unit's range of kv heads. q and out are T, the pool TKV.
@@ -1131,11 +1137,11 @@ struct ParallelAttention {
       const int64_t next_item = work.Claim();
       const int64_t kh0 = items[i].kh0, kh1 = items[i].kh1;
       const Unit& u = units[items[i].unit];
-      if (u.count == 1) {
+      if (!u.tile) {
         bool done_fast = false;
         if constexpr (kBf16Dots) {
           Rows next;
-          if (next_item < work.total && units[items[next_item].unit].count == 1) {
+          if (next_item < work.total && !units[items[next_item].unit].tile) {
             const Unit& n = units[items[next_item].unit];
             next = FirstRows(p, k, n.seq, tokens[n.start], items[next_item].kh0);
           }
@@ -1171,8 +1177,8 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k,
   state->v = v;
   state->out = out;
   // The real query tokens of each sequence (a token claimed by two sequences' ranges goes to the first), cut into
-  // units: a sequence with at most kMaxPerTokenRun tokens this step is a decode unit per token, a longer run is cut
-  // into tiles of kTile tokens.
+  // units: its prompt tokens into tiles of kTile tokens, its others a unit per token (see the header; without
+  // prompt_lens, a sequence with at most kMaxPerTokenRun tokens this step runs per token, a longer run in tiles).
   std::vector<bool> taken(p.num_tokens, false);
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     if (p.context_lens[s] <= 0) continue;
@@ -1185,10 +1191,17 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k,
         state->tokens.push_back(static_cast<int32_t>(t));
       }
     const int64_t end = static_cast<int64_t>(state->tokens.size());
-    const int64_t unit = end - start <= kMaxPerTokenRun ? 1 : kTile;
-    for (int64_t u = start; u < end; u += unit)
+    int64_t split = start;  // tokens [start, split) run in tiles, [split, end) one per token
+    if (p.prompt_lens[s] >= 0) {
+      while (split < end && p.positions[state->tokens[split]] < p.prompt_lens[s]) ++split;
+    } else if (end - start > kMaxPerTokenRun) {
+      split = end;
+    }
+    for (int64_t u = start; u < split; u += kTile)
       state->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(u),
-                              static_cast<int32_t>(std::min(unit, end - u))});
+                              static_cast<int32_t>(std::min(kTile, split - u)), true});
+    for (int64_t u = split; u < end; ++u)
+      state->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(u), 1, false});
   }
   const int64_t num_units = static_cast<int64_t>(state->units.size());
   if (num_units == 0) return ffi::Error::Success();
@@ -1198,7 +1211,7 @@ ffi::Error Run(ffi::ThreadPool pool, const Problem& p, const T* q, const TKV* k,
   // whole units (every kv head: each block is read as one contiguous run) when there are enough of them to balance
   // the threads (8 items per thread); else each unit's kv heads split over several items.
   std::vector<int32_t> tiles, decodes;
-  for (int64_t u = 0; u < num_units; ++u) (state->units[u].count > 1 ? tiles : decodes).push_back(u);
+  for (int64_t u = 0; u < num_units; ++u) (state->units[u].tile ? tiles : decodes).push_back(u);
   std::stable_sort(tiles.begin(), tiles.end(), [&](int32_t a, int32_t b) {
     return p.context_lens[state->units[a].seq] > p.context_lens[state->units[b].seq];
   });
@@ -1222,7 +1235,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> context_lens,
                                     ffi::Buffer<ffi::S32> query_start_loc, ffi::Buffer<ffi::S32> positions,
-                                    ffi::Buffer<ffi::F32> kv_scales, float scale, int64_t sliding_window,
+                                    ffi::Buffer<ffi::S32> prompt_lens, ffi::Buffer<ffi::F32> kv_scales, float scale, int64_t sliding_window,
                                     float soft_cap, ffi::Result<ffi::AnyBuffer> out) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
   auto td = block_tables.dimensions();
@@ -1246,9 +1259,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   if (context_lens.element_count() != static_cast<size_t>(p.num_seqs) ||
       query_start_loc.element_count() != static_cast<size_t>(p.num_seqs + 1) ||
       positions.element_count() != static_cast<size_t>(p.num_tokens) || layer.element_count() != 1 ||
-      kv_scales.element_count() != 2)
-    return ffi::Error::InvalidArgument("paged_attention: context_lens, query_start_loc, positions or kv_scales has "
-                                       "the wrong length");
+      prompt_lens.element_count() != static_cast<size_t>(p.num_seqs) || kv_scales.element_count() != 2)
+    return ffi::Error::InvalidArgument("paged_attention: context_lens, query_start_loc, positions, prompt_lens or "
+                                       "kv_scales has the wrong length");
   const auto pool_type = k_cache.element_type();
   const bool fp8 = pool_type == ffi::DataType::F8E4M3FN || pool_type == ffi::DataType::F8E5M2;
   if (q.element_type() != out->element_type() || v_cache.element_type() != pool_type ||
@@ -1262,6 +1275,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   p.context_lens = context_lens.typed_data();
   p.query_start_loc = query_start_loc.typed_data();
   p.positions = positions.typed_data();
+  p.prompt_lens = prompt_lens.typed_data();
   // fp8 scales, folded: q . (k * k_scale) = (q . k) * k_scale, and v_scale on each output row.
   p.scale = scale * kv_scales.typed_data()[0];
   p.v_scale = kv_scales.typed_data()[1];
@@ -1394,6 +1408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // context_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // query_start_loc
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // prompt_lens
                                   .Arg<ffi::Buffer<ffi::F32>>()   // kv_scales
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")

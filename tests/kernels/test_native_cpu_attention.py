@@ -362,3 +362,72 @@ def test_kv_and_block_writes_refuse_mismatched_shapes():
     with pytest.raises(ValueError, match="k_blocks"):
         native.set_blocks_native(pool, pool, jnp.zeros(2, jnp.int32), jnp.zeros((2, 3, 4, 2, 8)),
                                  jnp.zeros((2, 3, 4, 2, 8)))
+
+
+# ---- a token's bits do not depend on how its sequence was cut into steps (prompt_lens) ------------------------------
+
+class OneSequence:
+    """One sequence of N positions over a random pool (its blocks shuffled), its queries fixed per position, and a
+    second sequence decoding beside it in every call (so the batch around the tokens changes too)."""
+
+    def __init__(self, dtype, kv_dtype, heads, head_dim, block_size, n=45, seed=0):
+        rng = np.random.default_rng(seed)
+        hq, hkv = heads
+        self.n, self.bs, self.dtype = n, block_size, dtype
+        width = -(-n // block_size)
+        num_blocks = 2 * width + 3
+        self.q = rng.standard_normal((n, hq, head_dim)).astype(np.float32)
+        pool = rng.standard_normal((2, 1, num_blocks, block_size, hkv, head_dim)).astype(np.float32)
+        self.k, self.v = (jnp.asarray(p, kv_dtype) for p in pool)
+        blocks = rng.permutation(np.arange(1, num_blocks))
+        self.tables = np.stack([blocks[:width], blocks[width:2 * width]]).astype(np.int32)
+
+    def attend(self, positions, context, prompt_len, sliding_window=None, prompt_lens=True):
+        """Rows of `positions` (consecutive) of the sequence with `context` tokens cached, then a padding token and the
+        other sequence's decode at position 20."""
+        positions = list(positions)
+        t = len(positions)
+        q = np.concatenate([self.q[positions], np.zeros_like(self.q[:1]), self.q[20:21]])
+        pos = np.array(positions + [-1, 20], np.int32)
+        qsl = np.array([0, t, t + 2], np.int32)
+        lens = np.array([context, 21], np.int32)
+        kw = dict(prompt_lens=np.array([prompt_len, 5], np.int32)) if prompt_lens else {}
+        out = native.paged_attention_native(jnp.asarray(q, self.dtype), self.k, self.v, 0, self.tables, lens, qsl, pos,
+                                            scale=0.125, sliding_window=sliding_window, **kw)
+        return np.asarray(out.astype(jnp.float32))[:t]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f32", "fp8"])
+@pytest.mark.parametrize("shape", [((6, 2), 64, 16), ((4, 4), 32, 8)], ids=["gqa3-d64-bs16", "gqa1-d32-bs8"])
+@pytest.mark.parametrize("sliding_window", [None, 19], ids=["full", "window19"])
+def test_a_prompt_token_gives_the_same_bits_in_any_chunk(kind, shape, sliding_window):
+    """A prompt's rows whole, as the tail after a prefix-cache hit (1, 5 or 16 tokens), or as a middle chunk: bit for
+    bit the same (prompt tokens always run in query tiles; the tile's other rows never change a row's sums)."""
+    dtype, kv_dtype = {"bf16": (jnp.bfloat16,) * 2, "f32": (jnp.float32,) * 2,
+                       "fp8": (jnp.bfloat16, jnp.float8_e4m3fn)}[kind]
+    heads, head_dim, block_size = shape
+    s = OneSequence(dtype, kv_dtype, heads, head_dim, block_size)
+    whole = s.attend(range(45), 45, 45, sliding_window)
+    assert np.isfinite(whole).all()
+    for lo, hi in [(44, 45), (40, 45), (29, 45), (16, 33), (3, 7)]:
+        part = s.attend(range(lo, hi), hi, 45, sliding_window)
+        np.testing.assert_array_equal(part, whole[lo:hi], err_msg=f"prompt rows {lo}..{hi - 1}")
+
+
+@pytest.mark.parametrize("kind", ["bf16", "f32"])
+def test_a_generated_token_gives_the_same_bits_verified_or_decoded(kind):
+    """Positions past the prompt (a verified token and its proposals, or a recompute's generated tokens) run one token
+    at a time, as a decode step runs them."""
+    dtype = {"bf16": jnp.bfloat16, "f32": jnp.float32}[kind]
+    s = OneSequence(dtype, dtype, (6, 2), 64, 16, seed=3)
+    together = s.attend(range(24, 45), 45, 24)  # 21 tokens past a 24-token prompt: more than one tile
+    for i, p in enumerate(range(24, 45)):
+        np.testing.assert_array_equal(s.attend([p], p + 1, 24), together[i:i + 1], err_msg=f"position {p}")
+
+
+def test_prompt_lens_must_have_a_row_per_sequence():
+    s = OneSequence(jnp.float32, jnp.float32, (4, 4), 32, 8)
+    with pytest.raises(ValueError, match="prompt_lens"):
+        native.paged_attention_native(jnp.asarray(s.q[:2]), s.k, s.v, 0, s.tables, np.array([2, 0], np.int32),
+                                      np.array([0, 2, 2], np.int32), np.array([0, 1], np.int32), scale=0.125,
+                                      prompt_lens=np.array([2], np.int32))

@@ -1,0 +1,73 @@
+"""Same bits however a sequence's tokens were cut into steps, in bfloat16: a prompt after a prefix-cache hit, a prompt
+prefilled in small chunks, and a sequence recomputed after preemption give the tokens and log-probs (exactly) of a
+plain run. The native CPU kernel runs prompt tokens in query tiles and generated tokens one at a time whatever the
+step (its `prompt_lens`), and its tiles' rows do not change each other's sums; float32 runs are checked elsewhere
+(test_memory_sharing.py, test_scheduler.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from pallas_kernels.cpu_native import native
+from tests.tiny import random_params, random_prompts, tiny_config
+
+pytestmark = pytest.mark.skipif(not native.available("attention"),
+                                reason=f"native CPU kernel unavailable: {native.unavailable_reason('attention')}")
+
+# head_dim 64 and bfloat16: the kernel's AVX512_BF16 paths where the CPU has them
+CONFIG = tiny_config(hidden=64, heads=6, kv_heads=2, head_dim=64, layers=2)
+PARAMS = random_params(CONFIG, seed=4)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, logprobs=2, seed=7)
+
+
+def make_llm(**kw) -> LLM:
+    opts = dict(dtype="bfloat16", attention_backend="native", max_num_seqs=8, max_num_batched_tokens=256,
+                max_model_len=128, block_size=8, num_blocks=120, precompile=False, show_progress=False,
+                enable_prefix_caching=False)
+    return LLM.from_params(CONFIG, PARAMS, None, **(opts | kw))
+
+
+def results(outs):
+    """Each output's tokens and log-probs (chosen and top), as plain values compared exactly."""
+    return [[(c.token_ids, [sorted(d.items()) for d in c.logprobs]) for c in o.outputs]
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    prefix = random_prompts(1, 37, 37, seed=21)[0]
+    tails = random_prompts(5, 1, 19, seed=22)
+    return [{"prompt_token_ids": prefix + t} for t in tails] + [{"prompt_token_ids": prefix[:33]}]
+
+
+@pytest.fixture(scope="module")
+def plain(prompts):
+    """One prompt at a time, no cache, whole prompts in one step."""
+    llm = make_llm()
+    return {p.seed: [results(llm.generate([q], p, use_tqdm=False))[0] for q in prompts] for p in (GREEDY, SEEDED)}
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_prefix_cache_hit_gives_the_same_bits(prompts, plain, params):
+    llm = make_llm(enable_prefix_caching=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # the shared prefix cached; its tail is computed again below
+    got = [results(llm.generate([q], params, use_tqdm=False))[0] for q in prompts]
+    assert llm.stats()["prefix_cache_hits"] >= 4 * 8 * len(prompts)
+    assert got == plain[params.seed]
+
+
+def test_a_prompt_in_small_chunks_gives_the_same_bits(prompts, plain):
+    llm = make_llm(max_num_batched_tokens=16, max_num_seqs=2)  # chunks of varying size, beside other requests
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == plain[GREEDY.seed]
+    assert llm.stats()["prefill_steps"] >= sum(len(q["prompt_token_ids"]) for q in prompts) // 16
+
+
+def test_a_recomputed_sequence_gives_the_same_bits(prompts, plain):
+    llm = make_llm(num_blocks=16, max_num_seqs=6, max_model_len=96)  # 15 usable blocks of 8 slots, 6 requests
+    assert results(llm.generate(prompts, GREEDY, use_tqdm=False)) == plain[GREEDY.seed]
+    stats = llm.stats()
+    assert stats["preemptions_recompute"] > 0
+    llm.engine.block_manager.check_invariants()
+
