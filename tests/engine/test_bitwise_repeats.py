@@ -73,7 +73,6 @@ def test_a_recomputed_sequence_gives_the_same_bits(prompts, plain):
     llm.engine.block_manager.check_invariants()
 
 
-
 # SmolLM2's vocabulary size. (At a 96- or 512-token vocabulary XLA's CPU log-softmax sums a row in another order
 # when the step has few rows, S x V under ~4096 elements: a toy model's log-probs differ in their last bits there.)
 BIG_VOCAB = tiny_config(hidden=64, heads=6, kv_heads=2, head_dim=64, layers=2, vocab_size=49152)
