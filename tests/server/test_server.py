@@ -161,6 +161,18 @@ def test_logprobs_are_consistent_with_greedy_choices(client):
         assert tok.logprob == pytest.approx(ranked[0]) and tok.token == tok.top_logprobs[0].token
 
 
+def test_a_repeat_that_hits_the_prefix_cache_returns_the_same_log_probs(client):
+    """The second request's prompt comes from the cache but for its tail (usage says how many tokens); the tokens and
+    every log-prob are the first request's, exactly (docs/python_api.md, batch invariance)."""
+    prompt = " ".join(distinct_prompts(6))  # several 16-token blocks
+    first, again = (greedy(client, prompt, max_tokens=8, logprobs=3) for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
+    lp, lp_again = first.choices[0].logprobs, again.choices[0].logprobs
+    assert again.choices[0].text == first.choices[0].text
+    assert lp_again.token_logprobs == lp.token_logprobs and lp_again.top_logprobs == lp.top_logprobs
+
+
 # ---- concurrency and disconnects ----------------------------------------------------------------------------------
 
 WORDS = "ship harbour storm ledger lamp keeper reef chart tide gull wreck coast".split()
