@@ -73,3 +73,18 @@ def check_layer_product(qw: quant.QuantizedWeight, x, got) -> None:
     np.testing.assert_array_less(np.abs(got - xs @ w_x), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
     rounding = 2.0 ** -8 if x.dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_array_less(np.abs(got - xs @ w32), rounding * scale)
+
+
+def check_engine_branch(branch, fmt: str) -> None:
+    """`branch` (one of quant's platform matmuls: (x, codes, scales, layer=, qw=), its kernel run by the interpreter)
+    gives the dequantize-then-dot branch's product on LAYER of a stacked weight, from the stacked arrays."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    qw = layered_weight(fmt, 96, 40, seed=11)
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
+    got = jax.jit(functools.partial(branch, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
+    want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

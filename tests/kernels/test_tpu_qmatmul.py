@@ -30,6 +30,7 @@ from tests.quant_weights import (
     BLOCK_FORMATS,
     FORMS,
     LAYER,
+    check_engine_branch,
     check_layer_product,
     kernel_args,
     layered_weight,
@@ -236,11 +237,7 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
     """quant's TPU branch (`_tpu_kernel_matmul`), the kernel run by the interpreter: the same product as the
     dequantize-then-dot branch the CPU runs, from the stacked arrays and the layer."""
     monkeypatch.setattr(tpu_qmatmul, "qmatmul_tpu", functools.partial(tpu_qmatmul.qmatmul_tpu, interpret=True))
-    qw = layered_weight(fmt, 96, 40, seed=11)
-    x = jnp.asarray(np.random.default_rng(12).standard_normal((5, qw.k)), jnp.bfloat16)
-    got = jax.jit(functools.partial(quant._tpu_kernel_matmul, qw=qw))(x, qw.codes, qw.scales, layer=jnp.int32(LAYER))
-    want = quant._dense_matmul(x, qw.codes[LAYER], qw.scales[LAYER], qw=qw)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    check_engine_branch(quant._tpu_kernel_matmul, fmt)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
