@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import sys
 import time
@@ -37,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import RESULTS_DIR, print_table, trace_events, write_json  # noqa: E402
+from common import RESULTS_DIR, print_table, top_xla_ops, trace_events, write_json  # noqa: E402
 
 from jaxpaged.config import ModelConfig  # noqa: E402
 
@@ -56,6 +57,7 @@ SHAPES = {
 WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length range, new tokens
 FORMATS = {"bf16": {}, "fp8kv": {"kv_cache_dtype": "fp8"}, "int8": {"quantization": "int8"},
            "fp8kv+int8": {"kv_cache_dtype": "fp8", "quantization": "int8"}}  # engine options of each row
+TOP_OPS = 12  # device operations of a decode step printed per row
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, NVIDIA's data sheets
 
 
@@ -71,6 +73,7 @@ class Run:
     compile_s: float | None = None
     decode_step_ms: float | None = None
     decode_device_ms: float | None = None
+    decode_top_ops: list[dict] | None = None  # the decode step's costliest device operations (the profile)
 
 
 def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
@@ -102,25 +105,38 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.models.llama import LlamaForCausalLM
 
+    row = f"{config_name(config)} {name} {fmt}"
+    t0 = time.perf_counter()
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+    print(f"[{row}] random weights made in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     llm = LLM.from_model(model, None, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                         enable_prefix_caching=False, show_progress=False, **FORMATS[fmt])
+                         enable_prefix_caching=False, show_progress=False, precompile=not args.lazy_compile,
+                         **FORMATS[fmt])
     compile_s = time.perf_counter() - t0
+    print(f"[{row}] engine built in {compile_s:.1f} s", flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
+    t0 = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)  # the first run: anything left to load or compile
+    first_s = time.perf_counter() - t0
+    if args.lazy_compile:  # the shapes it used were compiled during the first run: start-up is both
+        compile_s += first_s
+    print(f"[{row}] first run {first_s:.1f} s", flush=True)
     t0 = time.perf_counter()
     outs = llm.generate(batch, sp, use_tqdm=False)
     seconds = time.perf_counter() - t0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    step_ms, device_ms = decode_step_times(llm, prompts, new)
+    print(f"[{row}] timed run {seconds:.1f} s", flush=True)
+    step_ms, device_ms, top_ops = decode_step_times(llm, prompts, new)
     del model, llm
+    gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
     system = "jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}"
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
-               model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms)
+               model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
+               top_ops)
 
 
 def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20) -> tuple[float, float]:
@@ -141,22 +157,30 @@ def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20) 
         engine.step()
     wall_ms = 1e3 * (time.perf_counter() - t0) / steps
     events = trace_events(lambda: engine.step() and None, steps)
-    device_ms = busiest_device_line_us(events) / steps / 1e3 if events else float("nan")
+    line = busiest_device_line(events)
+    device_ms = sum(e.get("dur", 0) for e in line) / steps / 1e3 if line else None
+    try:  # the profile is for reading; a failure to name its ops must not cost the row its figures
+        hlo = "\n".join(x.as_text() for x in engine.runner._executables.values())
+        top_ops = top_xla_ops(line, hlo, steps, TOP_OPS)
+    except Exception as e:
+        print(f"decode step profile: {type(e).__name__}: {e}", file=sys.stderr)
+        top_ops = None
     for i in range(len(prompts)):
         engine.abort_request(f"trace-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return wall_ms, device_ms
+    return wall_ms, device_ms, top_ops
 
 
-def busiest_device_line_us(events: list[dict]) -> float:
-    """Total busy microseconds of the device trace line with the most (XLA modules), over the traced calls."""
+def busiest_device_line(events: list[dict]) -> list[dict]:
+    """The events of the device trace line with the most busy time (the GPU's compute stream), over the traced
+    calls; [] when the trace has no device line (a CPU)."""
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    totals: dict[tuple, float] = {}
+    lines: dict[tuple, list[dict]] = {}
     for e in events:
         if e.get("ph") == "X" and any(k in names.get(e["pid"], "") for k in ("GPU", "TPU", "/device:")):
-            totals[(e["pid"], e.get("tid"))] = totals.get((e["pid"], e.get("tid")), 0.0) + e.get("dur", 0)
-    return max(totals.values(), default=0.0)
+            lines.setdefault((e["pid"], e.get("tid")), []).append(e)
+    return max(lines.values(), key=lambda line: sum(e.get("dur", 0) for e in line), default=[])
 
 
 def config_name(config: ModelConfig) -> str:
@@ -228,15 +252,27 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(FORMATS),
                     help="jaxpaged rows: KV cache and weight formats")
+    ap.add_argument("--rows", nargs="+", default=None, metavar="MODEL:WORKLOAD:FORMAT",
+                    help="jaxpaged rows in this order instead of models x workloads x formats, e.g. 1b:D:bf16 "
+                         "8b:P:bf16 (no HF peers)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new row after this many seconds (the JSON keeps the rows done after each one)")
+    ap.add_argument("--lazy-compile", action="store_true",
+                    help="compile each step shape when first used (precompile=False) instead of all at start-up; "
+                         "start-up s is then engine build + first run")
+    ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
     args = ap.parse_args()
 
     import jax
 
+    if args.log_compiles:
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
+        logging.getLogger("jaxpaged.worker.model_runner").setLevel(logging.DEBUG)
     device = jax.devices()[0]
     if device.platform not in ("gpu", "tpu") and not args.smoke:
         raise SystemExit(f"gpu_throughput.py needs a GPU or TPU; JAX sees {device.platform} ({device}). "
@@ -247,22 +283,31 @@ def main() -> None:
     if args.smoke:
         args.num_prompts, args.max_num_seqs, args.max_model_len = 8, 8, 256
         WORKLOADS.update(P=((16, 64), 8), D=((8, 32), 16))
+    if args.rows:
+        rows = [tuple(r.split(":")) for r in args.rows]
+        bad = [":".join(r) for r in rows if len(r) != 3 or r[0] not in SHAPES or r[1] not in WORKLOADS
+               or r[2] not in FORMATS]
+        if bad:
+            ap.error(f"--rows: {' '.join(bad)} is not MODEL:WORKLOAD:FORMAT with MODEL in {list(SHAPES)}, "
+                     f"WORKLOAD in {list(WORKLOADS)}, FORMAT in {list(FORMATS)}")
+        args.no_hf = True
+    else:
+        rows = [(m, w, f) for m in models for w in args.workloads for f in args.formats]
     runs: list[Run] = []
     started = time.monotonic()
     skipped = []
-    for m in models:
+    for i, (m, w, fmt) in enumerate(rows):
         config = SHAPES[m]
-        for w in args.workloads:
-            prompts, new = workload(w, args.num_prompts, config.vocab_size)
-            for fmt in args.formats:
-                if args.budget_s and time.monotonic() - started > args.budget_s:
-                    skipped.append(f"{m} {w} {fmt}")
-                    continue
-                runs.append(run_ours(config, w, prompts, new, args, fmt))
-                print(runs[-1], flush=True)
-                write_rows(args, card, peak, runs, skipped, jax.__version__)  # kept if a time limit ends the run
-            if not args.no_hf and not skipped:
-                runs += run_hf(config, w, prompts, new, args, "cuda" if device.platform == "gpu" else "cpu")
+        prompts, new = workload(w, args.num_prompts, config.vocab_size)
+        if args.budget_s and time.monotonic() - started > args.budget_s:
+            skipped.append(f"{m} {w} {fmt}")
+            continue
+        runs.append(run_ours(config, w, prompts, new, args, fmt))
+        print(runs[-1], flush=True)
+        write_rows(args, card, peak, runs, skipped, jax.__version__)  # kept if a time limit ends the run
+        last_of_pair = i + 1 == len(rows) or rows[i + 1][:2] != (m, w)
+        if last_of_pair and not args.no_hf and not skipped:
+            runs += run_hf(config, w, prompts, new, args, "cuda" if device.platform == "gpu" else "cpu")
     if skipped:
         print(f"not run (past --budget-s {args.budget_s:g}): {', '.join(skipped)}", flush=True)
     rows = write_rows(args, card, peak, runs, skipped, jax.__version__)
@@ -273,6 +318,12 @@ def main() -> None:
                        ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
                        ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
                        ("compile_s", "start-up s", ".1f")])
+    for r in rows:
+        if r.get("decode_top_ops"):
+            print(f"\n{r['model']} {r['workload']} {r['system']}: a decode step's costliest device operations "
+                  f"(of {r['decode_device_ms']:.2f} ms)")
+            print_table(r["decode_top_ops"], [("ms_per_step", "ms/step", ".3f"), ("calls_per_step", "calls", "d"),
+                                              ("op", "op", ""), ("shape", "shape", ""), ("op_name", "op_name", "")])
 
 
 def write_rows(args, card: str, peak: float | None, runs: list[Run], skipped: list[str], jax_version: str):

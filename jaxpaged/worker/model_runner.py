@@ -344,7 +344,9 @@ class ModelRunner:
                 return executable
         if self.warmed_up:
             logger.warning("compiling a new step shape after start-up: %s", layout.key)
+        t0 = time.perf_counter()
         executable = self.lower(layout).compile(compiler_options=options)
+        logger.debug("compiled step shape %s in %.2f s", layout.key, time.perf_counter() - t0)
         if shared is not None:
             _SHARED_EXECUTABLES[shared] = executable
             while len(_SHARED_EXECUTABLES) > SHARED_EXECUTABLES_LIMIT:
