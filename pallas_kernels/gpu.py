@@ -149,6 +149,19 @@ def default_kv_splits(num_programs: int, chunks_per_seq: int) -> int:
     return splits
 
 
+def kv_splits(num_tokens: int, num_seqs: int, width: int, tile_size: int, decode_blocks: int | None, *,
+              num_q_heads: int, num_kv_heads: int, block_size: int, head_dim: int, kv_itemsize: int) -> int:
+    """The split count `ragged_paged_attention_gpu` picks when num_kv_splits is None, from the static shapes alone:
+    q [num_tokens, num_q_heads, head_dim], block tables [num_seqs, width], a pool of block_size-token blocks whose
+    elements take kv_itemsize bytes, and (decode) `decode_blocks`. The kernel's program differs between two shapes
+    only through this count and the arrays' sizes."""
+    tq = query_tile(tile_size, num_q_heads, num_kv_heads)
+    chunk = chunk_tokens(block_size, head_dim, kv_itemsize)
+    # Blocks a sequence holds: the average in use for a decode batch (decode_blocks over S), else the width.
+    blocks = -(-decode_blocks // num_seqs) if decode_blocks is not None else width
+    return default_kv_splits(num_tokens // tq * num_kv_heads, -(-blocks * block_size // chunk))
+
+
 def _tile_schedule(block_tables, context_lens, query_start_loc, positions, *, tq, chunk, sliding_window):
     """Per query tile, its sequence and the K/V chunk range [lo, hi) it can see: three [NT] int32 arrays.
 
@@ -328,9 +341,9 @@ def ragged_paged_attention_gpu(
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     num_tiles = num_tokens // tq
     if num_kv_splits is None:
-        # Blocks a sequence holds: the average in use for a decode batch (decode_blocks over S), else the width.
-        blocks = -(-decode_blocks // num_seqs) if decode_blocks is not None else width
-        num_kv_splits = default_kv_splits(num_tiles * num_kv_heads, -(-blocks * block_size // chunk))
+        num_kv_splits = kv_splits(num_tokens, num_seqs, width, tile_size, decode_blocks, num_q_heads=num_q_heads,
+                                  num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim,
+                                  kv_itemsize=jnp.dtype(k_cache.dtype).itemsize)
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits={num_kv_splits} must be >= 1")
 

@@ -200,8 +200,19 @@ class ShardedAttention:
         return f"{self.inner.name} x tp={self.mesh.size}"
 
     @property
-    def reads_flat_blocks(self) -> bool:
-        return getattr(self.inner, "reads_flat_blocks", True)
+    def kernel_variant(self):
+        """The inner backend's, for one device's heads."""
+        inner = getattr(self.inner, "kernel_variant", None)
+        if inner is None:
+            return None
+        tp = self.mesh.size
+
+        def variant(num_tokens, num_seqs, width, tile_size, decode_blocks, geometry):
+            local = dataclasses.replace(geometry, num_q_heads=max(1, geometry.num_q_heads // tp),
+                                        num_kv_heads=max(1, geometry.num_kv_heads // tp))
+            return inner(num_tokens, num_seqs, width, tile_size, decode_blocks, local)
+
+        return variant
 
     @property
     def mixes_steps(self) -> bool:

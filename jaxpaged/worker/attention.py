@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
 import jax
@@ -116,6 +116,34 @@ Kernel = Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelGeometry:
+    """A model's attention as a kernel sees it, beside a step's shape (`PagedAttention.kernel_variant`)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    kv_itemsize: int  # bytes of a pool element (1 for fp8)
+
+
+def same_work(num_tokens, num_seqs, width, tile_size, decode_blocks, geometry) -> int:
+    """The native CPU kernel's variant: it reads only the blocks a sequence uses, whatever the tables' width."""
+    return 0
+
+
+def width_not_blocks(num_tokens, num_seqs, width, tile_size, decode_blocks, geometry) -> int:
+    """The TPU kernel's variant: its decode work follows the table width, not decode_blocks."""
+    return width if decode_blocks is None else 0
+
+
+def gpu_splits(num_tokens, num_seqs, width, tile_size, decode_blocks, geometry: KernelGeometry) -> int:
+    """The GPU kernel's variant: its flash-decoding split count (the one static choice that follows the shapes)."""
+    from pallas_kernels.gpu import kv_splits
+
+    return kv_splits(num_tokens, num_seqs, width, tile_size, decode_blocks, **dataclasses.asdict(geometry))
+
+
+@dataclasses.dataclass(frozen=True)
 class PagedAttention:
     """A backend over one ragged paged-attention kernel: writes the new K/V with `KVPool.write`, then runs `kernel`.
 
@@ -127,9 +155,11 @@ class PagedAttention:
     kernel: Kernel
     dtypes: tuple[np.dtype, ...] | None = None
     head_dims: tuple[int, ...] | None = None
-    # Whether a decode step's cost follows `decode_blocks` (the reference gathers that many blocks; the GPU kernel
-    # sizes its splits by it): the runner then compiles decode steps for several block counts, else for one.
-    reads_flat_blocks: bool = True
+    # What of a step's static shape the kernel's work follows: (num_tokens, num_seqs, width, tile_size,
+    # decode_blocks, KernelGeometry) -> a hashable. Shapes that differ only in block-table width or decode_blocks
+    # and give equal values run the same kernel work, so the runner compiles one of them, the widest (its tables
+    # hold the others'). None: all of it (the reference gathers decode_blocks blocks and reads whole tables).
+    kernel_variant: Callable[..., Hashable] | None = None
     # Whether the kernel's cost does not depend on how a step's tokens are laid out (the native CPU kernel works per
     # query token): prompt chunks then run at query tile 1 beside decodes in one step (the scheduler's mixed steps).
     # The reference and the Pallas kernels pad prompts to query tiles, so they keep prefill and decode steps apart.
@@ -201,7 +231,7 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
             strict = backend == "native"
             return PagedAttention("native" if strict else "native_else_reference",
                                   functools.partial(cpu_native.native_else_reference, strict=strict),
-                                  reads_flat_blocks=False, mixes_steps=True, kv_write=cpu_native.write_kv_native,
+                                  kernel_variant=same_work, mixes_steps=True, kv_write=cpu_native.write_kv_native,
                                   block_write=cpu_native.set_blocks_native, takes_prompt_lens=True)
         if backend == "native":
             raise ValueError(f"attention_backend='native' is unavailable: "
@@ -226,9 +256,10 @@ def attention_backend(backend: str = "auto") -> PagedAttention:
         from pallas_kernels.tpu import SUPPORTED_HEAD_DIMS
     else:
         from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
+    variant = width_not_blocks if implementation == "pallas_tpu" else gpu_splits
     return PagedAttention(implementation, functools.partial(paged_attention, implementation=implementation),
-                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, reads_flat_blocks=implementation != "pallas_tpu")
+                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, kernel_variant=variant)
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "PagedAttention",
+__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "KVPool", "KernelGeometry", "PagedAttention",
            "attention_backend"]

@@ -32,7 +32,7 @@ from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import PREFILL_TILE, round_up
 from jaxpaged.models import quant
 from jaxpaged.models.contract import ModelSpec
-from jaxpaged.worker.attention import AttentionBackend
+from jaxpaged.worker.attention import AttentionBackend, KernelGeometry
 from jaxpaged.worker.input_batch import EXTRAS, InputBatch, StepInputs, StepLayout, StepRows, extra_shapes
 from jaxpaged.worker.kv_pool import (
     _copy_blocks,
@@ -127,6 +127,25 @@ class StepResult:
     proposals: np.ndarray | None = None  # [n, K] int32: the draft loop's, for the next step
 
 
+def _kernel_variant(attn, config, block_size: int, cache_dtype, draft: DraftModel | None):
+    """(T, S, W, tile, decode_blocks) -> what the step's attention kernels' work follows (the target's and a draft
+    model's), or None where some kernel's work follows every shape (or the model does not say its query heads)."""
+    backends = [(attn, config)] + ([(draft.attn, draft.config)] if draft is not None else [])
+    kernels = []  # (variant, geometry) of each
+    for backend, spec in backends:
+        variant = getattr(backend, "kernel_variant", None)
+        num_q_heads = getattr(spec, "num_heads", None)
+        if variant is None or num_q_heads is None:
+            return None
+        kernels.append((variant, KernelGeometry(num_q_heads, spec.num_kv_heads, block_size, spec.head_dim,
+                                                jax.numpy.dtype(cache_dtype).itemsize)))
+
+    def variant_of(*shape) -> tuple:
+        return tuple(variant(*shape, geometry) for variant, geometry in kernels)
+
+    return variant_of
+
+
 class ModelRunner:
     """Device state (the model's split state, the KV pool, compiled steps) and the persistent input batch.
 
@@ -176,6 +195,8 @@ class ModelRunner:
         self.prefill_buckets = pow2_buckets(min(64, self.max_prefill_tokens), self.max_prefill_tokens)
         self.max_num_seqs = max_num_seqs
         self.attn = attn
+        self._variant = _kernel_variant(attn, config, block_size, cache_dtype, draft)
+        self._bucket_cache: dict[tuple, list[int]] = {}  # (kind, S or (T, K)) -> block counts or widths
         self.prefill_tile = 1 if getattr(attn, "mixes_steps", False) else PREFILL_TILE
         # speculative decoding: proposals a prefill-shaped step may verify per row (K), and the self-draft's layers
         self.spec_width = spec_width
@@ -223,12 +244,40 @@ class ModelRunner:
     # ---- shapes -------------------------------------------------------------------------------------------------
 
     def flat_block_buckets(self, num_seqs: int) -> list[int]:
-        """Block counts a decode step of num_seqs is compiled for: powers of two up to every row at full width, or
-        only that when the attention's cost does not follow the count (`reads_flat_blocks`)."""
-        most = num_seqs * self.max_width
-        if not getattr(self.attn, "reads_flat_blocks", True):
-            return [most]
-        return pow2_buckets(min(max(num_seqs, 16), most), most)
+        """Block counts a decode step of num_seqs is compiled for: powers of two up to every row at full width, one
+        per kernel variant (`PagedAttention.kernel_variant`)."""
+        key = ("blocks", num_seqs)
+        if key not in self._bucket_cache:
+            most = num_seqs * self.max_width
+            self._bucket_cache[key] = self._one_per_variant(
+                pow2_buckets(min(max(num_seqs, 16), most), most),
+                lambda b: (num_seqs, num_seqs, self.max_width, 1, b))
+        return self._bucket_cache[key]
+
+    def prefill_widths(self, num_tokens: int, spec_width: int = 0) -> list[int]:
+        """Block-table widths a prefill-shaped step of T = num_tokens is compiled for: the width buckets, one per
+        kernel variant."""
+        key = ("widths", num_tokens, spec_width)
+        if key not in self._bucket_cache:
+            seqs = self._prefill_seqs(num_tokens, spec_width)
+            self._bucket_cache[key] = self._one_per_variant(
+                self.width_buckets, lambda w: (num_tokens, seqs, w, self.prefill_tile, None))
+        return self._bucket_cache[key]
+
+    def _one_per_variant(self, candidates: list[int], shape) -> list[int]:
+        """Of ascending candidates (block counts or widths; shape(c) -> (T, S, W, tile, decode_blocks)), the largest
+        of each run that gives the kernel the same variant: a step rounds up to it and runs the same kernel work."""
+        if self._variant is None:
+            return candidates
+        kept, last = [], None
+        for c in candidates:
+            v = self._variant(*shape(c))
+            if kept and v == last:
+                kept[-1] = c
+            else:
+                kept.append(c)
+            last = v
+        return kept
 
     def all_shapes(self) -> list[tuple]:
         """Every (tokens, seqs, width, tile, decode_blocks, spec_width, draft_kv) the engine can produce."""
@@ -240,7 +289,8 @@ class ModelRunner:
         # the steps where no row verifies or drafts (prompts above disable_by_batch_size, a first prefill)
         spec_widths = (self.spec_width, 0) if self.spec_width else (0,)
         shapes += [(t, self._prefill_seqs(t, k), w, self.prefill_tile, None, k, d)
-                   for k in spec_widths for t in self._token_buckets(k) for w in self.width_buckets for d in draft_kv]
+                   for k in spec_widths for t in self._token_buckets(k) for w in self.prefill_widths(t, k)
+                   for d in draft_kv]
         return shapes
 
     def _token_buckets(self, spec_width: int = 0) -> list[int]:
@@ -292,7 +342,8 @@ class ModelRunner:
             num_tokens = self._prefill_bucket(tokens, n, k)
             # a draft loop writes up to K slots past a row's context: the tables cover them
             widest = min(int(-(-(ends.max() + k) // bs)), self.max_width)
-            return StepLayout(num_tokens, self._prefill_seqs(num_tokens, k), pick_bucket(self.width_buckets, widest),
+            return StepLayout(num_tokens, self._prefill_seqs(num_tokens, k),
+                              pick_bucket(self.prefill_widths(num_tokens, k), widest),
                               tile, None, k, out.draft_kv or self.draft is None)
         s = pick_bucket(self.decode_buckets, n)
         blocks = int((-(-ends // bs)).sum())  # the blocks the step's sequences read
