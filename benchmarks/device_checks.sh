@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one call of a lent H100 / H200 (a session has 15 minutes of device time, one
-# command at most 10): the GPU kernels' tests, the quantized matmul kernel against bf16 and dequantize-then-dot,
-# then issue #29's and #30's throughput rows. Each part has its own time limit so one that hangs leaves the others
-# their time (150 + 75 + 325 s, plus ~20 s to start); the whole script ends within ~9.5 minutes. Output:
-# $OUT (or benchmarks/results/device/ without $OUT) holds each part's log and the JSON.
+# command at most 10): issue #29's and #30's throughput rows first, then the GPU kernels' tests (the paged attention
+# kernel with bf16 and fp8 pools, the quantized matmuls' fusion, the GGUF block formats' Pallas matmul). Each part
+# has its own time limit so one that hangs leaves the others their time (380 + 100 s, plus ~20 s to install and
+# start); the whole script ends within ~8.5 minutes. Output: each part's log and JSON in $OUT (or
+# benchmarks/results/device/ without $OUT). The GGUF Pallas matmul's timing (benchmarks/gpu_qmatmul.py) ran on an
+# H200 on 2026-11-27 (benchmarks/results/device_h200_20261127/) and is left out.
 #
 # The card's image has JAX, flax, transformers and torch but not pydantic, gguf or llguidance: carry them as wheels.
 # Here, once, in the repository's root:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 gguf==0.19.0 \
-#     llguidance==1.9.1
+#     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 gguf==0.19.0 llguidance==1.9.1
 # then call the device tool with carry [".whl"] and the command `bash benchmarks/device_checks.sh`.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,18 +35,20 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
   tail -n 25 "$OUT_DIR/$name.log"
 }
 
-# 1. correctness on the card: the Pallas GPU kernels (bf16, fp8 pools) and the quantized matmuls' fusion
-part kernels 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernel_gpu.py \
-  tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py
-# 2. issue #30: the GGUF block formats' Pallas kernel (pallas_kernels/gpu_qmatmul.py) compiled on the card, checked
-#    against dequantize-then-dot at ragged shapes, then timed at Llama-3-8B's MLP shapes (decode rows first; new
-#    cases stop after 55 s). Its unit tests on the card take a second call:
-#    `python3 -m pytest -q tests/kernels/test_gpu_qmatmul.py`
-part qmatmul 75 python3 benchmarks/gpu_qmatmul.py --budget-s 55 --out "$OUT_DIR/gpu_qmatmul.json"
-# 3. issue #29 (decode step against its device time, output tok/s) and #30 (fp8 KV + int8 weights >= 1.3x bf16),
-#    Llama-3.2-1B and Llama-3-8B shapes, workload D, no HF peers (their rows: a second call, `--workloads D P`)
-#    Llama-3-8B first (both issues' rows), then 1B; no new row after 230 s, and the JSON is written after each row,
-#    so a row cut off by the part's limit loses only itself.
-part throughput 325 python3 benchmarks/gpu_throughput.py --models 8b 1b --workloads D --formats bf16 fp8kv+int8 \
-  --no-hf --budget-s 230 --out "$OUT_DIR/gpu_throughput.json"
+# 1. issues #29 (decode step against its device time, output tok/s, prefill-heavy share of peak, and the decode
+#    step's costliest device operations) and #30 (fp8 KV and int8 weights against bf16 on Llama-3-8B, workload D,
+#    each alone), in order of what each goal needs most. Shapes compile when first used (--lazy-compile; ~12 per row,
+#    3.5-10 s each on an H200), each compile's time logged. No new row after 270 s; the JSON is written after each
+#    row, so a row cut off by the part's limit loses only itself. No HF peers (their rows: a call of their own,
+#    `--models 8b --workloads P`).
+part throughput 380 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:D:bf16 8b:P:bf16 8b:D:int8 8b:D:fp8kv \
+  1b:D:fp8kv+int8 --lazy-compile --log-compiles --budget-s 270 --out "$OUT_DIR/gpu_throughput.json"
+# 2. correctness on the card, several pytest workers sharing the GPU (the Triton compiles are CPU work; no worker
+#    takes the GPU's memory up front), each result logged as it comes (-v) so a cut-off run still says what passed
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+part kernels 100 python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider \
+  tests/kernels/test_kernel_gpu.py tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py \
+  tests/kernels/test_gpu_qmatmul.py tests/engine/test_step_shapes.py
+grep -cE " PASSED " "$OUT_DIR/kernels.log" | sed 's/^/   passed: /'
+grep -E " (FAILED|ERROR) " "$OUT_DIR/kernels.log" | head -n 20
 echo "done in ${SECONDS} s"
