@@ -47,6 +47,7 @@ from jaxpaged.worker.step import (
     DraftSpec,
     VerifiedOutput,
     batch_buckets,
+    gpu_layer_matmul_rows,
     jit_step,
     lower_step,
     native_matmul_rows,
@@ -206,7 +207,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
         static = (graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh, leaf_shardings,
-                  native_matmul_rows(mesh), draft_layers, draft_spec)
+                  native_matmul_rows(mesh), draft_layers, draft_spec, gpu_layer_matmul_rows(mesh))
         self._step_fn = jit_step(*static)
         try:  # the shared executables' key of this runner's step (None: it shares none)
             self._shared_key = value_key(static)

@@ -31,7 +31,7 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.matmul import native_matmul
+from jaxpaged.models.matmul import gpu_layer_kernel, native_matmul
 from jaxpaged.worker import sampler
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.worker.input_batch import StepLayout
@@ -39,6 +39,7 @@ from jaxpaged.worker.rejection_sampler import rejection_sample
 from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata
 
 NATIVE_MATMUL_ROWS = 1 << 20  # every step's: benchmarks/matmul.py compares the native kernel with XLA's dot by rows
+GPU_LAYER_MATMUL_ROWS = 256  # decode-sized steps (reasoned: weight-bound below, product-bound above; not yet timed)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -93,11 +94,18 @@ class DraftSpec:
     attn: AttentionBackend
 
 
-def _step(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
-          draft_leaves: tuple, draft_pool: KVPool | tuple, layout: StepLayout, *, treedef, graphdef: nnx.GraphDef,
-          attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
-          draft_layers: int = 0, draft: DraftSpec | None = None
-          ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool, KVPool | tuple]:
+def _step(*args, gpu_layer_rows: int = 0, **kwargs):
+    """`_step_body`, its layer matmuls of at most gpu_layer_rows rows by the Pallas GPU kernel that reads a stacked
+    weight in place (`gpu_layer_matmul_rows`)."""
+    with gpu_layer_kernel(gpu_layer_rows):
+        return _step_body(*args, **kwargs)
+
+
+def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
+               draft_leaves: tuple, draft_pool: KVPool | tuple, layout: StepLayout, *, treedef, graphdef: nnx.GraphDef,
+               attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
+               draft_layers: int = 0, draft: DraftSpec | None = None
+               ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool, KVPool | tuple]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each;
     draft_leaves, draft_pool: a separate draft model's state leaves and KV pool (empty tuples without one).
@@ -274,9 +282,19 @@ def native_matmul_rows(mesh: Mesh | None) -> int:
     return NATIVE_MATMUL_ROWS if cpu_native.matmul_is_fast() else 0
 
 
+def gpu_layer_matmul_rows(mesh: Mesh | None) -> int:
+    """The most rows a step's layer matmuls run by the Pallas GPU kernel (`jaxpaged.models.matmul.gpu_layer_kernel`),
+    0 for none: on a CUDA GPU without a tensor-parallel mesh (the kernel sees one device's arrays), up to
+    GPU_LAYER_MATMUL_ROWS, the decode-sized steps, which are bound by reading the weights that XLA's GEMM would read
+    three times (pallas_kernels/gpu_matmul.py); larger steps are bound by the product itself and keep XLA's GEMM."""
+    if mesh is not None or jax.default_backend() != "gpu":
+        return 0
+    return GPU_LAYER_MATMUL_ROWS
+
+
 def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
              max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0,
-             draft_layers: int = 0, draft: DraftSpec | None = None):
+             draft_layers: int = 0, draft: DraftSpec | None = None, gpu_rows: int = 0):
     """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
     load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
     the native CPU kernel (`native_matmul_rows`).
@@ -286,7 +304,8 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     split by kv head, and the inputs and the sampler's output are replicated over the mesh.
     """
     step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
-                             native_matmul_rows=native_rows, draft_layers=draft_layers, draft=draft)
+                             native_matmul_rows=native_rows, draft_layers=draft_layers, draft=draft,
+                             gpu_layer_rows=gpu_rows)
     if mesh is not None:  # (a draft model is refused under tensor parallelism: its args are empty)
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),

@@ -1,0 +1,114 @@
+"""x @ W[layer] for a weight stacked over layers, on GPUs: a Pallas kernel on the Triton backend that reads the layer's
+matrix where it lies in the stack.
+
+Why a kernel: a model whose layers run in a loop over stacked weights multiplies by W[layer], a dynamic slice of the
+stack, and XLA GPU (jaxlib 0.10.2, compiled for an H200) writes that slice to a buffer of its own before its GEMM
+reads it (a `dynamic_slice_fusion` copy), and merges the q, k, v (and gate, up) products by concatenating their
+weights, another copy: every layer's weights cross memory three times a step instead of once
+(benchmarks/gpu_step_hlo.py reads this from the compiled step). Decode steps are bound by reading the weights, so
+that is up to three times their cost. Here the kernel's loads index the stack at the layer: the weight's bytes are
+read once, by the product. Triton rather than Mosaic GPU for gpu.py's reasons.
+
+This module knows nothing of the engine: raw arrays and static shapes.
+
+Shapes (L layers, K input features, N output columns):
+  x       [M, K]       bf16 or f32
+  w       [L, K, N]    x's dtype (x @ w[layer]); a 2-D [K, N] is one layer: pass 0
+  layer   int32 scalar which layer of the stack
+  result  [M, N]       float32: sum_k x[m, k] * w[layer, k, n], products on the tensor cores with float32
+                       accumulation (f32 x: IEEE f32 dots, not TF32)
+
+Inside the kernel: w_ref is the flat view [L * K, N] (a free reshape), row layer * K + k; o_ref [S * Mp, Np] float32,
+M and N padded to whole tiles (sliced off outside), split s's partial sums at rows s * Mp + m (S = 1: the result).
+Grid (Mp / tm, Np / tn, S), the M tile fastest, so the programs that share an N tile (one stretch of the weight) run
+together and the later ones read it from L2. One program walks its share of K in steps of tk: x [tm, tk] and
+w [tk, tn] (rows past K, columns past N and rows past M masked: never read), acc += x @ w.
+Tiles and K splits: `gpu_qmatmul.tiles` and `gpu_qmatmul.default_splits` (memory-bound decode batches: small M
+tiles, many N tiles, K split where the grid is small). Reasoned, not tuned: no GPU has timed it yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gpu_qmatmul import MIN_DOT_DIM, default_splits, tiles
+
+
+def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm: int, tn: int, tk: int,
+                   num_splits: int, precision):
+    """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
+    mi = pl.program_id(0)
+    ni = pl.program_id(1)
+    split = pl.program_id(2)
+    layer = layer_ref[0]
+    rows = mi * tm + jnp.arange(tm, dtype=jnp.int32)  # [tm] rows of x
+    row_ok = rows < m
+    cols = ni * tn + jnp.arange(tn, dtype=jnp.int32)  # [tn] output columns
+    col_ok = cols < n
+    ks = jnp.arange(tk, dtype=jnp.int32)  # [tk]
+
+    def body(step, acc):
+        kk = step * tk + ks  # [tk] k of this step
+        k_ok = kk < k
+        xs = plgpu.load(x_ref.at[rows[:, None], kk[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
+        ws = plgpu.load(w_ref.at[(layer * k + kk)[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :],
+                        other=0)  # [tk, tn] of the layer's rows of the flat stack
+        return acc + jax.lax.dot(xs, ws, precision=precision, preferred_element_type=jnp.float32)
+
+    steps = pl.cdiv(k, tk)
+    zeros = jnp.zeros((tm, tn), jnp.float32)
+    if num_splits == 1:
+        acc = jax.lax.fori_loop(0, steps, body, zeros)
+    else:  # this split's steps [lo, hi): ceil(steps / S) each, the last ones fewer or none (then it writes zeros)
+        per_split = pl.cdiv(steps, num_splits)
+        lo = jnp.minimum(split * per_split, steps)
+        acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+    rows_out = pl.num_programs(0) * tm  # Mp
+    o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
+
+
+def layer_matmul_gpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, interpret: bool = False,
+                     tile: tuple[int, int, int, int] | None = None, num_splits: int | None = None,
+                     num_stages: int = 3) -> jax.Array:
+    """x [M, K] @ w[layer] [K, N] -> [M, N] float32 (module docstring). tile: (tm, tn, tk, num_warps) instead of
+    `gpu_qmatmul.tiles(M)` (powers of two, each >= 16); num_splits: K splits (None: `default_splits`).
+    interpret=True runs Pallas' interpreter (any backend, CPU included)."""
+    if x.ndim != 2:
+        raise ValueError(f"x must be [M, K], got shape {x.shape}")
+    if w.ndim == 2:
+        w = w[None]
+    if w.ndim != 3 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [L, K, N] (or [K, N]) with K = x's {x.shape[1]} columns, got shape {w.shape}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"w ({w.dtype}) and x ({x.dtype}) must have one dtype")
+    num_layers, k, n = w.shape
+    m = x.shape[0]
+    tm, tn, tk, num_warps = tile or tiles(m)
+    if min(tm, tn, tk) < MIN_DOT_DIM or any(v & (v - 1) for v in (tm, tn, tk)):
+        raise ValueError(f"tile={tile}: tm, tn, tk must be powers of two >= {MIN_DOT_DIM}")
+    mp, np_ = pl.cdiv(m, tm) * tm, pl.cdiv(n, tn) * tn
+    steps = pl.cdiv(k, tk)
+    if num_splits is None:
+        num_splits = default_splits((mp // tm) * (np_ // tn), steps, mp * np_ * 4, k * n * w.dtype.itemsize)
+    if num_splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    # float32 inputs are multiplied in float32 (IEEE): Triton's default for them is TF32, ~1e-3 off.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kernel = functools.partial(_matmul_kernel, m=m, n=n, k=k, tm=tm, tn=tn, tk=tk, num_splits=num_splits,
+                               precision=precision)
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // tm, np_ // tn, num_splits),
+        out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="layer_matmul",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, w.reshape(num_layers * k, n))
+    if num_splits > 1:
+        out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
+    return out if (mp, np_) == (m, n) else out[:m, :n]
