@@ -133,7 +133,8 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     del model, llm
     gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
-    system = "jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}"
+    system = ("jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}") + (" (XLA layer matmul)" if args.xla_layer_matmul
+                                                                     else "")
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
                top_ops)
@@ -261,6 +262,9 @@ def main() -> None:
     ap.add_argument("--lazy-compile", action="store_true",
                     help="compile each step shape when first used (precompile=False) instead of all at start-up; "
                          "start-up s is then engine build + first run")
+    ap.add_argument("--xla-layer-matmul", action="store_true",
+                    help="layer matmuls by XLA's GEMM of the sliced layer instead of pallas_kernels/gpu_matmul.py "
+                         "(the engine before it: an A/B of the kernel)")
     ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
@@ -273,6 +277,10 @@ def main() -> None:
 
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("jaxpaged.worker.model_runner").setLevel(logging.DEBUG)
+    if args.xla_layer_matmul:
+        from jaxpaged.worker import model_runner
+
+        model_runner.gpu_layer_matmul_rows = lambda mesh: 0
     device = jax.devices()[0]
     if device.platform not in ("gpu", "tpu") and not args.smoke:
         raise SystemExit(f"gpu_throughput.py needs a GPU or TPU; JAX sees {device.platform} ({device}). "

@@ -1,0 +1,143 @@
+"""What XLA makes of the engine's decode step for a GPU, compiled without one (deviceless AOT), read from its HLO.
+
+The step (jaxpaged.worker.step, the model's layer loop, the Pallas GPU attention kernel) at Llama-3.2-1B's and
+Llama-3-8B's shapes, a decode batch of 256 sequences, compiled for an H200 (benchmarks/target_configs/h200.txtpb)
+with the GPU layer matmul (pallas_kernels/gpu_matmul.py) on and off. Printed for each: the layer loop's body,
+op by op (it runs once per layer), and the bytes of the weight copies its ops make per layer beside the layer's
+weight bytes. An op that writes a copy of a weight (a dynamic-slice of the stack, a concatenation of two weights)
+is the weight's bytes read and written once more before the GEMM reads them, on a decode step that is bound by
+reading the weights.
+
+Not a timing: XLA's GEMM configs here are its defaults (nothing is autotuned without a GPU), so which ops exist is
+what this shows, not how fast they run. Needs the CUDA PJRT plugin in a venv of its own (benchmarks/quant_fusion.py
+says how): `JAX_PLATFORMS=cpu PYTHONPATH=. /work/fusion-venv/bin/python benchmarks/gpu_step_hlo.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from common import RESULTS_DIR, print_table, write_json  # noqa: E402
+from gpu_throughput import SHAPES  # noqa: E402
+from quant_fusion import device  # noqa: E402
+
+from tests.hlo_checks import computations  # noqa: E402
+
+BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1}
+SKIP = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
+
+
+def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str) -> str:
+    """The compiled HLO of a decode step of `seqs` sequences at `model`'s shapes (random weights, nothing allocated:
+    ShapeDtypeStructs on the target device), the GPU layer matmul on up to kernel_rows rows."""
+    from flax import nnx
+
+    from jaxpaged.models.llama import LlamaForCausalLM
+    from jaxpaged.worker.attention import KVPool, PagedAttention, gpu_splits
+    from jaxpaged.worker.input_batch import EXTRAS, StepLayout, extra_shapes
+    from jaxpaged.worker.step import jit_step, step_matmul_precision
+    from pallas_kernels.attention import paged_attention
+    from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
+    from pallas_kernels.validation import KERNEL_DTYPES
+
+    sharding = jax.sharding.SingleDeviceSharding(device(target))
+    config = SHAPES[model]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0),
+                                                                        dtype=jnp.bfloat16)))
+    leaves, treedef = jax.tree.flatten(state)
+    leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves)
+    attn = PagedAttention("pallas_gpu", functools.partial(paged_attention, implementation="pallas_gpu"),
+                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, kernel_variant=gpu_splits)
+    width, max_len = 128, 2048  # block tables of 2048 tokens in 16-token blocks
+    blocks = seqs * width
+    pool = KVPool(*(jax.ShapeDtypeStruct((config.num_layers, blocks + 1, 16, config.num_kv_heads, config.head_dim),
+                                         jnp.bfloat16, sharding=sharding) for _ in range(2)))
+    layout = StepLayout(seqs, seqs, width, 1, blocks // 4, 0, True)  # a quarter of the tables in use
+    sds = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
+    extras = tuple(sds(shape, e.dtype) for e, shape in zip(EXTRAS, extra_shapes(seqs, config.vocab_size, max_len),
+                                                             strict=True))
+    step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows)
+    with jax.default_matmul_precision(step_matmul_precision(leaves)):
+        lowered = step.lower(leaves, pool, sds((seqs,), jnp.int32), sds((layout.size,), jnp.int32), extras, (), (),
+                             layout)
+    return lowered.compile().as_text()
+
+
+def layer_loop_ops(hlo: str, pool_dims: str) -> list[dict]:
+    """The ops of the while loop whose carry holds the pool (the layer loop): name, op, kind, output type and its
+    size in MB (for the pool's in-place K/V writes that is the whole pool, of which they write a few rows)."""
+    comps = computations(hlo)
+    loop = next(line for lines in comps.values() for line in lines if " while(" in line and pool_dims in line)
+    body = re.search(r"body=%([\w.\-]+)", loop).group(1)
+    rows = []
+    for line in comps[body]:
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\([^=]*\)|\S+) ([\w\-$]+)\(", line)
+        if not m or m.group(3) in SKIP:
+            continue
+        kind = re.search(r"kind=(\w+)", line)
+        what = re.search(r'custom_call_target="([^"]+)"|"name":"(\w+)"', line)
+        arrays = re.findall(r"(\w+)\[([\d,]*)\]", m.group(2))
+        written = sum(BYTES.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d) for t, dims in arrays)
+        rows.append({"op": m.group(1), "opcode": m.group(3), "kind": kind.group(1) if kind else "",
+                     "what": next((g for g in what.groups() if g), "") if what else "",
+                     "output": m.group(2)[:60], "output_mb": written / 1e6})
+    return rows
+
+
+def weight_copies(rows: list[dict], pool_dims: str, seqs: int) -> list[dict]:
+    """The body's ops that write a copy of weights: dynamic-slice fusions and concatenations of bf16 arrays over
+    1 MB (not the pool's in-place writes, not the activations of the step's `seqs` rows)."""
+    return [r for r in rows if pool_dims not in r["output"] and r["output"].startswith("bf16[")
+            and not r["output"].startswith(f"bf16[{seqs},")
+            and ("dynamic_slice" in r["what"] or "concatenate" in r["op"]) and r["output_mb"] > 1.0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=["1b", "8b"])
+    ap.add_argument("--target", default="h200", choices=["h100", "h200"])
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_step_hlo.json"))
+    args = ap.parse_args()
+    from jaxpaged.worker.step import GPU_LAYER_MATMUL_ROWS
+
+    summary, bodies = [], {}
+    for model in args.models:
+        config = SHAPES[model]
+        h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
+        layer_mb = 2 * (h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
+                        + 3 * h * f) / 1e6
+        pool_dims = f"{config.num_kv_heads},{d}]"
+        for kernel in (0, GPU_LAYER_MATMUL_ROWS):
+            rows = layer_loop_ops(compile_decode_step(model, args.seqs, kernel, args.target), pool_dims)
+            copies = weight_copies(rows, pool_dims, args.seqs)
+            name = f"{model} layer matmul {'kernel' if kernel else 'XLA'}"
+            bodies[name] = rows
+            summary.append({"step": name, "ops": len(rows), "weight_mb": layer_mb,
+                            "copied_mb": sum(r["output_mb"] for r in copies), "copies": len(copies),
+                            "triton_calls": sum("triton" in r["what"] for r in rows)})
+            print(f"\n{name}: the layer loop's body ({len(rows)} ops, once per layer)")
+            print_table(rows, [("op", "op", ""), ("kind", "kind", ""), ("what", "what", ""),
+                               ("output", "output", ""), ("output_mb", "output MB", ".1f")])
+    print(f"\n{args.target}, decode step of {args.seqs} sequences: weight copies per layer (each read and written "
+          "before the GEMM reads the weight again)")
+    print_table(summary, [("step", "step", ""), ("ops", "ops a layer", "d"), ("triton_calls", "Triton calls", "d"),
+                          ("weight_mb", "layer weights MB", ".0f"), ("copies", "weight copies", "d"),
+                          ("copied_mb", "MB copied", ".0f")])
+    write_json(args.out, {"target": args.target, "seqs": args.seqs, "jax": jax.__version__, "summary": summary,
+                          "layer_loop_bodies": bodies})
+
+
+if __name__ == "__main__":
+    main()
