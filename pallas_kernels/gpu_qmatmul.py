@@ -104,7 +104,7 @@ def default_splits(num_programs: int, steps: int, partial_bytes: int, weight_byt
 
 def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n: int, k: int, bits: int,
                     pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, scale_load: str,
-                    precision):
+                    precision, channel: bool = False):
     """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
     mi = pl.program_id(0)
     ni = pl.program_id(1)
@@ -159,6 +159,8 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
         byte = step * width + j  # [width] byte columns of the codes
         ok = col_ok[:, None] & (byte < row_bytes)[None, :]  # [tn, width]
         u = plgpu.load(codes_ref.at[w_rows[:, None], byte[None, :]], mask=ok, other=0)  # [tn, width] uint8
+        if channel:  # u - 128, exact in x's dtype; the column's scale multiplies the sum
+            return acc + dot(load_x(byte), u.astype(jnp.float32) - zero)
         s, mn = load_scales(step, byte, ok)
         if bits == 8:
             return acc + dot(load_x(byte), dequant(u, s, mn))
@@ -174,20 +176,26 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
         per_split = pl.cdiv(steps, num_splits)
         lo = jnp.minimum(split * per_split, steps)
         acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+    if channel:  # scales_ref [1, L * N]: each column's scale, applied to its sum
+        acc = acc * plgpu.load(scales_ref.at[jnp.zeros((1,), jnp.int32)[:, None], w_rows[None, :]],
+                               mask=col_ok[None, :], other=0).astype(jnp.float32)
     rows_out = pl.num_programs(0) * tm  # Mp
     o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
 
 
 def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, bits: int,
                 pair: bool, interpret: bool = False, tile: tuple[int, int, int, int] | None = None,
-                num_splits: int | None = None, scale_load: str = "broadcast", num_stages: int = 3) -> jax.Array:
+                num_splits: int | None = None, scale_load: str = "broadcast", num_stages: int = 3,
+                channel: bool = False) -> jax.Array:
     """x [M, K] @ the dequantized weight of `layer` [N, K], transposed -> [M, N] float32 (module docstring).
 
     bits: 8 or 4; pair: scales hold (s, m) per block (Q4_1, Q4_K) rather than s alone (Q8_0, Q4_0). tile: (tm, tn,
     tk, num_warps) instead of `tiles(M)` (powers of two, tm and tn >= 16, tk a multiple of 32). num_splits: K
     splits (None: `default_splits`). scale_load: "broadcast" or "gather", how a step's block scales reach its codes
-    (`_qmatmul_kernel`'s load_scales; not yet timed against each other). interpret=True runs Pallas' interpreter
-    (any backend, CPU included).
+    (`_qmatmul_kernel`'s load_scales). channel: int8 per output channel (bits 8), scales [L, N] float32, w = s *
+    (u - 128): the kernel multiplies x by u - 128 (exact in x's dtype) and each column's sum by its scale, as XLA's
+    int8 GEMM does (`quant._signed_channel_matmul`). interpret=True runs Pallas' interpreter (any backend, CPU
+    included).
     """
     if bits not in (4, 8):
         raise ValueError(f"bits={bits} is not supported; use 4 or 8")
@@ -205,9 +213,12 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
     if not blocks * BLOCK - BLOCK < k <= blocks * BLOCK:
         raise ValueError(f"x has K={k} columns but codes hold {blocks} blocks of {BLOCK} (K must round up to "
                          f"{blocks * BLOCK})")
-    want = (num_layers, n, blocks, 2) if pair else (num_layers, n, blocks)
+    if channel and (bits != 8 or pair):
+        raise ValueError(f"channel=True is int8 per channel: bits=8, pair=False (got bits={bits}, pair={pair})")
+    want = (num_layers, n) if channel else (num_layers, n, blocks, 2) if pair else (num_layers, n, blocks)
     if tuple(scales.shape) != want:
-        raise ValueError(f"scales must be {list(want)} for pair={pair}, got {list(scales.shape)}")
+        raise ValueError(f"scales must be {list(want)} for pair={pair}, channel={channel}, got "
+                         f"{list(scales.shape)}")
     tm, tn, tk, num_warps = tile or tiles(m)
     if tk % BLOCK or min(tm, tn) < MIN_DOT_DIM or any(v & (v - 1) for v in (tm, tn, tk)):
         raise ValueError(f"tile={tile}: tm, tn, tk must be powers of two, tm and tn >= {MIN_DOT_DIM}, tk a "
@@ -224,16 +235,17 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
     # float32 inputs are multiplied in float32 (IEEE): Triton's default for them is TF32, ~1e-3 off.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_qmatmul_kernel, m=m, n=n, k=k, bits=bits, pair=pair, blocks=blocks, tm=tm, tn=tn,
-                               tk=tk, num_splits=num_splits, scale_load=scale_load, precision=precision)
+                               tk=tk, num_splits=num_splits, scale_load=scale_load, precision=precision,
+                               channel=channel)
     out = pl.pallas_call(
         kernel,
         grid=(mp // tm, np_ // tn, num_splits),
         out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"qmatmul_q{bits}{'_pair' if pair else ''}",
+        name="qmatmul_int8" if channel else f"qmatmul_q{bits}{'_pair' if pair else ''}",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x, codes.reshape(num_layers * n, row_bytes),
-      scales.reshape(num_layers * n, -1))
+      scales.reshape(1, num_layers * n) if channel else scales.reshape(num_layers * n, -1))
     if num_splits > 1:
         out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
     return out if (mp, np_) == (m, n) else out[:m, :n]

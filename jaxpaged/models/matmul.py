@@ -38,23 +38,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.quant import is_quantized, qglu, qmatmul, qmatmul3
+from jaxpaged.models.quant import gpu_kernel_rows, is_quantized, qglu, qmatmul, qmatmul3
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
 _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
-_GPU_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_gpu_layer_matmul_rows", default=0)
-
-
-@contextlib.contextmanager
-def gpu_layer_kernel(max_rows: int):
-    """While tracing inside this block, `layer_matmul` (and `layer_glu`, `layer_matmul3` through it) of an x with at
-    most max_rows rows and a stacked weight of x's dtype runs the Pallas GPU kernel that reads the layer in place
-    (pallas_kernels/gpu_matmul.py; 0: never). The caller traces for a CUDA GPU without a tensor-parallel mesh."""
-    token = _GPU_ROWS.set(max_rows)
-    try:
-        yield
-    finally:
-        _GPU_ROWS.reset(token)
 
 
 @contextlib.contextmanager
@@ -112,7 +99,7 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Arra
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
-    if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= _GPU_ROWS.get() and w.dtype == x.dtype:
+    if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= gpu_kernel_rows() and w.dtype == x.dtype:
         from pallas_kernels.gpu_matmul import layer_matmul_gpu
 
         return layer_matmul_gpu(x, w, layer).astype(x.dtype)

@@ -28,6 +28,8 @@ replaces: a matrix [*lead, K, N] used as x @ w (the layers' q/k/v/o/gate/up/down
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -269,6 +271,28 @@ def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=
     return _plain_matmul(x, qw, qw.codes, qw.scales, layer).astype(out_dtype)
 
 
+_GPU_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_gpu_layer_matmul_rows", default=0)
+
+
+@contextlib.contextmanager
+def gpu_layer_kernel(max_rows: int):
+    """While tracing inside this block, products of an x with at most max_rows rows and a stacked weight run, on
+    CUDA, a Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its
+    GEMM: a 16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
+    pallas_kernels/gpu_qmatmul.py (the block formats take that kernel at every size). 0: never. The caller traces for
+    a CUDA GPU without a tensor-parallel mesh."""
+    token = _GPU_ROWS.set(max_rows)
+    try:
+        yield
+    finally:
+        _GPU_ROWS.reset(token)
+
+
+def gpu_kernel_rows() -> int:
+    """The row limit of the `gpu_layer_kernel` block being traced (0 outside one)."""
+    return _GPU_ROWS.get()
+
+
 # XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
 # shapes; above it writes the weight at full width in either form, and the Pallas TPU kernel runs those products
 # (benchmarks/quant_fusion.py, docs/quantization.md "Where it is multiplied").
@@ -293,7 +317,10 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
 
     dense = at_layer(functools.partial(_dense_matmul, qw=qw))
     if qw.scale_mode == CHANNEL:
-        return jax.lax.platform_dependent(x, codes, scales, cuda=at_layer(_signed_channel_matmul), default=dense)
+        cuda = at_layer(_signed_channel_matmul)
+        if x.shape[0] <= gpu_kernel_rows():  # the stack read in place, not the layer's codes copied first
+            cuda = functools.partial(_channel_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
+        return jax.lax.platform_dependent(x, codes, scales, cuda=cuda, default=dense)
     kernel = functools.partial(_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
     if qw.bits == 4 and x.shape[0] <= NIBBLE_MAX_ROWS:
         return jax.lax.platform_dependent(x, codes, scales, cuda=kernel,
@@ -315,6 +342,15 @@ def _kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: Qua
     from pallas_kernels.gpu_qmatmul import qmatmul_gpu
 
     return qmatmul_gpu(x, codes, scales, layer, bits=qw.bits, pair=qw.scale_mode in (BLOCK_F16, BLOCK_F32))
+
+
+def _channel_kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight,
+                           layer) -> jax.Array:
+    """int8 per channel on CUDA in `gpu_layer_kernel`'s steps: the Pallas Triton kernel on the stacked codes (or one
+    matrix's, layer 0), `_signed_channel_matmul`'s numbers."""
+    from pallas_kernels.gpu_qmatmul import qmatmul_gpu
+
+    return qmatmul_gpu(x, codes, scales, layer, bits=8, pair=False, channel=True)
 
 
 def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:

@@ -31,7 +31,8 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.matmul import gpu_layer_kernel, native_matmul
+from jaxpaged.models.matmul import native_matmul
+from jaxpaged.models.quant import gpu_layer_kernel
 from jaxpaged.worker import sampler
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.worker.input_batch import StepLayout
@@ -283,10 +284,11 @@ def native_matmul_rows(mesh: Mesh | None) -> int:
 
 
 def gpu_layer_matmul_rows(mesh: Mesh | None) -> int:
-    """The most rows a step's layer matmuls run by the Pallas GPU kernel (`jaxpaged.models.matmul.gpu_layer_kernel`),
-    0 for none: on a CUDA GPU without a tensor-parallel mesh (the kernel sees one device's arrays), up to
-    GPU_LAYER_MATMUL_ROWS, the decode-sized steps, which are bound by reading the weights that XLA's GEMM would read
-    three times (pallas_kernels/gpu_matmul.py); larger steps are bound by the product itself and keep XLA's GEMM."""
+    """The most rows a step's layer matmuls run by the Pallas GPU kernels that read a stacked weight in place
+    (`jaxpaged.models.quant.gpu_layer_kernel`: bf16 and int8 per channel), 0 for none: on a CUDA GPU without a
+    tensor-parallel mesh (the kernels see one device's arrays), up to GPU_LAYER_MATMUL_ROWS, the decode-sized steps,
+    which are bound by reading the weights that XLA's GEMM would read three times (pallas_kernels/gpu_matmul.py);
+    larger steps are bound by the product itself and keep XLA's GEMM."""
     if mesh is not None or jax.default_backend() != "gpu":
         return 0
     return GPU_LAYER_MATMUL_ROWS

@@ -1,7 +1,7 @@
 """The Pallas GPU matmul of a stacked weight's layer (pallas_kernels/gpu_matmul.py) against XLA's dot of the sliced
 layer: compiled for the GPU where JAX's default backend is one, else in interpret mode; lowered for CUDA without a
 GPU (jax.export: Triton's static checks, and the stack passed whole, not sliced); and the engine's use of it
-(`jaxpaged.models.matmul.gpu_layer_kernel`, on by the step on CUDA without a mesh): the same tokens.
+(`jaxpaged.models.quant.gpu_layer_kernel`, on by the step on CUDA without a mesh): the same tokens.
 
 Shapes are small (interpret mode runs every program of the grid in turn) but cover what the kernel masks: K not a
 multiple of the K tile, N not a multiple of the N tile, M padded to whole tiles, and K split over programs."""
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.models import matmul
+from jaxpaged.models import matmul, quant
 from jaxpaged.worker import step as step_module
 from pallas_kernels import gpu_matmul
 from tests.hlo_checks import TRITON_CALL_TARGETS
@@ -103,7 +103,7 @@ def _layer_loop(w, rows: int, kernel_rows: int, platform: str) -> str:
     from jax import export
 
     def run(x, w):
-        with matmul.gpu_layer_kernel(kernel_rows):
+        with quant.gpu_layer_kernel(kernel_rows):
             def body(i, acc):
                 return acc + matmul.layer_matmul(x, w, i)
             return jax.lax.fori_loop(0, w.shape[0], body, jnp.zeros((x.shape[0], w.shape[2]), x.dtype))

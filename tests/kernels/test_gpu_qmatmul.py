@@ -38,9 +38,9 @@ INTERPRET = jax.default_backend() != "gpu"
 
 
 @functools.cache
-def run(bits: int, pair: bool, tile=None, num_splits=None, scale_load="broadcast"):
+def run(bits: int, pair: bool, tile=None, num_splits=None, scale_load="broadcast", channel=False):
     return jax.jit(functools.partial(gpu_qmatmul.qmatmul_gpu, bits=bits, pair=pair, tile=tile, num_splits=num_splits,
-                                     scale_load=scale_load, interpret=INTERPRET))
+                                     scale_load=scale_load, interpret=INTERPRET, channel=channel))
 
 
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
@@ -177,8 +177,9 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
     check_engine_branch(quant._kernel_matmul, fmt)
 
 
-def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8) -> str:
-    """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`."""
+def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, kernel_rows: int = 0) -> str:
+    """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`, inside
+    `quant.gpu_layer_kernel(kernel_rows)`."""
     from jax import export
 
     from jaxpaged.models.matmul import layer_matmul
@@ -186,7 +187,8 @@ def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8) 
     def run(x):
         def body(i, acc):
             return acc + layer_matmul(x, qw, i)
-        return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
+        with quant.gpu_layer_kernel(kernel_rows):
+            return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
 
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
     with warnings.catch_warnings():
@@ -221,3 +223,46 @@ def test_the_benchmark_says_it_needs_a_gpu_and_exits_0():
     result = subprocess.run([sys.executable, "benchmarks/gpu_qmatmul.py"], cwd=ROOT, capture_output=True, text=True,
                             timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0 and "needs a GPU" in result.stdout and "nothing timed" in result.stdout
+
+
+# ---- int8 per channel (`channel=True`): quant's CUDA branch in the steps that read a stack in place ---------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("k, m", [(96, 1), (570, 9), (64, 300)])
+def test_int8_per_channel_is_x_times_the_layer_scaled_per_column(k, m, dtype):
+    """x @ (u - 128) with each column's sum times its scale: the float32 weights' product up to float32 sums (the
+    codes are exact in bf16), and `_signed_channel_matmul`'s (the CUDA branch it replaces) up to their order. Other
+    layers' scales are NaN: only LAYER is read."""
+    qw = layered_weight("int8", k, 200, seed=k + m)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, qw.k)), dtype)
+    got = np.asarray(run(8, False, channel=True)(x, qw.codes, qw.scales, LAYER))
+    w32 = np.asarray(quant.dequantize(qw, np.float32, LAYER), np.float64)
+    xs = np.asarray(x, np.float64)
+    scale = np.abs(xs) @ np.abs(w32) + 1e-30
+    np.testing.assert_array_less(np.abs(got - xs @ w32), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
+    xla = np.asarray(quant._signed_channel_matmul(x, qw.codes[LAYER], qw.scales[LAYER]))
+    np.testing.assert_array_less(np.abs(got - xla), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
+
+
+@pytest.mark.parametrize("change, message", [({"bits": 4}, "channel=True is int8"),
+                                             ({"scales": "blocks"}, r"scales must be \[3, 48\]")])
+def test_int8_per_channel_bad_arguments(change, message):
+    qw = random_weight(np.random.default_rng(0), "int8", 3, 96, 48)
+    scales = np.ones((3, 48, 3), np.float32) if change.get("scales") == "blocks" else qw.scales
+    bits = change.get("bits", 8)
+    codes = qw.codes[..., :48] if bits == 4 else qw.codes
+    with pytest.raises(ValueError, match=message):
+        gpu_qmatmul.qmatmul_gpu(jnp.zeros((2, 96), jnp.bfloat16), codes, scales, 0, bits=bits, pair=False,
+                                channel=True, interpret=True)
+
+
+def test_on_cuda_int8_reads_the_stack_in_place_within_the_row_limit():
+    """Lowered for CUDA inside `gpu_layer_kernel(rows)` the layer loop's int8 product is the Triton kernel on the
+    stacked codes (no dynamic-slice); outside it, or above its rows, XLA's int8 GEMM of the sliced codes."""
+    qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(5), "int8", 4, 256, 512))
+    inside = _layer_loop_module(qw, "cuda", rows=8, kernel_rows=8)
+    assert sum(inside.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1 and "dynamic_slice" not in inside
+    for rows, limit in [(16, 8), (8, 0)]:
+        outside = _layer_loop_module(qw, "cuda", rows=rows, kernel_rows=limit)
+        assert not any(f"@{t}(" in outside for t in TRITON_CALL_TARGETS) and "dynamic_slice" in outside
