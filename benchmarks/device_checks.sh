@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one call of a lent H100 / H200 (a session has 15 minutes of device time, one
-# command at most 10): issue #29's and #30's throughput rows first, the layer matmul kernel's A/B, then the GPU
-# kernels' tests (the paged attention kernel with bf16 and fp8 pools, the layer matmul, the quantized matmuls' fusion,
-# the GGUF block formats' Pallas matmul). Each part has its own time limit so one that hangs leaves the others their
-# time (330 + 140 + 90 s, plus ~20 s to install and start); the whole script ends within ~9.7 minutes. Output: each part's log and JSON in $OUT (or
+# command at most 10): issue #29's and #30's throughput rows first, the layer matmul kernel's A/B, a CUDA-graph
+# experiment, then the GPU kernels' tests (the paged attention kernel with bf16 and fp8 pools, the layer matmuls, the
+# quantized matmuls' fusion, the GGUF block formats' Pallas matmul). Each part has its own time limit so one that
+# hangs leaves the others their time (315 + 90 + 70 + 90 s, plus ~20 s to install and start); the whole script ends
+# within ~9.8 minutes: call it with timeout_s 600. Output: each part's log and JSON in $OUT (or
 # benchmarks/results/device/ without $OUT). The GGUF Pallas matmul's timing (benchmarks/gpu_qmatmul.py) ran on an
 # H200 on 2026-11-27 (benchmarks/results/device_h200_20261127/) and is left out.
 #
@@ -41,12 +42,18 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
 #    3.5-10 s each on an H200), each compile's time logged. No new row after 270 s; the JSON is written after each
 #    row, so a row cut off by the part's limit loses only itself. No HF peers (their rows: a call of their own,
 #    `--models 8b --workloads P`).
-part throughput 330 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:D:bf16 8b:P:bf16 8b:D:int8 8b:D:fp8kv \
-  1b:D:fp8kv+int8 --lazy-compile --log-compiles --budget-s 220 --out "$OUT_DIR/gpu_throughput.json"
-# 1b. the layer matmul's A/B: the bf16 decode rows again with XLA's GEMM of the sliced layer (the engine before
+part throughput 315 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:D:bf16 8b:P:bf16 8b:D:int8 8b:D:fp8kv \
+  1b:D:fp8kv+int8 --lazy-compile --log-compiles --budget-s 205 --out "$OUT_DIR/gpu_throughput.json"
+# 1b. the layer matmul's A/B: the 8B decode row again with XLA's GEMM of the sliced layer (the engine before
 #     pallas_kernels/gpu_matmul.py; benchmarks/gpu_step_hlo.py shows it copying each layer's weights first)
-part xla_layer_matmul 140 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:D:bf16 --xla-layer-matmul \
-  --lazy-compile --out "$OUT_DIR/gpu_throughput_xla_layer_matmul.json"
+part xla_layer_matmul 90 python3 benchmarks/gpu_throughput.py --rows 8b:D:bf16 --xla-layer-matmul --lazy-compile \
+  --out "$OUT_DIR/gpu_throughput_xla_layer_matmul.json"
+# 1c. the 1B decode step is launch-bound (its step 1.30x its kernels' time on 2026-11-27): the model's layer loop is
+#     an XLA while loop whose body the runtime launches kernel by kernel; XLA can record it as a CUDA graph
+#     (command buffers with WHILE, off by default). The 1B row again with that on.
+XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+  part command_buffers 70 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 --lazy-compile \
+  --out "$OUT_DIR/gpu_throughput_command_buffers.json"
 # 2. correctness on the card, several pytest workers sharing the GPU (the Triton compiles are CPU work; no worker
 #    takes the GPU's memory up front), each result logged as it comes (-v) so a cut-off run still says what passed
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
