@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_qmatmul import MIN_DOT_DIM, default_splits, tiles
+from pallas_kernels.gpu_qmatmul import MIN_DOT_DIM, call_split_k, default_splits, split_k_sum, tiles
 
 
 def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm: int, tn: int, tk: int,
@@ -60,14 +60,7 @@ def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm
                         other=0)  # [tk, tn] of the layer's rows of the flat stack
         return acc + jax.lax.dot(xs, ws, precision=precision, preferred_element_type=jnp.float32)
 
-    steps = pl.cdiv(k, tk)
-    zeros = jnp.zeros((tm, tn), jnp.float32)
-    if num_splits == 1:
-        acc = jax.lax.fori_loop(0, steps, body, zeros)
-    else:  # this split's steps [lo, hi): ceil(steps / S) each, the last ones fewer or none (then it writes zeros)
-        per_split = pl.cdiv(steps, num_splits)
-        lo = jnp.minimum(split * per_split, steps)
-        acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+    acc = split_k_sum(body, pl.cdiv(k, tk), num_splits, split, tm, tn)
     rows_out = pl.num_programs(0) * tm  # Mp
     o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
 
@@ -101,14 +94,5 @@ def layer_matmul_gpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, 
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     kernel = functools.partial(_matmul_kernel, m=m, n=n, k=k, tm=tm, tn=tn, tk=tk, num_splits=num_splits,
                                precision=precision)
-    out = pl.pallas_call(
-        kernel,
-        grid=(mp // tm, np_ // tn, num_splits),
-        out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="layer_matmul",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, w.reshape(num_layers * k, n))
-    if num_splits > 1:
-        out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
-    return out if (mp, np_) == (m, n) else out[:m, :n]
+    return call_split_k(kernel, layer, x, w.reshape(num_layers * k, n), m=m, n=n, tile=(tm, tn, tk, num_warps),
+                        num_splits=num_splits, num_stages=num_stages, interpret=interpret, name="layer_matmul")

@@ -102,6 +102,37 @@ def default_splits(num_programs: int, steps: int, partial_bytes: int, weight_byt
     return splits
 
 
+def split_k_sum(body, steps, num_splits: int, split, tm: int, tn: int) -> jax.Array:
+    """Inside a kernel: the [tm, tn] float32 accumulation of acc = body(step, acc) over this program's share of
+    `steps` K steps: all of them, or split `split`'s of num_splits (ceil(steps / S) consecutive steps each, the last
+    ones fewer or none: then zeros)."""
+    zeros = jnp.zeros((tm, tn), jnp.float32)
+    if num_splits == 1:
+        return jax.lax.fori_loop(0, steps, body, zeros)
+    per_split = pl.cdiv(steps, num_splits)
+    lo = jnp.minimum(split * per_split, steps)
+    return jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+
+
+def call_split_k(kernel, layer, *operands, m: int, n: int, tile: tuple[int, int, int, int], num_splits: int,
+                 num_stages: int, interpret: bool, name: str) -> jax.Array:
+    """Runs a split-K matmul kernel (kernel(layer_ref, *operand refs, o_ref)) over the grid (Mp / tm, Np / tn, S)
+    into [S * Mp, Np] float32 partial sums, and returns the [M, N] result: the splits summed, the padding cut."""
+    tm, tn, _, num_warps = tile
+    mp, np_ = pl.cdiv(m, tm) * tm, pl.cdiv(n, tn) * tn
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // tm, np_ // tn, num_splits),
+        out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), *operands)
+    if num_splits > 1:
+        out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
+    return out if (mp, np_) == (m, n) else out[:m, :n]
+
+
 def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n: int, k: int, bits: int,
                     pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, scale_load: str,
                     precision, channel: bool = False):
@@ -168,14 +199,7 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
         acc = acc + dot(load_x(k_low), dequant(u & 15, s, mn))
         return acc + dot(load_x(k_low + BLOCK // 2), dequant(u >> 4, s, mn))
 
-    steps = pl.cdiv(blocks * BLOCK, tk)
-    zeros = jnp.zeros((tm, tn), jnp.float32)
-    if num_splits == 1:
-        acc = jax.lax.fori_loop(0, steps, body, zeros)
-    else:  # this split's steps [lo, hi): ceil(steps / S) each, the last ones fewer or none (then it writes zeros)
-        per_split = pl.cdiv(steps, num_splits)
-        lo = jnp.minimum(split * per_split, steps)
-        acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
+    acc = split_k_sum(body, pl.cdiv(blocks * BLOCK, tk), num_splits, split, tm, tn)
     if channel:  # scales_ref [1, L * N]: each column's scale, applied to its sum
         acc = acc * plgpu.load(scales_ref.at[jnp.zeros((1,), jnp.int32)[:, None], w_rows[None, :]],
                                mask=col_ok[None, :], other=0).astype(jnp.float32)
@@ -237,18 +261,11 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
     kernel = functools.partial(_qmatmul_kernel, m=m, n=n, k=k, bits=bits, pair=pair, blocks=blocks, tm=tm, tn=tn,
                                tk=tk, num_splits=num_splits, scale_load=scale_load, precision=precision,
                                channel=channel)
-    out = pl.pallas_call(
-        kernel,
-        grid=(mp // tm, np_ // tn, num_splits),
-        out_shape=jax.ShapeDtypeStruct((num_splits * mp, np_), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="qmatmul_int8" if channel else f"qmatmul_q{bits}{'_pair' if pair else ''}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, codes.reshape(num_layers * n, row_bytes),
-      scales.reshape(1, num_layers * n) if channel else scales.reshape(num_layers * n, -1))
-    if num_splits > 1:
-        out = jnp.sum(out.reshape(num_splits, mp, np_), axis=0)
-    return out if (mp, np_) == (m, n) else out[:m, :n]
+    return call_split_k(kernel, layer, x, codes.reshape(num_layers * n, row_bytes),
+                        scales.reshape(1, num_layers * n) if channel else scales.reshape(num_layers * n, -1),
+                        m=m, n=n, tile=(tm, tn, tk, num_warps), num_splits=num_splits, num_stages=num_stages,
+                        interpret=interpret,
+                        name="qmatmul_int8" if channel else f"qmatmul_q{bits}{'_pair' if pair else ''}")
 
 
 def qmatmul_reference(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, bits: int,
