@@ -173,9 +173,10 @@ def test_page_streams_a_chat_and_shows_its_blocks_used_then_released(server, bro
     text = answer["text"]
     assert not answer["error"], answer
     assert "length" in answer["meta"]  # all 300 tokens (ignore EOS)
-    # the text grew on screen over time, not all at once
-    growing = sorted(set(n for n in lengths if n > 0))
-    assert len(growing) >= 5 and growing[-1] <= len(text), growing[:10]
+    # the text grew on screen over time, not all at once (the page was read at several partial lengths; how many
+    # depends on how fast the machine decodes beside the page's own polling)
+    growing = sorted(set(n for n in lengths if 0 < n < len(text)))
+    assert len(growing) >= 3, growing[:10]
     # while it ran, the pool view showed this page's request holding blocks
     assert mine_blocks and max(mine_blocks) >= 2, mine_blocks
     assert shot is not None, "never saw the page mid-generation beside the other requests"
