@@ -15,6 +15,7 @@ H200; P >= 50% of the card's bf16 peak. Name the card beside every figure.
     PYTHONPATH=. python benchmarks/gpu_throughput.py                 # both shapes, both workloads, HF too
     PYTHONPATH=. python benchmarks/gpu_throughput.py --models 1b --workloads D --no-hf
     PYTHONPATH=. python benchmarks/gpu_throughput.py --smoke         # tiny shapes on any machine: checks the script
+    PYTHONPATH=. python benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:P:bf16 --lazy-compile --log-compiles
 
 Formats (issue #30's GPU goal: fp8 KV and int8 weights >= 1.3x bf16 output tok/s on Llama-3-8B, workload D): each
 of `--formats` is a jaxpaged row of its own, `bf16` (the default), `fp8kv` (kv_cache_dtype="fp8"), `int8`
@@ -140,9 +141,11 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
                top_ops)
 
 
-def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20) -> tuple[float, float]:
-    """A decode step's wall time and device time (ms) with every sequence decoding: the prompts are prefilled, then
-    `steps` engine steps run under jax.profiler; device time is the trace's busiest device line per step."""
+def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
+                      ) -> tuple[float, float | None, list[dict] | None]:
+    """A decode step's wall time and device time (ms) with every sequence decoding, and its costliest device ops: the
+    prompts are prefilled, then `steps` engine steps run under jax.profiler; device time is the trace's busiest
+    device line per step (None without one: a CPU)."""
     from jaxpaged import SamplingParams
 
     engine = llm.engine
