@@ -6,7 +6,9 @@ with the GPU layer matmul (pallas_kernels/gpu_matmul.py) on and off. Printed for
 op by op (it runs once per layer), and the bytes of the weight copies its ops make per layer beside the layer's
 weight bytes. An op that writes a copy of a weight (a dynamic-slice of the stack, a concatenation of two weights)
 is the weight's bytes read and written once more before the GEMM reads them, on a decode step that is bound by
-reading the weights.
+reading the weights. Also counted: the step's conditionals, each of which makes the host wait for the device on a
+GPU (none since the engine splits the sampler from the step there, jaxpaged.worker.step). `--formats bf16
+fp8kv+int8` compiles the quantized formats too.
 
 Not a timing: XLA's GEMM configs here are its defaults (nothing is autotuned without a GPU), so which ops exist is
 what this shows, not how fast they run. Needs the CUDA PJRT plugin in a venv of its own (benchmarks/quant_fusion.py
@@ -29,7 +31,7 @@ sys.path.insert(0, HERE)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import RESULTS_DIR, print_table, write_json  # noqa: E402
-from gpu_throughput import SHAPES  # noqa: E402
+from gpu_throughput import FORMATS, SHAPES  # noqa: E402
 from quant_fusion import device  # noqa: E402
 
 from tests.hlo_checks import computations  # noqa: E402
@@ -38,14 +40,20 @@ BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "p
 SKIP = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
-def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str) -> str:
+def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fmt: str = "bf16",
+                        split_sampler: bool = True) -> str:
     """The compiled HLO of a decode step of `seqs` sequences at `model`'s shapes (random weights, nothing allocated:
-    ShapeDtypeStructs on the target device), the GPU layer matmul on up to kernel_rows rows."""
+    ShapeDtypeStructs on the target device), the GPU layer matmul on up to kernel_rows rows. fmt: one of
+    gpu_throughput.FORMATS (fp8kv: a float8_e4m3fn pool with per-layer scales 1.0 and rotated keys, as the engine
+    builds it; int8: the weights quantized per channel, `jaxpaged.quantize`). split_sampler: the sampler left out of
+    the step, as the engine runs it on a GPU (jaxpaged.worker.step)."""
     from flax import nnx
 
     from jaxpaged.models.llama import LlamaForCausalLM
+    from jaxpaged.models.quantize import quantize
     from jaxpaged.worker.attention import KVPool, PagedAttention, gpu_splits
     from jaxpaged.worker.input_batch import EXTRAS, StepLayout, extra_shapes
+    from jaxpaged.worker.kv_quant import KVScales
     from jaxpaged.worker.step import jit_step, step_matmul_precision
     from pallas_kernels.attention import paged_attention
     from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
@@ -53,21 +61,29 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str) ->
 
     sharding = jax.sharding.SingleDeviceSharding(device(target))
     config = SHAPES[model]
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0),
-                                                                        dtype=jnp.bfloat16)))
+    options = FORMATS[fmt]
+
+    def build():
+        module = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
+        return quantize(module, options.get("quantization"))
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
     leaves, treedef = jax.tree.flatten(state)
     leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves)
+    fp8 = options.get("kv_cache_dtype") == "fp8"
     attn = PagedAttention("pallas_gpu", functools.partial(paged_attention, implementation="pallas_gpu"),
-                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, kernel_variant=gpu_splits)
+                          KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, kernel_variant=gpu_splits,
+                          kv_scales=KVScales.uniform(config.num_layers) if fp8 else None)
     width, max_len = 128, 2048  # block tables of 2048 tokens in 16-token blocks
     blocks = seqs * width
     pool = KVPool(*(jax.ShapeDtypeStruct((config.num_layers, blocks + 1, 16, config.num_kv_heads, config.head_dim),
-                                         jnp.bfloat16, sharding=sharding) for _ in range(2)))
+                                         jnp.float8_e4m3fn if fp8 else jnp.bfloat16, sharding=sharding)
+                          for _ in range(2)))
     layout = StepLayout(seqs, seqs, width, 1, blocks // 4, 0, True)  # a quarter of the tables in use
     sds = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
     extras = tuple(sds(shape, e.dtype) for e, shape in zip(EXTRAS, extra_shapes(seqs, config.vocab_size, max_len),
                                                              strict=True))
-    step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows)
+    step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows, split_sampler=split_sampler)
     with jax.default_matmul_precision(step_matmul_precision(leaves)):
         lowered = step.lower(leaves, pool, sds((seqs,), jnp.int32), sds((layout.size,), jnp.int32), extras, (), (),
                              layout)
@@ -96,11 +112,18 @@ def layer_loop_ops(hlo: str, pool_dims: str) -> list[dict]:
 
 
 def weight_copies(rows: list[dict], pool_dims: str, seqs: int) -> list[dict]:
-    """The body's ops that write a copy of weights: dynamic-slice fusions and concatenations of bf16 arrays over
-    1 MB (not the pool's in-place writes, not the activations of the step's `seqs` rows)."""
-    return [r for r in rows if pool_dims not in r["output"] and r["output"].startswith("bf16[")
-            and not r["output"].startswith(f"bf16[{seqs},")
-            and ("dynamic_slice" in r["what"] or "concatenate" in r["op"]) and r["output_mb"] > 1.0]
+    """The body's ops that write a copy of a layer's weight: an output of one layer's slice of a stack ([1, K, N], any
+    dtype: a dynamic-slice, or int8 codes rewritten on their way to the GEMM), or a concatenation of bf16 weights,
+    over 1 MB (not the pool's in-place writes, not the activations of the step's `seqs` rows)."""
+    def copies(r):
+        out = r["output"]
+        if pool_dims in out or r["output_mb"] <= 1.0:
+            return False
+        layer_slice = re.match(r"\w+\[1,\d+,\d+\]", out) is not None
+        concatenated = out.startswith("bf16[") and not out.startswith(f"bf16[{seqs},") and "concatenate" in r["op"]
+        return layer_slice or concatenated
+
+    return [r for r in rows if copies(r)]
 
 
 def main() -> None:
@@ -108,25 +131,32 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["1b", "8b"], choices=["1b", "8b"])
     ap.add_argument("--target", default="h200", choices=["h100", "h200"])
     ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(FORMATS),
+                    help="KV cache and weight formats (benchmarks/gpu_throughput.py's)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_step_hlo.json"))
     args = ap.parse_args()
     from jaxpaged.worker.step import GPU_LAYER_MATMUL_ROWS
 
     summary, bodies = [], {}
-    for model in args.models:
+    for model, fmt in ((m, f) for m in args.models for f in args.formats):
         config = SHAPES[model]
         h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
         layer_mb = 2 * (h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
                         + 3 * h * f) / 1e6
         pool_dims = f"{config.num_kv_heads},{d}]"
-        for kernel in (0, GPU_LAYER_MATMUL_ROWS):
-            rows = layer_loop_ops(compile_decode_step(model, args.seqs, kernel, args.target), pool_dims)
+        if "int8" in fmt:
+            layer_mb /= 2  # one byte a weight (and a scale per column)
+        # the layer matmul by XLA and by the kernel; and the engine before the split sampler (its conditionals)
+        for kernel, split in ((0, True), (GPU_LAYER_MATMUL_ROWS, True), (GPU_LAYER_MATMUL_ROWS, False)):
+            hlo = compile_decode_step(model, args.seqs, kernel, args.target, fmt, split_sampler=split)
+            rows = layer_loop_ops(hlo, pool_dims)
             copies = weight_copies(rows, pool_dims, args.seqs)
-            name = f"{model} layer matmul {'kernel' if kernel else 'XLA'}"
+            name = f"{model} {fmt} layer matmul {'kernel' if kernel else 'XLA'}" + ("" if split else ", sampler fused")
             bodies[name] = rows
             summary.append({"step": name, "ops": len(rows), "weight_mb": layer_mb,
                             "copied_mb": sum(r["output_mb"] for r in copies), "copies": len(copies),
-                            "triton_calls": sum("triton" in r["what"] for r in rows)})
+                            "triton_calls": sum("triton" in r["what"] for r in rows),
+                            "conditionals": hlo.count(" conditional(")})
             print(f"\n{name}: the layer loop's body ({len(rows)} ops, once per layer)")
             print_table(rows, [("op", "op", ""), ("kind", "kind", ""), ("what", "what", ""),
                                ("output", "output", ""), ("output_mb", "output MB", ".1f")])
@@ -134,7 +164,7 @@ def main() -> None:
           "before the GEMM reads the weight again)")
     print_table(summary, [("step", "step", ""), ("ops", "ops a layer", "d"), ("triton_calls", "Triton calls", "d"),
                           ("weight_mb", "layer weights MB", ".0f"), ("copies", "weight copies", "d"),
-                          ("copied_mb", "MB copied", ".0f")])
+                          ("copied_mb", "MB copied", ".0f"), ("conditionals", "conditionals in the step", "d")])
     write_json(args.out, {"target": args.target, "seqs": args.seqs, "jax": jax.__version__, "summary": summary,
                           "layer_loop_bodies": bodies})
 

@@ -75,6 +75,9 @@ class Run:
     decode_step_ms: float | None = None
     decode_device_ms: float | None = None
     decode_top_ops: list[dict] | None = None  # the decode step's costliest device operations (the profile)
+    # where a decode step's wall time goes on the host (ms per step, the engine's own timers): the step's call
+    # (`dispatch`: queued on the device; it blocks where the device makes the host wait) and the wait for tokens
+    decode_host_ms: dict[str, float] | None = None
 
 
 def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
@@ -130,22 +133,27 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     seconds = time.perf_counter() - t0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[{row}] timed run {seconds:.1f} s", flush=True)
-    step_ms, device_ms, top_ops = decode_step_times(llm, prompts, new)
+    step_ms, device_ms, top_ops, host_ms = decode_step_times(llm, prompts, new)
     del model, llm
     gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
     system = ("jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}") + (" (XLA layer matmul)" if args.xla_layer_matmul
-                                                                     else "")
+                                                                     else "") + \
+        (" (fused sampler)" if args.fused_sampler else "")
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
-               top_ops)
+               top_ops, host_ms)
+
+
+HOST_PARTS = ("schedule", "prepare", "dispatch", "output", "wait")  # the engine's StepTimes, in a step's order
 
 
 def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
-                      ) -> tuple[float, float | None, list[dict] | None]:
-    """A decode step's wall time and device time (ms) with every sequence decoding, and its costliest device ops: the
-    prompts are prefilled, then `steps` engine steps run under jax.profiler; device time is the trace's busiest
-    device line per step (None without one: a CPU)."""
+                      ) -> tuple[float, float | None, list[dict] | None, dict[str, float]]:
+    """A decode step's wall time and device time (ms) with every sequence decoding, its costliest device ops, and
+    its host time by part (ms per step, `HOST_PARTS`): the prompts are prefilled, then `steps` engine steps run
+    timed, then `steps` more under jax.profiler; device time is the trace's busiest device line per step (None
+    without one: a CPU)."""
     from jaxpaged import SamplingParams
 
     engine = llm.engine
@@ -156,10 +164,13 @@ def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
         engine.step()
     for _ in range(3):
         engine.step()
+    times = engine.step_times
+    before = {k: getattr(times, f"{k}_s") for k in HOST_PARTS}
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    host_ms = {k: 1e3 * (getattr(times, f"{k}_s") - before[k]) / steps for k in HOST_PARTS}
     events = trace_events(lambda: engine.step() and None, steps)
     line = busiest_device_line(events)
     device_ms = sum(e.get("dur", 0) for e in line) / steps / 1e3 if line else None
@@ -173,7 +184,7 @@ def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
         engine.abort_request(f"trace-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return wall_ms, device_ms, top_ops
+    return wall_ms, device_ms, top_ops, host_ms
 
 
 def busiest_device_line(events: list[dict]) -> list[dict]:
@@ -268,6 +279,9 @@ def main() -> None:
     ap.add_argument("--xla-layer-matmul", action="store_true",
                     help="layer matmuls by XLA's GEMM of the sliced layer instead of pallas_kernels/gpu_matmul.py "
                          "(the engine before it: an A/B of the kernel)")
+    ap.add_argument("--fused-sampler", action="store_true",
+                    help="the sampler inside the step, as on CPU, instead of split from it (jaxpaged.worker.step: "
+                         "the engine before the split, whose sampler's conditionals make the host wait; an A/B)")
     ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
@@ -284,6 +298,10 @@ def main() -> None:
         from jaxpaged.worker import model_runner
 
         model_runner.gpu_layer_matmul_rows = lambda mesh: 0
+    if args.fused_sampler:
+        from jaxpaged.worker import model_runner
+
+        model_runner.split_sampler_here = lambda multihost: False
     device = jax.devices()[0]
     if device.platform not in ("gpu", "tpu") and not args.smoke:
         raise SystemExit(f"gpu_throughput.py needs a GPU or TPU; JAX sees {device.platform} ({device}). "
@@ -329,6 +347,14 @@ def main() -> None:
                        ("peak_share", "of peak", ".0%"), ("decode_step_ms", "decode step ms", ".2f"),
                        ("decode_device_ms", "device ms", ".2f"), ("step_over_device", "step / device", ".2f"),
                        ("compile_s", "start-up s", ".1f")])
+    timed = [dict(r, **{f"{k}_ms": v for k, v in r["decode_host_ms"].items()}) for r in rows
+             if r.get("decode_host_ms")]
+    if timed:
+        print("\na decode step's host time by part (ms per step; dispatch: the step's call, which returns when the "
+              "device no longer makes the host wait; wait: for the tokens)")
+        print_table(timed, [("model", "model", ""), ("system", "system", ""),
+                            ("decode_step_ms", "decode step ms", ".2f"), ("decode_device_ms", "device ms", ".2f")]
+                    + [(f"{k}_ms", k, ".3f") for k in HOST_PARTS])
     for r in rows:
         if r.get("decode_top_ops"):
             print(f"\n{r['model']} {r['workload']} {r['system']}: a decode step's costliest device operations "

@@ -182,6 +182,9 @@ class StepInputs:
     buf: np.ndarray  # [layout.size] int32
     extras: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)  # EXTRAS name -> [S, width]
     want_logprobs: bool = False
+    # Every row is greedy and asks for nothing else (no penalty, bias, ban, mask or log-probs): a step compiled
+    # without its sampler (jaxpaged.worker.step's split_sampler) has its output in its argmax.
+    greedy_only: bool = False
 
 
 @dataclasses.dataclass
@@ -421,9 +424,11 @@ class InputBatch:
         put("step", step)
         put("output_start", self.num_prompt[rows])
         below_min = step < self.min_tokens[rows]
-        if below_min.any():
-            layout.view(buf, "banned").reshape(layout.num_seqs, MAX_BANNED)[:n] = np.where(
-                below_min[:, None], self.banned[rows], -1)
+        banning = below_min.any()  # (a row still in its prompt is below it too, and bans what it has to ban)
+        if banning:
+            bans = np.where(below_min[:, None], self.banned[rows], -1)
+            layout.view(buf, "banned").reshape(layout.num_seqs, MAX_BANNED)[:n] = bans
+            banning = (bans >= 0).any()
         extras = {}
         if self.has_bias[rows].any():
             extras["bias_ids"] = np.full((layout.num_seqs, MAX_LOGIT_BIAS), -1, np.int32)
@@ -445,7 +450,9 @@ class InputBatch:
         self.inflight[sampled_rows] = np.flatnonzero(samples).astype(np.int32)
         self.inflight_step[sampled_rows] = self._step_id
         step_rows = StepRows(list(out.seqs), self.seq_id[rows].copy(), rows, samples, self._step_id)
-        return StepInputs(layout, buf, extras, want_logprobs), step_rows
+        greedy_only = not (want_logprobs or penalized or extras or banning
+                           or (self.temperature[rows] > 0).any())
+        return StepInputs(layout, buf, extras, want_logprobs, greedy_only), step_rows
 
     def seen_tokens(self, out: SchedulerOutput, layout: StepLayout, max_len: int) -> np.ndarray:
         """[S, max_len] int32 of the penalized rows' tokens (prompt, then output; -1 padding): every token is known

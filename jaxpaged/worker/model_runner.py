@@ -45,14 +45,17 @@ from jaxpaged.worker.kv_pool import (
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step import (
     DraftSpec,
+    Unsampled,
     VerifiedOutput,
     batch_buckets,
     gpu_layer_matmul_rows,
+    jit_sample_rows,
     jit_step,
     lower_step,
     native_matmul_rows,
     pick_bucket,
     pow2_buckets,
+    split_sampler_here,
     step_compiler_options,
 )
 
@@ -206,9 +209,18 @@ class ModelRunner:
         self.max_rows = max(self.decode_buckets[-1], max(self._prefill_seqs(t) for t in self.prefill_buckets))
         self.input_batch = InputBatch(max_num_seqs, max_width, block_size, truncate_tables)
         leaf_shardings = tuple(x.sharding for x in self.param_leaves) if mesh is not None else None
+        # The mesh spans other processes' devices (multi-host): host arrays become global (replicated) arrays, and
+        # the swap-out read gathers the pool's heads from every process in a collective.
+        self.multihost = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+        # On a GPU the sampler is an executable of its own, run only for steps that need more than the argmax
+        # (jaxpaged.worker.step's docstring says why); elsewhere it is part of the step.
+        self.split_sampler = split_sampler_here(self.multihost)
+        native_rows = native_matmul_rows(mesh)
         static = (graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh, leaf_shardings,
-                  native_matmul_rows(mesh), draft_layers, draft_spec, gpu_layer_matmul_rows(mesh))
+                  native_rows, draft_layers, draft_spec, gpu_layer_matmul_rows(mesh), self.split_sampler)
         self._step_fn = jit_step(*static)
+        self._sample_fn = jit_sample_rows(self.max_rows, native_rows > 0, mesh)
+        self._samplers: dict[int, object] = {}  # S -> the compiled sampler of split steps of S rows
         try:  # the shared executables' key of this runner's step (None: it shares none)
             self._shared_key = value_key(static)
             hash(self._shared_key)
@@ -224,9 +236,6 @@ class ModelRunner:
         self._executables: dict[tuple, object] = {}  # layout key -> AOT-compiled step
         self._neutral: dict[int, tuple[jax.Array, ...]] = {}  # S -> the EXTRAS as no row uses them
         self.warmed_up = False
-        # The mesh spans other processes' devices (multi-host): host arrays become global (replicated) arrays, and
-        # the swap-out read gathers the pool's heads from every process in a collective.
-        self.multihost = mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
         # where host inputs go: replicated over the mesh, the pool format's device (TPU), else the default device
         if mesh is not None:
             self._device = NamedSharding(mesh, P())
@@ -378,7 +387,21 @@ class ModelRunner:
         key = layout.key
         if key not in self._executables:
             self._executables[key] = self._shared_executable(layout)
+            if self.split_sampler and not layout.spec_width:
+                self._sampler(layout.num_seqs, self._executables[key].out_info[1])
         return self._executables[key]
+
+    def _sampler(self, num_seqs: int, unsampled=None):
+        """The compiled sampler of split steps of num_seqs rows (`step.sample_rows`), compiled with the first step
+        of that many rows; unsampled: that step's `Unsampled` output (ShapeDtypeStructs)."""
+        if num_seqs not in self._samplers:
+            extras = tuple(jax.ShapeDtypeStruct(shape, e.dtype, sharding=x.sharding)
+                           for e, shape, x in zip(EXTRAS, self._extra_shapes(num_seqs), self._neutral_extras(num_seqs),
+                                                  strict=True))
+            t0 = time.perf_counter()
+            self._samplers[num_seqs] = self._sample_fn.lower(unsampled.logits, unsampled.sampling, extras).compile()
+            logger.debug("compiled the sampler of %d rows in %.2f s", num_seqs, time.perf_counter() - t0)
+        return self._samplers[num_seqs]
 
     def _shared_executable(self, layout: StepLayout):
         """This layout's executable: compiled before by a runner of equal key (`_SHARED_EXECUTABLES`), else now."""
@@ -429,6 +452,7 @@ class ModelRunner:
                     mask[i] = bitmasks[seq.seq_id]
             inputs.extras["bitmask"] = mask
             layout.view(inputs.buf, "flags")[2] = 1
+            inputs.greedy_only = False
         if layout.view(inputs.buf, "flags")[1]:  # a row has penalties
             inputs.extras["seen_tokens"] = self.input_batch.seen_tokens(out, layout, self.max_model_len)
         return inputs, rows
@@ -437,9 +461,15 @@ class ModelRunner:
         """Queues the step on the device and returns at once; its sampled tokens become the next step's
         `prev_tokens` and start their copy to the host."""
         step = self._executable(inputs.layout)
+        extras = self._extras(inputs)
         tokens, out, self.kv_pool, self.draft_pool = step(self.param_leaves, self.kv_pool, self.prev_tokens,
-                                                          self._arg(inputs.buf), self._extras(inputs),
-                                                          self.draft_leaves, self.draft_pool)
+                                                          self._arg(inputs.buf), extras, self.draft_leaves,
+                                                          self.draft_pool)
+        if isinstance(out, Unsampled):  # a split step: its argmax, or its logits through the sampler
+            if inputs.greedy_only:
+                out = out.greedy
+            else:
+                tokens, out = self._sampler(inputs.layout.num_seqs)(out.logits, out.sampling, extras)
         self.prev_tokens = tokens
         tokens.copy_to_host_async()
         handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter())
@@ -476,12 +506,14 @@ class ModelRunner:
     def _extras(self, inputs: StepInputs) -> tuple:
         """The step's EXTRAS: the rows' own where a row uses them, else device-resident neutral arrays of the step's
         shape (any token allowed, no history, no bias), made once per row count."""
-        s = inputs.layout.num_seqs
-        if s not in self._neutral:
-            self._neutral[s] = tuple(self._put(np.full(shape, e.neutral, e.dtype))
-                                     for e, shape in zip(EXTRAS, self._extra_shapes(s), strict=True))
         return tuple(self._arg(inputs.extras[e.name]) if e.name in inputs.extras else neutral
-                     for e, neutral in zip(EXTRAS, self._neutral[s], strict=True))
+                     for e, neutral in zip(EXTRAS, self._neutral_extras(inputs.layout.num_seqs), strict=True))
+
+    def _neutral_extras(self, num_seqs: int) -> tuple[jax.Array, ...]:
+        if num_seqs not in self._neutral:
+            self._neutral[num_seqs] = tuple(self._put(np.full(shape, e.neutral, e.dtype))
+                                            for e, shape in zip(EXTRAS, self._extra_shapes(num_seqs), strict=True))
+        return self._neutral[num_seqs]
 
     def _arg(self, x: np.ndarray) -> np.ndarray | jax.Array:
         """A host array as a compiled call's argument: as it is (the call copies it to the device, cheaper than a

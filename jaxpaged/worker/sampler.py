@@ -206,6 +206,15 @@ def _pick(logits: jax.Array, s: SamplingMetadata, native: bool) -> jax.Array:
     return jnp.where(greedy, _argmax(logits, native), sampled).astype(jnp.int32)
 
 
+def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
+    """`sample`'s output for rows that are all greedy and ask for nothing else (no processing, no log-probs): each
+    row's argmax, the same token `sample` picks for them, with no conditional (on a GPU every `lax.cond` makes the
+    host wait for the device, see jaxpaged.worker.step). logits [S, V] float32."""
+    n = logits.shape[0]
+    return SamplerOutput(_argmax(logits, native).astype(jnp.int32), jnp.zeros((n,), jnp.float32),
+                         jnp.zeros((n, MAX_LOGPROBS), jnp.int32), jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
+
+
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
     """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
     the argmaxes by the native CPU kernel (same tokens; for steps whose matmuls run natively).

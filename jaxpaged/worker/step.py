@@ -17,6 +17,14 @@ The step's inputs travel as one int32 buffer (`input_batch.StepLayout`), and the
 their leaves (flattened once at load, unflattened inside the trace): a call costs one host-to-device copy and no
 pytree traversal of the model. The sampled tokens come back padded to a fixed `max_rows`, so the next step can take
 its decoding rows' input tokens from them on the device, whatever the two steps' shapes.
+
+On a GPU the sampler is an executable of its own (`split_sampler`, `sample_rows`). XLA GPU runs a `lax.cond` by
+copying its predicate to the host and waiting for the device there (its ConditionalThunk), and the sampler's
+branches (sampling at all, penalties and masks, log-probs) are conds: a step holding them returns from its call only
+when the device has run the model, so the host cannot prepare the next step meanwhile. Split, the step ends with
+each row's argmax and no conditional, and returns the logits; the host, which knows whether any row samples, is
+processed or wants log-probs (`StepInputs.greedy_only`), runs the sampler on them only then. A verifying step
+(speculative decoding) keeps its sampler inside.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from jaxpaged.models.matmul import native_matmul
 from jaxpaged.models.quant import gpu_layer_kernel
 from jaxpaged.worker import sampler
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
-from jaxpaged.worker.input_batch import StepLayout
+from jaxpaged.worker.input_batch import EXTRAS, StepLayout
 from jaxpaged.worker.rejection_sampler import rejection_sample
 from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata
 
@@ -85,6 +93,45 @@ class VerifiedOutput:
     top_logprobs: jax.Array  # [S, K + 1, MAX_LOGPROBS] float32
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["greedy", "logits", "sampling"], meta_fields=[])
+@dataclasses.dataclass
+class Unsampled:
+    """A split step's result (`split_sampler`): its rows' argmax, which is the step's output when every row is greedy
+    and asks for nothing else, and what `sample_rows` needs otherwise."""
+
+    greedy: SamplerOutput  # tokens [S]: each row's argmax; the log-prob fields zeros
+    logits: jax.Array  # [S, V] float32
+    sampling: SamplingMetadata  # the step's, its EXTRAS fields None (sample_rows takes those arrays again)
+
+
+def _without_extras(sm: SamplingMetadata) -> SamplingMetadata:
+    return dataclasses.replace(sm, **{e.name: None for e in EXTRAS})
+
+
+def sample_rows(logits: jax.Array, sampling: SamplingMetadata, extras: tuple, *, max_rows: int, native: bool
+                ) -> tuple[jax.Array, SamplerOutput]:
+    """A split step's sampler: (tokens [max_rows] int32, padded as the step pads them, the sampler's output over S
+    rows). logits [S, V] float32, sampling from `Unsampled`, extras the step's EXTRAS arrays."""
+    sm = dataclasses.replace(sampling, **{e.name: x for e, x in zip(EXTRAS, extras, strict=True)})
+    out = sampler.sample(logits, sm, native=native)
+    return jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens), out
+
+
+def jit_sample_rows(max_rows: int, native: bool, mesh: Mesh | None = None):
+    """`sample_rows` jitted; with a tensor-parallel mesh, its outputs replicated over it as the step's are."""
+    fn = functools.partial(sample_rows, max_rows=max_rows, native=native)
+    if mesh is not None:
+        return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
+    return jax.jit(fn)
+
+
+def split_sampler_here(multihost: bool) -> bool:
+    """Whether steps run their sampler as an executable of its own (module docstring): on a GPU, in one process.
+    Elsewhere a cond costs the host nothing (XLA CPU runs it on the calling thread, a TPU on its own cores), and
+    the fused step saves a call."""
+    return jax.default_backend() == "gpu" and not multihost
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftSpec:
     """A separate draft model (speculative decoding), static in the step: its split structure and its attention
@@ -105,8 +152,8 @@ def _step(*args, gpu_layer_rows: int = 0, **kwargs):
 def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf: jax.Array, extras: tuple,
                draft_leaves: tuple, draft_pool: KVPool | tuple, layout: StepLayout, *, treedef, graphdef: nnx.GraphDef,
                attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
-               draft_layers: int = 0, draft: DraftSpec | None = None
-               ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput, KVPool, KVPool | tuple]:
+               draft_layers: int = 0, draft: DraftSpec | None = None, split_sampler: bool = False
+               ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput | Unsampled, KVPool, KVPool | tuple]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each;
     draft_leaves, draft_pool: a separate draft model's state leaves and KV pool (empty tuples without one).
@@ -114,7 +161,8 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
     rows (a VerifiedOutput for a verifying layout), the pool, the draft's pool). draft_layers: > 0, a verifying step
     then proposes K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft);
     with `draft`, the draft model runs over the step's tokens (its pool holds what the target's holds) and proposes
-    instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon)."""
+    instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon).
+    split_sampler: a step that does not verify returns `Unsampled` (its argmax as the tokens) instead of sampling."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -158,6 +206,10 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
         last = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]  # [S]
         tokens = jnp.zeros(max_rows, jnp.int32).at[:last.shape[0]].set(last)
         return tokens, out, kv_pool, draft_pool
+    if split_sampler:
+        greedy = sampler.greedy(logits, native)
+        tokens = jnp.zeros(max_rows, jnp.int32).at[:greedy.tokens.shape[0]].set(greedy.tokens)
+        return tokens, Unsampled(greedy, logits, _without_extras(sm)), kv_pool, draft_pool
     out = sampler.sample(logits, sm, native=native)
     tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
     return tokens, out, kv_pool, draft_pool
@@ -296,10 +348,11 @@ def gpu_layer_matmul_rows(mesh: Mesh | None) -> int:
 
 def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
              max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0,
-             draft_layers: int = 0, draft: DraftSpec | None = None, gpu_rows: int = 0):
+             draft_layers: int = 0, draft: DraftSpec | None = None, gpu_rows: int = 0, split_sampler: bool = False):
     """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
     load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
-    the native CPU kernel (`native_matmul_rows`).
+    the native CPU kernel (`native_matmul_rows`); split_sampler: the sampler left to `sample_rows` (module
+    docstring).
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
     outputs live on its device. With a tensor-parallel mesh, the parameters keep their shardings, the pool its
@@ -307,7 +360,7 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     """
     step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
                              native_matmul_rows=native_rows, draft_layers=draft_layers, draft=draft,
-                             gpu_layer_rows=gpu_rows)
+                             gpu_layer_rows=gpu_rows, split_sampler=split_sampler)
     if mesh is not None:  # (a draft model is refused under tensor parallelism: its args are empty)
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),

@@ -182,3 +182,14 @@ def test_speculative_decoding_under_tensor_parallelism():
         assert got["spec"][0] > 0 and got["ngram_spec"][0] > 0, "nothing was proposed: the test would prove nothing"
         assert got["ngram_spec"][1] > 0, "n-gram accepted nothing"
     assert two["spec"] == base["spec"] and two["ngram_spec"] == base["ngram_spec"]
+
+
+def test_a_split_sampler_under_tensor_parallelism():
+    """2 fake CPU devices (a subprocess): with the sampler split from the step (a GPU's way), tp 2 gives tp 1's
+    tokens and tp 1 the fused step's (greedy, seeded n=2 with log-probs, prefix-cached, preempted, beams)."""
+    results, _ = run_worker("tiny8_split", "1,2", devices=2)
+    base = results["1"]
+    assert base["split"], "the split was not forced: the test would prove nothing"
+    assert_same_generations(results)
+    for key in ("greedy", "seeded_n2", "seeded_n2_logprobs", "greedy_again", "beams"):
+        assert base[key] == base["fused"][key], key

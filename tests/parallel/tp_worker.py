@@ -5,6 +5,8 @@ steps and arrays look like. Used by tests/parallel/test_tensor_parallel.py.
     python -m tests.parallel.tp_worker tiny8|tiny3|gemma|default|ckpt 1,2,4
     python -m tests.parallel.tp_worker tiny8_fp8 1,2        # any model case with an fp8 K/V pool (kv_cache_dtype="fp8")
     python -m tests.parallel.tp_worker tiny8_spec 1,2       # any model case speculating (1-layer self-draft, n-gram)
+    python -m tests.parallel.tp_worker tiny8_split 1,2      # any model case with its sampler split from the step
+                                                            # (a GPU's way), and tp 1's fused outputs beside
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def main(case: str, sizes: str) -> None:
     global ENGINE
     if case.endswith("_fp8"):
         case, ENGINE = case.removesuffix("_fp8"), {**ENGINE, "kv_cache_dtype": "fp8"}
+    split = case.endswith("_split")
+    if split:  # every runner splits its sampler from the step, as on a GPU (jaxpaged.worker.step)
+        from jaxpaged.worker import model_runner
+
+        case, fused_split = case.removesuffix("_split"), model_runner.split_sampler_here
+        model_runner.split_sampler_here = lambda multihost: True
     speculating = case.endswith("_spec")
     if speculating:  # the model's first layer proposes 3 tokens a step: every decode step verifies
         case, ENGINE = case.removesuffix("_spec"), {
@@ -155,6 +163,12 @@ def main(case: str, sizes: str) -> None:
                 res = plain.generate([{"prompt_token_ids": p} for p in prompts(vocab)],
                                      SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
                 results[tp]["plain_ngram_greedy"] = [r.outputs[0].token_ids for r in res]
+        if split and tp == 1:  # the fused step's outputs, which the split must not change
+            model_runner.split_sampler_here = fused_split
+            fused = LLM.from_params(config, params, None, num_blocks=48, **ENGINE)
+            model_runner.split_sampler_here = lambda multihost: True
+            results[tp]["fused"] = generations(fused, vocab)
+            results[tp]["split"] = llm.engine.runner.split_sampler and not fused.engine.runner.split_sampler
         if tp > 1 and not speculating:  # (a self-draft's own loop over its layers is a second loop in the HLO)
             results[tp]["inspect"] = inspect(llm)
     print(json.dumps(results))

@@ -1,0 +1,144 @@
+"""A step compiled without its sampler (on a GPU, jaxpaged.worker.step's `split_sampler`) gives the fused step's
+outputs: forced on here, on CPU, every request feature is compared with the fused engine; the step's executable holds
+no conditional (XLA GPU makes the host wait at each), and the separate sampler runs only for steps that need more
+than the argmax.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpaged import BeamSearchParams, SamplingParams
+from jaxpaged.worker import model_runner
+from jaxpaged.worker.model_runner import ModelRunner
+from tests.tiny import CharTokenizer, random_params, random_prompts, tiny_config, tiny_llm
+
+CONFIG = tiny_config(vocab_size=96, layers=2)
+PARAMS = random_params(CONFIG)
+PROMPTS = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 30, seed=6)]
+
+CASES = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.9, top_k=30, min_p=0.01, seed=7, max_tokens=16,
+                             ignore_eos=True),
+    "greedy_logprobs": SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True),
+    "sampled_logprobs": SamplingParams(temperature=0.7, seed=2, max_tokens=10, logprobs=2, ignore_eos=True),
+    "penalties": SamplingParams(temperature=0.0, max_tokens=14, presence_penalty=0.8, frequency_penalty=0.4,
+                                repetition_penalty=1.3, ignore_eos=True),
+    "logit_bias": SamplingParams(temperature=0.0, max_tokens=12, logit_bias={40: 5.0, 41: -100.0}, ignore_eos=True),
+    "min_tokens": SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, stop_token_ids=[5, 6, 7]),
+    "bad_words": SamplingParams(temperature=0.0, max_tokens=12, bad_words=["b", "cd"], ignore_eos=True),
+    "stop_strings": SamplingParams(temperature=1.0, seed=11, max_tokens=30, stop=["ab", "q"]),
+    "n3": SamplingParams(n=3, temperature=1.0, seed=13, max_tokens=12, ignore_eos=True),
+}
+
+
+def outputs(llm, params):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs, c.cumulative_logprob)
+             for c in o.outputs] for o in outs]
+
+
+def make(split: bool, **options):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "split_sampler_here", lambda multihost: split)
+        llm = tiny_llm(CONFIG, PARAMS, **{"max_num_seqs": 8, "num_blocks": 120, **options})
+    assert llm.engine.runner.split_sampler is split
+    llm.engine.tokenizer = CharTokenizer()  # text and stop strings; the prompts are token ids
+    return llm
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The same model twice: the sampler split from the step, and fused into it (CPU's default)."""
+    return make(True), make(False)
+
+
+@pytest.fixture
+def sampler_calls(monkeypatch):
+    """How many steps ran the separate sampler (`ModelRunner._sampler` called from `dispatch`, not to compile)."""
+    calls = []
+    original = ModelRunner._sampler
+
+    def counted(self, num_seqs, unsampled=None):
+        if unsampled is None:
+            calls.append(num_seqs)
+        return original(self, num_seqs, unsampled)
+
+    monkeypatch.setattr(ModelRunner, "_sampler", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_split_sampler_gives_the_fused_steps_outputs(pair, case, sampler_calls):
+    split, fused = pair
+    got = outputs(split, CASES[case])
+    assert len(sampler_calls) == 0 if case == "greedy" else len(sampler_calls) > 0, sampler_calls
+    assert got == outputs(fused, CASES[case])
+    for llm in pair:
+        llm.engine.block_manager.check_invariants()
+        assert llm.stats()["num_used"] == 0 and not llm.engine.requests
+
+
+def test_a_batch_mixing_greedy_and_sampled_rows(pair):
+    """Greedy rows beside sampled ones (the step then runs the sampler for all of them) keep their argmax, and
+    each row's tokens are the fused engine's."""
+    params = [CASES["greedy"], CASES["seeded"], CASES["greedy_logprobs"], CASES["greedy"], CASES["penalties"],
+              CASES["greedy"]]
+    split, fused = pair
+    got, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in pair)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+
+
+def test_beam_search_is_the_same(pair):
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    beams = [[[(s.tokens, s.cum_logprob) for s in o.sequences]
+              for o in llm.beam_search(PROMPTS[:3], params, use_tqdm=False)] for llm in pair]
+    assert beams[0] == beams[1]
+
+
+def test_preemption_and_prefix_caching_with_a_split_sampler():
+    """A pool too small for the batch (recompute preemption) and a second pass over cached prefixes: the fused
+    engine's tokens."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 20, 30, seed=8)]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    runs = []
+    for split in (True, False):
+        llm = make(split, num_blocks=14, enable_prefix_caching=True)
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = llm.generate(prompts[-2:], params, use_tqdm=False)  # the last cached
+        runs.append((first, [o.outputs[0].token_ids for o in again], llm.engine.stats()["preemptions"] > 0,
+                     [o.num_cached_tokens > 0 for o in again]))
+    assert runs[0] == runs[1]
+    assert runs[0][2] and all(runs[0][3]), "no preemption or no cache hit: the test would prove nothing"
+
+
+def test_the_split_step_holds_no_conditional_and_the_fused_one_does(pair):
+    """What the split is for: XLA GPU runs a conditional by waiting on the host for its predicate, so a step that
+    holds one returns to the host only when the device reaches it. The compiled step (CPU here: the same ops) has
+    none when split; the fused one has the sampler's."""
+    split, fused = pair
+    for llm, want_conditionals in ((split, False), (fused, True)):
+        runner = llm.engine.runner
+        layout = runner.all_layouts()[0]
+        hlo = runner._executable(layout).as_text()
+        assert (" conditional(" in hlo) is want_conditionals
+    assert split.engine.runner._samplers, "the split runner compiled no sampler with its step"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_speculative_decoding_with_a_split_sampler(temperature):
+    """Speculative decoding (n-gram): verifying steps keep their sampler inside, the others are split; the tokens
+    are the fused engine's, and proposals were made and accepted."""
+    prompts = [{"prompt_token_ids": p * 4} for p in random_prompts(3, 5, 7, seed=1)]  # they repeat: n-gram finds
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=20, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    runs = []
+    for split in (True, False):
+        llm = make(split, speculative_config=spec)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.stats()
+        runs.append(([o.outputs[0].token_ids for o in outs], stats["spec_proposed_tokens"]))
+    assert runs[0] == runs[1]
+    assert runs[0][1] > 0, "nothing was proposed: the test would prove nothing"
