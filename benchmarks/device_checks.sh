@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one call of a lent H100 / H200 (a session has 15 minutes of device time, one
-# command at most 10): issue #29's and #30's throughput rows first, the layer matmul kernel's A/B, a CUDA-graph
-# experiment, then the GPU kernels' tests (the paged attention kernel with bf16 and fp8 pools, the layer matmuls, the
-# quantized matmuls' fusion, the GGUF block formats' Pallas matmul). Each part has its own time limit so one that
-# hangs leaves the others their time (315 + 90 + 70 + 90 s, plus ~20 s to install and start); the whole script ends
-# within ~9.8 minutes: call it with timeout_s 600. Output: each part's log and JSON in $OUT (or
-# benchmarks/results/device/ without $OUT). The GGUF Pallas matmul's timing (benchmarks/gpu_qmatmul.py) ran on an
-# H200 on 2026-11-27 (benchmarks/results/device_h200_20261127/) and is left out.
+# Every check that needs a GPU, in two calls of a lent H100 / H200 (a session has 15 minutes of device time, one
+# command at most 10, ~30 s to start a machine):
+#   bash benchmarks/device_checks.sh 1    # timeout_s 600: ~9.3 minutes
+#   bash benchmarks/device_checks.sh 2    # with what is left: ~5 minutes
+# Stage 1, what the latest changes need first: the GPU kernels no card has run yet (their numbers on the card: a
+# throughput row over random weights cannot tell a wrong product from a right one), then issue #29's and #30's
+# decode rows, then the A/Bs that say what each change gave (the sampler split from the step; the layer matmul
+# kernel). Stage 2: the other kernel tests, the prefill-heavy row, a sampled row (the split sampler's path) and a
+# CUDA-graph experiment. Each part has its own time limit, so one that hangs leaves the others their time. Output:
+# each part's log and JSON in $OUT (or benchmarks/results/device/ without $OUT). The GGUF Pallas matmul's timing
+# (benchmarks/gpu_qmatmul.py) ran on an H200 on 2026-11-27 (benchmarks/results/device_h200_20261127/) and is left out.
 #
 # The card's image has JAX, flax, transformers and torch but not pydantic, gguf or llguidance: carry them as wheels.
 # Here, once, in the repository's root:
@@ -15,7 +18,7 @@
 #     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
 #     typing-inspection==0.4.5 gguf==0.19.0 llguidance==1.9.1
-# then call the device tool with carry [".whl"] and the command `bash benchmarks/device_checks.sh`.
+# then call the device tool with carry [".whl"] and the command `bash benchmarks/device_checks.sh 1` (then 2).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-benchmarks/results/device}
@@ -36,30 +39,42 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
   tail -n 25 "$OUT_DIR/$name.log"
 }
 
-# 1. issues #29 (decode step against its device time, output tok/s, prefill-heavy share of peak, and the decode
-#    step's costliest device operations) and #30 (fp8 KV and int8 weights against bf16 on Llama-3-8B, workload D,
-#    each alone), in order of what each goal needs most. Shapes compile when first used (--lazy-compile; ~12 per row,
-#    3.5-10 s each on an H200), each compile's time logged. No new row after 270 s; the JSON is written after each
-#    row, so a row cut off by the part's limit loses only itself. No HF peers (their rows: a call of their own,
-#    `--models 8b --workloads P`).
-part throughput 315 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 8b:D:bf16 8b:P:bf16 8b:D:int8 8b:D:fp8kv \
-  1b:D:fp8kv+int8 --lazy-compile --log-compiles --budget-s 205 --out "$OUT_DIR/gpu_throughput.json"
-# 1b. the layer matmul's A/B: the 8B decode row again with XLA's GEMM of the sliced layer (the engine before
-#     pallas_kernels/gpu_matmul.py; benchmarks/gpu_step_hlo.py shows it copying each layer's weights first)
-part xla_layer_matmul 90 python3 benchmarks/gpu_throughput.py --rows 8b:D:bf16 --xla-layer-matmul --lazy-compile \
-  --out "$OUT_DIR/gpu_throughput_xla_layer_matmul.json"
-# 1c. the 1B decode step is launch-bound (its step 1.30x its kernels' time on 2026-11-27): the model's layer loop is
-#     an XLA while loop whose body the runtime launches kernel by kernel; XLA can record it as a CUDA graph
-#     (command buffers with WHILE, off by default). The 1B row again with that on.
-XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
-  part command_buffers 70 python3 benchmarks/gpu_throughput.py --rows 1b:D:bf16 --lazy-compile \
-  --out "$OUT_DIR/gpu_throughput_command_buffers.json"
-# 2. correctness on the card, several pytest workers sharing the GPU (the Triton compiles are CPU work; no worker
-#    takes the GPU's memory up front), each result logged as it comes (-v) so a cut-off run still says what passed
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-part kernels 90 python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider \
-  tests/kernels/test_kernel_gpu.py tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py \
-  tests/kernels/test_gpu_qmatmul.py tests/kernels/test_gpu_matmul.py tests/engine/test_step_shapes.py
-grep -cE " PASSED " "$OUT_DIR/kernels.log" | sed 's/^/   passed: /'
-grep -E " (FAILED|ERROR) " "$OUT_DIR/kernels.log" | head -n 20
+STAGE=${1:-1}
+GPU_TPUT="python3 benchmarks/gpu_throughput.py --lazy-compile --log-compiles"
+NO_PREALLOC="XLA_PYTHON_CLIENT_PREALLOCATE=false"  # pytest workers share the card (the throughput rows do not)
+if [ "$STAGE" = 1 ]; then
+  # 1a. the kernels that no card has run: the layer matmul reading a stacked weight in place (bf16, and int8 per
+  #     channel), on the card against XLA's dot; -v logs each result as it comes, so a cut-off run says what passed
+  part new_kernels 75 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 4 -p no:cacheprovider tests/kernels/test_gpu_matmul.py \
+    tests/kernels/test_gpu_qmatmul.py
+  # 1b. issues #29 (decode step against its device time and by host part, output tok/s, the costliest device ops)
+  #     and #30 (fp8 KV + int8 weights against bf16 on Llama-3-8B, workload D). Shapes compile when first used
+  #     (~12 per row, 2-10 s each on an H200), each compile's time logged; no new row after 170 s; the JSON is
+  #     written after each row, so a row cut off by the limit loses only itself. No HF peers (a call of their own:
+  #     `--models 8b --workloads P`).
+  part throughput 260 $GPU_TPUT --rows 1b:D:bf16 8b:D:bf16 8b:D:fp8kv+int8 --budget-s 170 \
+    --out "$OUT_DIR/gpu_throughput.json"
+  # 1c. the A/Bs: the 1B decode row with the sampler inside the step (its conditionals made the host wait for the
+  #     device every step), the 8B one with XLA's GEMM of the sliced layer (benchmarks/gpu_step_hlo.py shows it
+  #     copying each layer's weights first)
+  part fused_sampler 75 $GPU_TPUT --rows 1b:D:bf16 --fused-sampler --out "$OUT_DIR/gpu_throughput_fused_sampler.json"
+  part xla_layer_matmul 80 $GPU_TPUT --rows 8b:D:bf16 --xla-layer-matmul \
+    --out "$OUT_DIR/gpu_throughput_xla_layer_matmul.json"
+else
+  # 2a. correctness on the card: the paged attention kernel (bf16 and fp8 pools), the quantized matmuls' fusion, the
+  #     engine's step shapes
+  part kernels 90 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider tests/kernels/test_kernel_gpu.py \
+    tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py tests/engine/test_step_shapes.py
+  grep -cE " PASSED " "$OUT_DIR/kernels.log" | sed 's/^/   passed: /'
+  grep -E " (FAILED|ERROR) " "$OUT_DIR/kernels.log" | head -n 20
+  # 2b. the prefill-heavy workload (#29: >= 50% of the card's bf16 peak), then the 1B decode row sampled as a chat
+  #     client samples (every step runs the split sampler: queued after the next step is laid out)
+  part prefill 110 $GPU_TPUT --rows 8b:P:bf16 --out "$OUT_DIR/gpu_throughput_prefill.json"
+  part sampled 70 $GPU_TPUT --rows 1b:D:bf16 --sampling top_p --out "$OUT_DIR/gpu_throughput_sampled.json"
+  # 2c. if time is left: the 1B decode row with the layer loop recorded as a CUDA graph (XLA's command buffers with
+  #     WHILE, off by default): is the 1B step launch-bound?
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+    part command_buffers 70 $GPU_TPUT --rows 1b:D:bf16 --out "$OUT_DIR/gpu_throughput_command_buffers.json"
+fi
+grep -hE " (FAILED|ERROR) " "$OUT_DIR"/new_kernels.log 2>/dev/null | head -n 20
 echo "done in ${SECONDS} s"

@@ -23,6 +23,11 @@ of `--formats` is a jaxpaged row of its own, `bf16` (the default), `fp8kv` (kv_c
 
     PYTHONPATH=. python benchmarks/gpu_throughput.py --models 8b --workloads D --formats bf16 fp8kv+int8 --no-hf
 
+A/B rows against the engine's earlier ways: `--xla-layer-matmul` (XLA's GEMM of the sliced layer, which copies
+the layer's weights first) and `--fused-sampler` (the sampler inside the step, whose conditionals make the host wait
+for the device: jaxpaged.worker.step). `--sampling top_p` samples as a chat client does (temperature 1, top-p 0.95),
+so every step runs the split sampler. Each row also prints a decode step's host time by part (the engine's timers).
+
 Without a GPU or TPU it says so and exits (unless --smoke).
 """
 
@@ -58,6 +63,8 @@ SHAPES = {
 WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length range, new tokens
 FORMATS = {"bf16": {}, "fp8kv": {"kv_cache_dtype": "fp8"}, "int8": {"quantization": "int8"},
            "fp8kv+int8": {"kv_cache_dtype": "fp8", "quantization": "int8"}}  # engine options of each row
+# how the jaxpaged rows sample (the HF peers are greedy): greedy, or as a chat client does (the split sampler's path)
+SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}
 TOP_OPS = 12  # device operations of a decode step printed per row
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, NVIDIA's data sheets
 
@@ -120,7 +127,7 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
                          **FORMATS[fmt])
     compile_s = time.perf_counter() - t0
     print(f"[{row}] engine built in {compile_s:.1f} s", flush=True)
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    sp = SamplingParams(max_tokens=new, ignore_eos=True, **SAMPLING[args.sampling])
     batch = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)  # the first run: anything left to load or compile
@@ -133,13 +140,13 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     seconds = time.perf_counter() - t0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[{row}] timed run {seconds:.1f} s", flush=True)
-    step_ms, device_ms, top_ops, host_ms = decode_step_times(llm, prompts, new)
+    step_ms, device_ms, top_ops, host_ms = decode_step_times(llm, prompts, new, SAMPLING[args.sampling])
     del model, llm
     gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
     system = ("jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}") + (" (XLA layer matmul)" if args.xla_layer_matmul
                                                                      else "") + \
-        (" (fused sampler)" if args.fused_sampler else "")
+        (" (fused sampler)" if args.fused_sampler else "") + (f" {args.sampling}" if args.sampling != "greedy" else "")
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
                top_ops, host_ms)
@@ -148,7 +155,7 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
 HOST_PARTS = ("schedule", "prepare", "dispatch", "output", "wait")  # the engine's StepTimes, in a step's order
 
 
-def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
+def decode_step_times(llm, prompts: list[list[int]], new: int, sampling: dict | None = None, steps: int = 20
                       ) -> tuple[float, float | None, list[dict] | None, dict[str, float]]:
     """A decode step's wall time and device time (ms) with every sequence decoding, its costliest device ops, and
     its host time by part (ms per step, `HOST_PARTS`): the prompts are prefilled, then `steps` engine steps run
@@ -157,7 +164,7 @@ def decode_step_times(llm, prompts: list[list[int]], new: int, steps: int = 20
     from jaxpaged import SamplingParams
 
     engine = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, output_kind=2)
+    sp = SamplingParams(max_tokens=new, ignore_eos=True, output_kind=2, **(sampling or SAMPLING["greedy"]))
     for i, p in enumerate(prompts):
         engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, sp)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
@@ -282,6 +289,9 @@ def main() -> None:
     ap.add_argument("--fused-sampler", action="store_true",
                     help="the sampler inside the step, as on CPU, instead of split from it (jaxpaged.worker.step: "
                          "the engine before the split, whose sampler's conditionals make the host wait; an A/B)")
+    ap.add_argument("--sampling", default="greedy", choices=list(SAMPLING),
+                    help="how the jaxpaged rows sample: greedy (as the HF peers), or top_p: temperature 1, top-p "
+                         "0.95, seeded (every step then runs the sampler)")
     ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))

@@ -221,6 +221,8 @@ class ModelRunner:
         self._step_fn = jit_step(*static)
         self._sample_fn = jit_sample_rows(self.max_rows, native_rows > 0, mesh)
         self._samplers: dict[int, object] = {}  # S -> the compiled sampler of split steps of S rows
+        # a split step's sampler not queued yet: (its handle, its Unsampled output, its EXTRAS, want_logprobs)
+        self._pending: tuple | None = None
         try:  # the shared executables' key of this runner's step (None: it shares none)
             self._shared_key = value_key(static)
             hash(self._shared_key)
@@ -459,32 +461,53 @@ class ModelRunner:
 
     def dispatch(self, inputs: StepInputs, rows: StepRows) -> StepHandle:
         """Queues the step on the device and returns at once; its sampled tokens become the next step's
-        `prev_tokens` and start their copy to the host."""
+        `prev_tokens` and start their copy to the host.
+
+        A split step (on a GPU, `step.split_sampler_here`) that needs its sampler leaves it pending: it is queued
+        by the next dispatch, first, or by the step's fetch. The sampler's conditionals make the host wait until the
+        device has run the step's model, so queued at once it would hold the host there while the device has
+        nothing else to do; queued next, the host has laid out the next step meanwhile and queues it right after."""
+        self._flush()
         step = self._executable(inputs.layout)
         extras = self._extras(inputs)
         tokens, out, self.kv_pool, self.draft_pool = step(self.param_leaves, self.kv_pool, self.prev_tokens,
                                                           self._arg(inputs.buf), extras, self.draft_leaves,
                                                           self.draft_pool)
-        if isinstance(out, Unsampled):  # a split step: its argmax, or its logits through the sampler
-            if inputs.greedy_only:
-                out = out.greedy
-            else:
-                tokens, out = self._sampler(inputs.layout.num_seqs)(out.logits, out.sampling, extras)
-        self.prev_tokens = tokens
-        tokens.copy_to_host_async()
         handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter())
-        if inputs.layout.spec_width:
+        if isinstance(out, Unsampled) and not inputs.greedy_only:
+            self.prev_tokens = tokens  # (the argmax: replaced by the sampler's tokens before any step reads them)
+            self._pending = (handle, out, extras, inputs.want_logprobs)
+            return handle
+        self._finish(handle, tokens, out.greedy if isinstance(out, Unsampled) else out, inputs.want_logprobs)
+        return handle
+
+    def _flush(self) -> None:
+        """Queues the pending sampler of the last split step, if any (`dispatch`)."""
+        if self._pending is None:
+            return
+        handle, unsampled, extras, want_logprobs = self._pending
+        self._pending = None
+        tokens, out = self._sampler(handle.layout.num_seqs)(unsampled.logits, unsampled.sampling, extras)
+        self._finish(handle, tokens, out, want_logprobs)
+
+    def _finish(self, handle: StepHandle, tokens: jax.Array, out, want_logprobs: bool) -> None:
+        """A step's sampled tokens (and its verified output or log-probs): the next step's input, and on their way to
+        the host."""
+        self.prev_tokens = handle.tokens = tokens
+        tokens.copy_to_host_async()
+        if handle.layout.spec_width:
             handle.verified = out
             for x in (out.tokens, out.num_accepted, out.proposals):
                 x.copy_to_host_async()
-        if inputs.want_logprobs:
+        if want_logprobs:
             handle.logprobs, handle.top_ids, handle.top_logprobs = out.logprobs, out.top_ids, out.top_logprobs
             for x in (out.logprobs, out.top_ids, out.top_logprobs):
                 x.copy_to_host_async()
-        return handle
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """The step's tokens (and log-probs, when asked for) on the host: waits for the step."""
+        if self._pending is not None and self._pending[0] is handle:
+            self._flush()
         n = len(handle.rows.seqs)
         result = StepResult(np.asarray(handle.tokens)[:n])
         if handle.logprobs is not None:

@@ -142,3 +142,36 @@ def test_speculative_decoding_with_a_split_sampler(temperature):
         runs.append(([o.outputs[0].token_ids for o in outs], stats["spec_proposed_tokens"]))
     assert runs[0] == runs[1]
     assert runs[0][1] > 0, "nothing was proposed: the test would prove nothing"
+
+
+def test_a_steps_sampler_is_queued_after_the_next_step_is_laid_out(pair, monkeypatch):
+    """The sampler's conditionals hold the host until the device has run the step's model: the runner queues a
+    step's sampler when the next step has been laid out (at its dispatch, just before it), or when the step is read
+    (the last one, or a synchronous loop); never with its own step."""
+    split, fused = pair
+    runner = split.engine.runner
+    queued = []  # (the step whose sampler is queued, the last step laid out then, whether a fetch queued it)
+    original_flush, original_fetch = ModelRunner._flush, ModelRunner.fetch
+    fetching = []
+
+    def flush(self):
+        if self._pending is not None:
+            queued.append((self._pending[0].rows.step_id, self.input_batch._step_id, bool(fetching)))
+        original_flush(self)
+
+    def fetch(self, handle):
+        fetching.append(1)
+        try:
+            return original_fetch(self, handle)
+        finally:
+            fetching.pop()
+
+    monkeypatch.setattr(ModelRunner, "_flush", flush)
+    monkeypatch.setattr(ModelRunner, "fetch", fetch)
+    assert split.engine.async_scheduling
+    got = outputs(split, CASES["seeded"])
+    assert got == outputs(fused, CASES["seeded"])
+    assert len(queued) > 5 and runner._pending is None
+    by_dispatch = [(step, laid_out) for step, laid_out, at_fetch in queued if not at_fetch]
+    assert by_dispatch and all(laid_out == step + 1 for step, laid_out in by_dispatch), queued
+    assert sum(at_fetch for *_, at_fetch in queued) <= 2, queued  # the last steps: nothing comes after them
