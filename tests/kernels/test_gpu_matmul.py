@@ -165,3 +165,44 @@ def test_an_engine_whose_steps_run_the_kernel_gives_the_same_tokens(monkeypatch)
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
                                    [lp[t] for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=1e-4)
+
+
+# ---- benchmarks/gpu_layer_matmul.py: what it times computes the same products; without a GPU it times nothing ----
+
+def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
+    """Each way the benchmark times (XLA on weights of their own, XLA on the sliced stack, the kernel at its tiles and
+    at another, the int8 kernel) gives XLA's product, here in the interpreter: a benchmark of wrong products would
+    pick tiles for nothing."""
+    from tests import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_layer_matmul as bench
+
+    from pallas_kernels import gpu_qmatmul
+
+    monkeypatch.setattr(bench, "layer_matmul_gpu", functools.partial(gpu_matmul.layer_matmul_gpu, interpret=INTERPRET))
+    monkeypatch.setattr(bench, "qmatmul_gpu", functools.partial(gpu_qmatmul.qmatmul_gpu, interpret=INTERPRET))
+    w = stack(np.random.default_rng(3), jnp.bfloat16, layers=3, k=64, n=96) * 0.05
+    own = [w[i] + 0 for i in range(3)]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((16, 64)), jnp.bfloat16)
+    fns = bench.ways([(16, 32, 32, 4)], int8=True)
+    assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel"}
+    want = np.asarray(sum(jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(3)))
+    for way, fn in fns.items():
+        got = np.asarray(fn(x, quant.quantize_int8(w) if way.startswith("int8") else w, own))
+        tol = 2e-2 if way.startswith("int8") else 1e-5
+        np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), err_msg=way)
+
+
+def test_the_layer_matmul_benchmark_says_it_needs_a_gpu_and_exits_0():
+    import os
+    import subprocess
+    import sys
+
+    from tests import ROOT
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the benchmark times its products (benchmarks/device_checks.sh runs it)")
+    result = subprocess.run([sys.executable, "benchmarks/gpu_layer_matmul.py"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and "needs a GPU" in result.stdout and "nothing timed" in result.stdout
