@@ -9,8 +9,9 @@
 # decode rows, then the A/Bs that say what each change gave (the sampler split from the step; the layer matmul
 # kernel). Stage 2: the prefill-heavy row, a sampled row (the split sampler's path), the layer matmul's tiles, a
 # CUDA-graph experiment and the other kernel tests. Each part has its own time limit, so one that hangs leaves the
-# others their time. Output: each part's log and JSON in $OUT (or benchmarks/results/device/ without $OUT). The GGUF Pallas matmul's timing
-# (benchmarks/gpu_qmatmul.py) ran on an H200 on 2026-11-27 (benchmarks/results/device_h200_20261127/) and is left out.
+# others their time. Output: each part's log and JSON in $OUT (or benchmarks/results/device/ without $OUT). The GGUF
+# Pallas matmul's timing (benchmarks/gpu_qmatmul.py) ran on an H200 on 2026-11-27
+# (benchmarks/results/device_h200_20261127/) and is left out.
 #
 # The card's image has JAX, flax, transformers and torch but not pydantic, gguf or llguidance: carry them as wheels.
 # Here, once, in the repository's root:
