@@ -85,7 +85,6 @@ def test_a_batch_mixing_greedy_and_sampled_rows(pair):
     each row's tokens are the fused engine's."""
     params = [CASES["greedy"], CASES["seeded"], CASES["greedy_logprobs"], CASES["greedy"], CASES["penalties"],
               CASES["greedy"]]
-    split, fused = pair
     got, want = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in pair)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
@@ -130,7 +129,7 @@ def test_the_split_step_holds_no_conditional_and_the_fused_one_does(pair):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_speculative_decoding_with_a_split_sampler(temperature):
     """Speculative decoding (n-gram): verifying steps keep their sampler inside, the others are split; the tokens
-    are the fused engine's, and proposals were made and accepted."""
+    are the fused engine's, and proposals were made."""
     prompts = [{"prompt_token_ids": p * 4} for p in random_prompts(3, 5, 7, seed=1)]  # they repeat: n-gram finds
     params = SamplingParams(temperature=temperature, seed=5, max_tokens=20, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -186,7 +186,8 @@ def test_speculative_decoding_under_tensor_parallelism():
 
 def test_a_split_sampler_under_tensor_parallelism():
     """2 fake CPU devices (a subprocess): with the sampler split from the step (a GPU's way), tp 2 gives tp 1's
-    tokens and tp 1 the fused step's (greedy, seeded n=2 with log-probs, prefix-cached, preempted, beams)."""
+    tokens (greedy, seeded n=2, prefix-cached, preempted, beams; log-probs within the tolerance), and tp 1 the fused
+    step's (greedy, seeded n=2 and its log-probs, prefix-cached, beams)."""
     results, _ = run_worker("tiny8_split", "1,2", devices=2)
     base = results["1"]
     assert base["split"], "the split was not forced: the test would prove nothing"
