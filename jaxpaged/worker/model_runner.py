@@ -371,7 +371,9 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         for layout in tqdm(self.all_layouts(), desc="compiling step shapes", disable=not progress):
-            self._executable(layout)
+            executable = self._executable(layout)
+            if self.split_sampler and not layout.spec_width:
+                self._sampler(layout.num_seqs, executable.out_info[1])
         self.warmed_up = True
         return time.perf_counter() - t0
 
@@ -389,14 +391,14 @@ class ModelRunner:
         key = layout.key
         if key not in self._executables:
             self._executables[key] = self._shared_executable(layout)
-            if self.split_sampler and not layout.spec_width:
-                self._sampler(layout.num_seqs, self._executables[key].out_info[1])
         return self._executables[key]
 
-    def _sampler(self, num_seqs: int, unsampled=None):
-        """The compiled sampler of split steps of num_seqs rows (`step.sample_rows`), compiled with the first step
-        of that many rows; unsampled: that step's `Unsampled` output (ShapeDtypeStructs)."""
+    def _sampler(self, num_seqs: int, unsampled: Unsampled):
+        """The compiled sampler of split steps of num_seqs rows (`step.sample_rows`): compiled at start-up with the
+        steps, else when first needed. unsampled: such a step's `Unsampled` output (arrays or ShapeDtypeStructs)."""
         if num_seqs not in self._samplers:
+            if self.warmed_up:
+                logger.warning("compiling the sampler of %d rows after start-up", num_seqs)
             extras = tuple(jax.ShapeDtypeStruct(shape, e.dtype, sharding=x.sharding)
                            for e, shape, x in zip(EXTRAS, self._extra_shapes(num_seqs), self._neutral_extras(num_seqs),
                                                   strict=True))
@@ -487,7 +489,8 @@ class ModelRunner:
             return
         handle, unsampled, extras, want_logprobs = self._pending
         self._pending = None
-        tokens, out = self._sampler(handle.layout.num_seqs)(unsampled.logits, unsampled.sampling, extras)
+        sample = self._sampler(handle.layout.num_seqs, unsampled)
+        tokens, out = sample(unsampled.logits, unsampled.sampling, extras)
         self._finish(handle, tokens, out, want_logprobs)
 
     def _finish(self, handle: StepHandle, tokens: jax.Array, out, want_logprobs: bool) -> None:

@@ -56,16 +56,16 @@ def pair():
 
 @pytest.fixture
 def sampler_calls(monkeypatch):
-    """How many steps ran the separate sampler (`ModelRunner._sampler` called from `dispatch`, not to compile)."""
+    """The steps that ran the separate sampler (`ModelRunner._flush` with a step pending): their row counts."""
     calls = []
-    original = ModelRunner._sampler
+    original = ModelRunner._flush
 
-    def counted(self, num_seqs, unsampled=None):
-        if unsampled is None:
-            calls.append(num_seqs)
-        return original(self, num_seqs, unsampled)
+    def counted(self):
+        if self._pending is not None:
+            calls.append(self._pending[0].layout.num_seqs)
+        return original(self)
 
-    monkeypatch.setattr(ModelRunner, "_sampler", counted)
+    monkeypatch.setattr(ModelRunner, "_flush", counted)
     return calls
 
 
@@ -123,7 +123,23 @@ def test_the_split_step_holds_no_conditional_and_the_fused_one_does(pair):
         layout = runner.all_layouts()[0]
         hlo = runner._executable(layout).as_text()
         assert (" conditional(" in hlo) is want_conditionals
-    assert split.engine.runner._samplers, "the split runner compiled no sampler with its step"
+
+
+def test_start_up_compiles_the_split_samplers_and_nothing_compiles_later(caplog):
+    """precompile: every row count's sampler is compiled with the steps (a request that samples then compiles
+    nothing); without it, each when first needed."""
+    llm = make(True, precompile=True)
+    runner = llm.engine.runner
+    assert set(runner._samplers) == {layout.num_seqs for layout in runner.all_layouts() if not layout.spec_width}
+    with caplog.at_level("WARNING", logger="jaxpaged.worker.model_runner"):
+        assert outputs(llm, CASES["seeded"]) == outputs(make(False), CASES["seeded"])
+    assert not [r for r in caplog.records if "after start-up" in r.getMessage()]
+    lazy = make(True)
+    assert not lazy.engine.runner._samplers
+    outputs(lazy, CASES["greedy"])
+    assert not lazy.engine.runner._samplers, "a greedy run needs no sampler"
+    outputs(lazy, CASES["seeded"])
+    assert lazy.engine.runner._samplers
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
