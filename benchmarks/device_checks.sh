@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in two calls of a lent H100 / H200 (a session has 15 minutes of device time, one
 # command at most 10, ~30 s to start a machine):
-#   bash benchmarks/device_checks.sh 1    # timeout_s 600: ~9.3 minutes
+#   bash benchmarks/device_checks.sh 1    # timeout_s 600: at most ~9 minutes (its parts' limits)
 #   bash benchmarks/device_checks.sh 2    # with what is left (~5 minutes): its parts in order of value, so a
 #                                         # limit cuts the least useful
 # Stage 1, what the latest changes need first: the GPU kernels no card has run yet (their numbers on the card: a
@@ -54,13 +54,13 @@ if [ "$STAGE" = 1 ]; then
   #     (~12 per row, 2-10 s each on an H200), each compile's time logged; no new row after 170 s; the JSON is
   #     written after each row, so a row cut off by the limit loses only itself. No HF peers (a call of their own:
   #     `--models 8b --workloads P`).
-  part throughput 260 $GPU_TPUT --rows 1b:D:bf16 8b:D:bf16 8b:D:fp8kv+int8 --budget-s 170 \
+  part throughput 280 $GPU_TPUT --rows 1b:D:bf16 8b:D:bf16 8b:D:fp8kv+int8 --budget-s 170 \
     --out "$OUT_DIR/gpu_throughput.json"
   # 1c. the A/Bs: the 1B decode row with the sampler inside the step (its conditionals made the host wait for the
   #     device every step), the 8B one with XLA's GEMM of the sliced layer (benchmarks/gpu_step_hlo.py shows it
   #     copying each layer's weights first)
   part fused_sampler 75 $GPU_TPUT --rows 1b:D:bf16 --fused-sampler --out "$OUT_DIR/gpu_throughput_fused_sampler.json"
-  part xla_layer_matmul 80 $GPU_TPUT --rows 8b:D:bf16 --xla-layer-matmul \
+  part xla_layer_matmul 75 $GPU_TPUT --rows 8b:D:bf16 --xla-layer-matmul \
     --out "$OUT_DIR/gpu_throughput_xla_layer_matmul.json"
 else
   # 2a. the prefill-heavy workload (#29: >= 50% of the card's bf16 peak), then the 1B decode row sampled as a chat
