@@ -8,7 +8,8 @@ and each step's dispatch and result.
 Dispatch and fetch are apart so the engine can queue step N+1 before it waits for step N's tokens (asynchronous
 scheduling): the device always has the next step while the host reads the last one's tokens. Each dispatch keeps its
 sampled tokens on the device (`prev_tokens`), where the next step's decoding rows read their input tokens, and
-starts their copy to the host at once.
+starts their copy to the host at once. On a GPU the sampler is an executable of its own (jaxpaged.worker.step), and a
+step that needs it has it queued by the next dispatch or by its fetch (`dispatch` says why).
 """
 
 from __future__ import annotations
