@@ -105,6 +105,7 @@ class StepHandle:
     layout: StepLayout
     dispatched_at: float
     verified: VerifiedOutput | None = None  # a verifying step's tokens, counts and proposals
+    error: Exception | None = None  # its pending sampler raised (queued by a later dispatch): its fetch raises it
 
 
 @dataclasses.dataclass
@@ -490,8 +491,12 @@ class ModelRunner:
             return
         handle, unsampled, extras, want_logprobs = self._pending
         self._pending = None
-        sample = self._sampler(handle.layout.num_seqs, unsampled)
-        tokens, out = sample(unsampled.logits, unsampled.sampling, extras)
+        try:
+            sample = self._sampler(handle.layout.num_seqs, unsampled)
+            tokens, out = sample(unsampled.logits, unsampled.sampling, extras)
+        except Exception as e:  # the step's own failure, raised when it is read, not the next step's that queued it
+            handle.error = e
+            return
         self._finish(handle, tokens, out, want_logprobs)
 
     def _finish(self, handle: StepHandle, tokens: jax.Array, out, want_logprobs: bool) -> None:
@@ -512,6 +517,8 @@ class ModelRunner:
         """The step's tokens (and log-probs, when asked for) on the host: waits for the step."""
         if self._pending is not None and self._pending[0] is handle:
             self._flush()
+        if handle.error is not None:
+            raise handle.error
         n = len(handle.rows.seqs)
         result = StepResult(np.asarray(handle.tokens)[:n])
         if handle.logprobs is not None:

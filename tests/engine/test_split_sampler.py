@@ -190,3 +190,46 @@ def test_a_steps_sampler_is_queued_after_the_next_step_is_laid_out(pair, monkeyp
     by_dispatch = [(step, laid_out) for step, laid_out, at_fetch in queued if not at_fetch]
     assert by_dispatch and all(laid_out == step + 1 for step, laid_out in by_dispatch), queued
     assert sum(at_fetch for *_, at_fetch in queued) <= 2, queued  # the last steps: nothing comes after them
+
+
+def test_a_sampler_that_fails_fails_its_own_steps_requests(monkeypatch):
+    """A split step's sampler is queued by the next step's dispatch; if it raises, the requests of its own step fail
+    (when that step is read), not those of the step that queued it, and the engine goes on. Here request a's last
+    step samples (its sampler fails), and the next step holds only request b's prompt: a fails, b gets the fused
+    engine's tokens."""
+    llm = make(True)
+    engine = llm.engine
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=2, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    real = ModelRunner._sampler
+    calls = []
+
+    def failing(self, num_seqs, unsampled):
+        calls.append(num_seqs)
+        if len(calls) == 2:  # a's second (last) token
+            raise RuntimeError("sampler fell over")
+        return real(self, num_seqs, unsampled)
+
+    monkeypatch.setattr(ModelRunner, "_sampler", failing)
+    finals, tokens = {}, {"a": [], "b": []}
+
+    def step():
+        for out in engine.step():
+            tokens[out.request_id] += out.deltas[0].token_ids
+            if out.finished:
+                finals[out.request_id] = out
+
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, sampled)
+    step()
+    step()
+    engine.add_request("b", {"prompt_token_ids": [8, 9, 10]}, greedy)
+    while engine.has_unfinished_requests():
+        step()
+    assert len(calls) == 2, calls
+    assert finals["a"].error == "RuntimeError: sampler fell over"
+    assert finals["b"].error is None
+    want = make(False).generate([{"prompt_token_ids": [8, 9, 10]}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens["b"] == want
+    assert not engine.dead and engine.runner._pending is None
+    engine.block_manager.check_invariants()
+    assert llm.stats()["num_used"] == 0
