@@ -32,8 +32,8 @@ import jax.numpy as jnp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from common import RESULTS_DIR, print_table, time_call, write_json  # noqa: E402
-from gpu_qmatmul import NOMINAL_GB_S, copy_bandwidth, relative_error  # noqa: E402
+from common import print_table, time_call  # noqa: E402
+from gpu_qmatmul import NOMINAL_GB_S, add_timing_arguments, relative_error, start_timing, write_results  # noqa: E402
 
 from jaxpaged.models.quant import quantize_int8  # noqa: E402
 from pallas_kernels.gpu_matmul import layer_matmul_gpu  # noqa: E402
@@ -76,25 +76,13 @@ def main():
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--layers", type=int, default=8,
                         help="layers of the stacked weight (8: 67-940 MB, mostly beyond the card's 50 MB L2)")
-    parser.add_argument("--tiles", nargs="*", default=[],
-                        help="extra kernel tiles to time, each tm,tn,tk,num_warps (default: `tiles(M)` only)")
     parser.add_argument("--int8", action="store_true", help="time the int8 per-channel kernel too")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=7)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new cases after this many seconds (what was timed is still written)")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_layer_matmul.json"))
+    add_timing_arguments(parser, reps=10, out="gpu_layer_matmul.json")
     args = parser.parse_args()
-    if jax.default_backend() != "gpu":
-        print(f"benchmarks/gpu_layer_matmul.py needs a GPU (JAX's default backend here is {jax.default_backend()!r}):"
-              " nothing timed. The kernel's correctness on CPU: tests/kernels/test_gpu_matmul.py (interpret mode).")
+    started = start_timing(args, "gpu_layer_matmul.py", "tests/kernels/test_gpu_matmul.py")
+    if started is None:
         return
-    start = time.perf_counter()
-    device = jax.devices()[0]
-    timing = dict(warmup=args.warmup, samples=args.samples, reps=args.reps)
-    tile_variants = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
-    copy_bw = copy_bandwidth(1 << 30, **timing)
+    (timing, tile_variants, copy_bw, start), device = started, jax.devices()[0]
     rows, skipped = [], []
     for m in args.rows:  # the largest decode batch first: the engine's rows at 256 sequences
         for shape in args.shapes:
@@ -129,11 +117,7 @@ def main():
                        ("x_xla_own", "x XLA own", ".2f"), ("rel_err", "rel. err", ".1e")])
     if skipped:
         print(f"not timed (--budget-s {args.budget_s}): {', '.join(skipped)}")
-    write_json(args.out, {"machine": f"{device.device_kind} ({device.platform}), jax {jax.__version__}",
-                          "command": " ".join(["python"] + sys.argv),
-                          "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                          "copy_bandwidth_gb_s": copy_bw / 1e9, "nominal_gb_s": nominal, "timing": timing,
-                          "layers": args.layers, "rows": rows, "skipped": skipped})
+    write_results(args, device, copy_bw, timing, rows, skipped)
     if any(r["rel_err"] is not None and r["rel_err"] > 2e-2 for r in rows):
         print("ERROR: a kernel differs from XLA's product beyond bf16 rounding")
         sys.exit(1)

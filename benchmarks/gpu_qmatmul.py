@@ -70,6 +70,41 @@ def random_weight(key, fmt: str, layers: int, k: int, n: int) -> quant.Quantized
     return quant.QuantizedWeight(codes, scales, bits, mode, (layers, k, n), compute_dtype="bfloat16")
 
 
+def add_timing_arguments(parser: argparse.ArgumentParser, reps: int, out: str) -> None:
+    """The options the GPU matmul benchmarks share: extra kernel tiles, the timing, a time budget, the JSON file
+    (`out` in benchmarks/results/)."""
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="extra kernel tiles to time, each tm,tn,tk,num_warps (default: `tiles(M)` only)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new cases after this many seconds (what was timed is still written)")
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, out))
+
+
+def start_timing(args, script: str, tests: str) -> tuple[dict, list[tuple[int, ...]], float, float] | None:
+    """(time_call's timing, the --tiles variants, the device's copy bandwidth in bytes/s, the start's
+    perf_counter); None, having said so, where JAX has no GPU (nothing is timed)."""
+    if jax.default_backend() != "gpu":
+        print(f"benchmarks/{script} needs a GPU (JAX's default backend here is {jax.default_backend()!r}): nothing "
+              f"timed. The kernel's correctness on CPU: {tests} (interpret mode).")
+        return None
+    start = time.perf_counter()
+    timing = dict(warmup=args.warmup, samples=args.samples, reps=args.reps)
+    tile_variants = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
+    return timing, tile_variants, copy_bandwidth(1 << 30, **timing), start
+
+
+def write_results(args, device, copy_bw: float, timing: dict, rows: list[dict], skipped: list[str], **more) -> None:
+    """The run's JSON (--out): the machine and command, the copy bandwidth, the timing, the rows, what was skipped."""
+    write_json(args.out, {"machine": f"{device.device_kind} ({device.platform}), jax {jax.__version__}",
+                          "command": " ".join(["python"] + sys.argv),
+                          "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                          "copy_bandwidth_gb_s": copy_bw / 1e9, "nominal_gb_s": NOMINAL_GB_S.get(device.device_kind),
+                          "timing": timing, "layers": args.layers, **more, "rows": rows, "skipped": skipped})
+
+
 def copy_bandwidth(num_bytes: int, **timing) -> float:
     """Bytes per second of a read + write of one large array on the device."""
     x = jnp.ones(num_bytes // 4, jnp.float32)
@@ -135,26 +170,15 @@ def main():
     parser.add_argument("--layers", type=int, default=8,
                         help="layers of the stacked weight, each multiplied once a call (8: 264-940 MB of weights, "
                              "beyond an H100's or H200's 50 MB L2)")
-    parser.add_argument("--tiles", nargs="*", default=[],
-                        help="extra kernel tiles to time, each tm,tn,tk,num_warps (default: `tiles(M)` only)")
     parser.add_argument("--scale-loads", nargs="+", default=["broadcast", "gather"], choices=["broadcast", "gather"],
                         help="the kernel's ways of loading block scales to time (the engine uses broadcast)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--samples", type=int, default=7)
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="stop starting new cases after this many seconds (what was timed is still written)")
-    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_qmatmul.json"))
+    add_timing_arguments(parser, reps=20, out="gpu_qmatmul.json")
     args = parser.parse_args()
-    if jax.default_backend() != "gpu":
-        print(f"benchmarks/gpu_qmatmul.py needs a GPU (JAX's default backend here is {jax.default_backend()!r}): "
-              "nothing timed. The kernel's correctness on CPU: tests/kernels/test_gpu_qmatmul.py (interpret mode).")
+    started = start_timing(args, "gpu_qmatmul.py", "tests/kernels/test_gpu_qmatmul.py")
+    if started is None:
         return
-    start = time.perf_counter()
+    timing, tile_variants, copy_bw, start = started
     device = jax.devices()[0]
-    timing = dict(warmup=args.warmup, samples=args.samples, reps=args.reps)
-    tile_variants = [tuple(int(v) for v in t.split(",")) for t in args.tiles]
-    copy_bw = copy_bandwidth(1 << 30, **timing)
     nominal = NOMINAL_GB_S.get(device.device_kind)
     checks = ragged_checks()
     print_table(checks, [("format", "format", "s"), ("k", "K", "d"), ("n", "N", "d"), ("m", "M", "d"),
@@ -195,11 +219,7 @@ def main():
                        ("x_dequant_dot", "x dequant+dot", ".2f"), ("rel_err", "rel. err", ".1e")])
     if skipped:
         print(f"not timed (--budget-s {args.budget_s}): {', '.join(skipped)}")
-    write_json(args.out, {"machine": f"{device.device_kind} ({device.platform}), jax {jax.__version__}",
-                          "command": " ".join(["python"] + sys.argv),
-                          "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                          "copy_bandwidth_gb_s": copy_bw / 1e9, "nominal_gb_s": nominal, "timing": timing,
-                          "layers": args.layers, "ragged_checks": checks, "rows": rows, "skipped": skipped})
+    write_results(args, device, copy_bw, timing, rows, skipped, ragged_checks=checks)
     if not all(c["ok"] for c in checks) or any(r["rel_err"] is not None and r["rel_err"] > 1e-3 for r in rows):
         print("ERROR: the kernel differs from dequant+dot beyond float32 sum-order rounding")
         sys.exit(1)
