@@ -102,6 +102,46 @@ def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
     return flops
 
 
+NOMINAL_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth (SXM), NVIDIA's data sheets
+WEIGHT_BYTES = {"bf16": 2, "fp8kv": 2, "int8": 1, "fp8kv+int8": 1}  # per parameter of the layer matmuls and head
+KV_BYTES = {"bf16": 2, "fp8kv": 1, "int8": 2, "fp8kv+int8": 1}  # per K or V element
+
+
+def decode_floor(config: ModelConfig, fmt: str, card: str, seqs: int, context: float) -> dict:
+    """What a decode step of `seqs` sequences with `context` tokens each on average cannot go below on `card`, at
+    its data-sheet rates: the matmuls (layers and LM head) take the longer of reading their weights and doing their
+    FLOPs, on the tensor cores at the bf16 peak (weight-only int8 multiplies in bf16 too); attention reads the K/V.
+    Kernels run one after another, so the two add. Output tok/s: seqs per floor."""
+    h, layers = config.hidden_size, config.num_layers
+    per_layer = h * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim + \
+        config.num_heads * config.head_dim * h + 3 * h * config.intermediate_size
+    params = layers * per_layer + h * config.vocab_size
+    bw, peak = NOMINAL_TB_S[card] * 1e12, PEAK_BF16_TFLOPS[card] * 1e12
+    weights_ms = 1e3 * params * WEIGHT_BYTES[fmt] / bw
+    flops_ms = 1e3 * 2 * params * seqs / peak
+    kv_ms = 1e3 * seqs * context * layers * 2 * config.num_kv_heads * config.head_dim * KV_BYTES[fmt] / bw
+    floor = max(weights_ms, flops_ms) + kv_ms
+    return {"model": config_name(config), "format": fmt, "card": card, "weights_ms": weights_ms,
+            "matmul_flops_ms": flops_ms, "kv_ms": kv_ms, "floor_ms": floor, "tok_s_ceiling": seqs / floor * 1e3}
+
+
+def print_floors(seqs: int) -> None:
+    """Workload D's decode step floors (`decode_floor`) for each shape, format and card: no GPU needed."""
+    (lo, hi), new = WORKLOADS["D"]
+    context = (lo + hi) / 2 + new / 2  # the prompt's mean, plus half the new tokens on average
+    rows = [decode_floor(SHAPES[m], f, card, seqs, context) for card in NOMINAL_TB_S for m in ("1b", "8b")
+            for f in FORMATS]
+    base = {(r["card"], r["model"]): r["floor_ms"] for r in rows if r["format"] == "bf16"}
+    for r in rows:
+        r["vs_bf16"] = base[(r["card"], r["model"])] / r["floor_ms"]
+    print(f"workload D's decode step of {seqs} sequences, {context:.0f} tokens of context on average: its floor at "
+          "the data sheets' rates (tensor cores at the bf16 peak, HBM at its nominal bandwidth)")
+    print_table(rows, [("card", "card", ""), ("model", "model", ""), ("format", "format", ""),
+                       ("weights_ms", "weights ms", ".2f"), ("matmul_flops_ms", "matmul FLOPs ms", ".2f"),
+                       ("kv_ms", "K/V ms", ".2f"), ("floor_ms", "floor ms", ".2f"),
+                       ("tok_s_ceiling", "output tok/s ceiling", ",.0f"), ("vs_bf16", "vs bf16", ".2f")])
+
+
 def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], int]:
     (lo, hi), new = WORKLOADS[name]
     rng = np.random.default_rng(seed)
@@ -294,8 +334,14 @@ def main() -> None:
                          "0.95, seeded (every step then runs the sampler)")
     ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
+    ap.add_argument("--floors", action="store_true",
+                    help="print workload D's decode step floors at the H100's and H200's data-sheet rates and exit "
+                         "(no GPU needed)")
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_throughput.json"))
     args = ap.parse_args()
+    if args.floors:
+        print_floors(args.max_num_seqs)
+        return
 
     import jax
 
