@@ -46,9 +46,10 @@ GPU_TPUT="python3 benchmarks/gpu_throughput.py --lazy-compile --log-compiles"
 NO_PREALLOC="XLA_PYTHON_CLIENT_PREALLOCATE=false"  # pytest workers share the card (the throughput rows do not)
 if [ "$STAGE" = 1 ]; then
   # 1a. the kernels that no card has run: the layer matmul reading a stacked weight in place (bf16, and int8 per
-  #     channel), on the card against XLA's dot; -v logs each result as it comes, so a cut-off run says what passed
-  part new_kernels 75 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 4 -p no:cacheprovider tests/kernels/test_gpu_matmul.py \
-    tests/kernels/test_gpu_qmatmul.py
+  #     channel), the W8A8 kernel (int8 tensor cores), on the card against XLA's dot and the float64 references; -v
+  #     logs each result as it comes, so a cut-off run says what passed
+  part new_kernels 75 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 4 -p no:cacheprovider \
+    tests/kernels/test_gpu_w8a8.py tests/kernels/test_gpu_matmul.py tests/kernels/test_gpu_qmatmul.py
   # 1b. issues #29 (decode step against its device time and by host part, output tok/s, the costliest device ops)
   #     and #30 (fp8 KV + int8 weights against bf16 on Llama-3-8B, workload D). Shapes compile when first used
   #     (~12 per row, 2-10 s each on an H200), each compile's time logged; no new row after 170 s; the JSON is

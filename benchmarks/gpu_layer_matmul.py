@@ -9,7 +9,10 @@ weight of --layers layers in a `fori_loop` whose layer index is traced, as the e
   * XLA sliced  the stacked weight indexed by the loop's layer: what the engine ran before the kernel (XLA GPU
                 copies the slice to a buffer of its own first: benchmarks/gpu_step_hlo.py);
   * kernel      the Pallas kernel on the stack and the layer, its tiles `gpu_qmatmul.tiles(M)`, and each of --tiles;
-  * int8 kernel the per-channel int8 kernel (`qmatmul_gpu(channel=True)`) on the stack's codes (--int8).
+  * int8 kernel the per-channel int8 kernel (`qmatmul_gpu(channel=True)`: x in bf16) on the stack's codes (--int8);
+  * int8 w8a8 kernel  the same weights times x quantized to int8 per block of 32, on the int8 tensor cores
+                (pallas_kernels/gpu_w8a8.py: the engine's int8 decode steps on CUDA; --int8). Its error against XLA
+                own includes the activations' int8 rounding.
 Each is timed as the median of --samples samples of --reps calls (common.time_call). Reported per product: us,
 TFLOP/s, the weight bytes over the time (GB/s) and as a share of a measured copy bandwidth, and the largest
 difference from `XLA own` relative to the largest |output|. What the numbers are for: the kernel's tiles were
@@ -38,6 +41,7 @@ from gpu_qmatmul import NOMINAL_GB_S, add_timing_arguments, relative_error, star
 from jaxpaged.models.quant import quantize_int8  # noqa: E402
 from pallas_kernels.gpu_matmul import layer_matmul_gpu  # noqa: E402
 from pallas_kernels.gpu_qmatmul import qmatmul_gpu, tiles  # noqa: E402
+from pallas_kernels.gpu_w8a8 import w8a8_matmul_gpu  # noqa: E402
 
 # (K, N) of each layer matrix at the two shapes (q/k/v and gate/up as the model multiplies them: one product each)
 SHAPES = {"1b q": (2048, 2048), "1b k/v": (2048, 512), "1b gate/up": (2048, 8192), "1b down": (8192, 2048),
@@ -67,6 +71,7 @@ def ways(tile_variants, int8: bool) -> dict:
     if int8:
         out["int8 kernel"] = looped(lambda x, q, layer: qmatmul_gpu(x, q.codes, q.scales, layer, bits=8,
                                                                     pair=False, channel=True))
+        out["int8 w8a8 kernel"] = looped(lambda x, q, layer: w8a8_matmul_gpu(x, q.codes, q.scales, layer))
     return out
 
 
@@ -101,7 +106,7 @@ def main():
                 seconds = time_call(fn, (x, w, own), **timing) / args.layers  # per product
                 weight = k * n * (1 if way.startswith("int8") else 2)
                 rows.append({"shape": shape, "k": k, "n": n, "m": m, "way": way,
-                             "tile": list(tiles(m)) if way in ("kernel", "int8 kernel") else None,
+                             "tile": list(tiles(m)) if way in ("kernel", "int8 kernel", "int8 w8a8 kernel") else None,
                              "us": seconds * 1e6, "tflops": 2 * m * k * n / seconds / 1e12,
                              "gb_s": weight / seconds / 1e9, "of_copy": weight / seconds / copy_bw,
                              "rel_err": relative_error(fn(x, w, own), want) if way != "XLA own" else None})

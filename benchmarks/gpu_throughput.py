@@ -105,20 +105,23 @@ def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
 NOMINAL_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth (SXM), NVIDIA's data sheets
 WEIGHT_BYTES = {"bf16": 2, "fp8kv": 2, "int8": 1, "fp8kv+int8": 1}  # per parameter of the layer matmuls and head
 KV_BYTES = {"bf16": 2, "fp8kv": 1, "int8": 2, "fp8kv+int8": 1}  # per K or V element
+# the matmuls' operations a second against bf16's: int8 weights multiply int8 activations on the int8 tensor cores in
+# decode steps (pallas_kernels/gpu_w8a8.py), at twice bf16's dense rate on an H100 / H200 (NVIDIA's data sheets)
+MATMUL_SPEEDUP = {"bf16": 1, "fp8kv": 1, "int8": 2, "fp8kv+int8": 2}
 
 
 def decode_floor(config: ModelConfig, fmt: str, card: str, seqs: int, context: float) -> dict:
     """What a decode step of `seqs` sequences with `context` tokens each on average cannot go below on `card`, at
     its data-sheet rates: the matmuls (layers and LM head) take the longer of reading their weights and doing their
-    FLOPs, on the tensor cores at the bf16 peak (weight-only int8 multiplies in bf16 too); attention reads the K/V.
-    Kernels run one after another, so the two add. Output tok/s: seqs per floor."""
+    FLOPs on the tensor cores (bf16's peak; int8's, twice it, with int8 weights: `MATMUL_SPEEDUP`); attention reads
+    the K/V. Kernels run one after another, so the two add. Output tok/s: seqs per floor."""
     h, layers = config.hidden_size, config.num_layers
     per_layer = h * (config.num_heads + 2 * config.num_kv_heads) * config.head_dim + \
         config.num_heads * config.head_dim * h + 3 * h * config.intermediate_size
     params = layers * per_layer + h * config.vocab_size
     bw, peak = NOMINAL_TB_S[card] * 1e12, PEAK_BF16_TFLOPS[card] * 1e12
     weights_ms = 1e3 * params * WEIGHT_BYTES[fmt] / bw
-    flops_ms = 1e3 * 2 * params * seqs / peak
+    flops_ms = 1e3 * 2 * params * seqs / peak / MATMUL_SPEEDUP[fmt]
     kv_ms = 1e3 * seqs * context * layers * 2 * config.num_kv_heads * config.head_dim * KV_BYTES[fmt] / bw
     floor = max(weights_ms, flops_ms) + kv_ms
     return {"model": config_name(config), "format": fmt, "card": card, "weights_ms": weights_ms,
@@ -135,7 +138,7 @@ def print_floors(seqs: int) -> None:
     for r in rows:
         r["vs_bf16"] = base[(r["card"], r["model"])] / r["floor_ms"]
     print(f"workload D's decode step of {seqs} sequences, {context:.0f} tokens of context on average: its floor at "
-          "the data sheets' rates (tensor cores at the bf16 peak, HBM at its nominal bandwidth)")
+          "the data sheets' rates (tensor cores at their bf16 or int8 peak, HBM at its nominal bandwidth)")
     print_table(rows, [("card", "card", ""), ("model", "model", ""), ("format", "format", ""),
                        ("weights_ms", "weights ms", ".2f"), ("matmul_flops_ms", "matmul FLOPs ms", ".2f"),
                        ("kv_ms", "K/V ms", ".2f"), ("floor_ms", "floor ms", ".2f"),

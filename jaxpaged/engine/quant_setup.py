@@ -73,9 +73,14 @@ def describe_weights(state, quantization: str | None) -> dict:
     if quantized:
         where = "; products by the native CPU kernel (int8 activations, VPDPBUSD)" if native_quantized() else \
             "; dequantized inside the step next to XLA's dot"
-        if jax.default_backend() == "gpu" and set(quantized) & set(GGUF_FORMATS):
-            where = "; GGUF block formats by the Pallas GPU kernel on CUDA (dequantized in registers), int8 next to " \
-                    "XLA's dot"
+        if jax.default_backend() == "gpu":
+            parts = []
+            if "int8" in quantized:
+                parts.append("int8 by the Pallas W8A8 kernel in decode-sized steps (int8 activations per block of 32, "
+                             "as the native CPU kernel), XLA's dot above")
+            if set(quantized) & set(GGUF_FORMATS):
+                parts.append("GGUF block formats by the Pallas GPU kernel (dequantized in registers)")
+            where = "; on CUDA " + "; ".join(parts)
         if jax.default_backend() == "tpu" and set(quantized) & set(GGUF_FORMATS):
             where = "; GGUF block formats by the Pallas TPU kernel (dequantized in VMEM; 4-bit up to 64 rows fused " \
                     "by XLA), int8 next to XLA's dot"

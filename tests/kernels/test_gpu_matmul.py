@@ -178,15 +178,16 @@ def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import gpu_layer_matmul as bench
 
-    from pallas_kernels import gpu_qmatmul
+    from pallas_kernels import gpu_qmatmul, gpu_w8a8
 
     monkeypatch.setattr(bench, "layer_matmul_gpu", functools.partial(gpu_matmul.layer_matmul_gpu, interpret=INTERPRET))
     monkeypatch.setattr(bench, "qmatmul_gpu", functools.partial(gpu_qmatmul.qmatmul_gpu, interpret=INTERPRET))
+    monkeypatch.setattr(bench, "w8a8_matmul_gpu", functools.partial(gpu_w8a8.w8a8_matmul_gpu, interpret=INTERPRET))
     w = stack(np.random.default_rng(3), jnp.bfloat16, layers=3, k=64, n=96) * 0.05
     own = [w[i] + 0 for i in range(3)]
     x = jnp.asarray(np.random.default_rng(4).standard_normal((16, 64)), jnp.bfloat16)
     fns = bench.ways([(16, 32, 32, 4)], int8=True)
-    assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel"}
+    assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel", "int8 w8a8 kernel"}
     want = np.asarray(sum(jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(3)))
     for way, fn in fns.items():
         got = np.asarray(fn(x, quant.quantize_int8(w) if way.startswith("int8") else w, own))

@@ -56,17 +56,19 @@ def test_the_costliest_operations_are_named_per_step_from_the_hlo(monkeypatch):
 
 
 def test_decode_floors_follow_the_formats_bytes_and_the_larger_of_reading_and_multiplying(monkeypatch):
-    """`decode_floor`: the matmuls take the longer of reading their weights and their FLOPs at the bf16 peak, the
-    K/V read adds to it; int8 weights halve the weight read only, an fp8 pool the K/V read only."""
+    """`decode_floor`: the matmuls take the longer of reading their weights and their FLOPs at the tensor cores'
+    peak, the K/V read adds to it; int8 weights halve the weight read and (int8 activations on the int8 tensor
+    cores) the FLOPs' time, an fp8 pool the K/V read only."""
     bench = load_benchmark(monkeypatch)
     config = bench.SHAPES["8b"]
     floors = {fmt: bench.decode_floor(config, fmt, "H200", 256, 416.0) for fmt in bench.FORMATS}
     bf16 = floors["bf16"]
     assert floors["int8"]["weights_ms"] == bf16["weights_ms"] / 2 and floors["int8"]["kv_ms"] == bf16["kv_ms"]
+    assert floors["int8"]["matmul_flops_ms"] == bf16["matmul_flops_ms"] / 2
     assert floors["fp8kv"]["kv_ms"] == bf16["kv_ms"] / 2 and floors["fp8kv"]["weights_ms"] == bf16["weights_ms"]
+    assert floors["fp8kv"]["matmul_flops_ms"] == bf16["matmul_flops_ms"]
     for f in floors.values():
         assert f["floor_ms"] == max(f["weights_ms"], f["matmul_flops_ms"]) + f["kv_ms"]
-        assert f["matmul_flops_ms"] == bf16["matmul_flops_ms"]  # weight-only int8 multiplies in bf16
     one = bench.decode_floor(config, "bf16", "H200", 1, 416.0)
     assert one["weights_ms"] > one["matmul_flops_ms"]  # one sequence: reading the weights bounds it
     assert bf16["matmul_flops_ms"] > bf16["weights_ms"]  # 256 on an H200: the products do
