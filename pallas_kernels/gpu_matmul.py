@@ -36,20 +36,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_qmatmul import MIN_DOT_DIM, call_split_k, default_splits, split_k_sum, tiles
+from pallas_kernels.gpu_qmatmul import (
+    MIN_DOT_DIM,
+    call_split_k,
+    default_splits,
+    output_tile,
+    split_k_sum,
+    store_partial,
+    tiles,
+)
 
 
 def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm: int, tn: int, tk: int,
                    num_splits: int, precision):
     """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
-    mi = pl.program_id(0)
-    ni = pl.program_id(1)
-    split = pl.program_id(2)
+    split, rows, row_ok, cols, col_ok = output_tile(m, n, tm, tn)  # rows of x [tm]; output columns [tn]
     layer = layer_ref[0]
-    rows = mi * tm + jnp.arange(tm, dtype=jnp.int32)  # [tm] rows of x
-    row_ok = rows < m
-    cols = ni * tn + jnp.arange(tn, dtype=jnp.int32)  # [tn] output columns
-    col_ok = cols < n
     ks = jnp.arange(tk, dtype=jnp.int32)  # [tk]
 
     def body(step, acc):
@@ -61,8 +63,7 @@ def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm
         return acc + jax.lax.dot(xs, ws, precision=precision, preferred_element_type=jnp.float32)
 
     acc = split_k_sum(body, pl.cdiv(k, tk), num_splits, split, tm, tn)
-    rows_out = pl.num_programs(0) * tm  # Mp
-    o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
+    store_partial(o_ref, acc, split, tm, tn)
 
 
 def layer_matmul_gpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, interpret: bool = False,

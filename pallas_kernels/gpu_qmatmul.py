@@ -114,6 +114,20 @@ def split_k_sum(body, steps, num_splits: int, split, tm: int, tn: int) -> jax.Ar
     return jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, steps), body, zeros)
 
 
+def output_tile(m: int, n: int, tm: int, tn: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Inside a split-K kernel (`call_split_k`'s grid): this program's (split, rows [tm] of x, rows < M, output
+    columns [tn], columns < N)."""
+    rows = pl.program_id(0) * tm + jnp.arange(tm, dtype=jnp.int32)
+    cols = pl.program_id(1) * tn + jnp.arange(tn, dtype=jnp.int32)
+    return pl.program_id(2), rows, rows < m, cols, cols < n
+
+
+def store_partial(o_ref, acc: jax.Array, split, tm: int, tn: int) -> None:
+    """Inside a split-K kernel: this program's [tm, tn] float32 sum at split's rows of o_ref [S * Mp, Np]."""
+    rows_out = pl.num_programs(0) * tm  # Mp
+    o_ref[pl.ds(split * rows_out + pl.program_id(0) * tm, tm), pl.ds(pl.program_id(1) * tn, tn)] = acc
+
+
 def call_split_k(kernel, layer, *operands, m: int, n: int, tile: tuple[int, int, int, int], num_splits: int,
                  num_stages: int, interpret: bool, name: str) -> jax.Array:
     """Runs a split-K matmul kernel (kernel(layer_ref, *operand refs, o_ref)) over the grid (Mp / tm, Np / tn, S)
@@ -137,15 +151,10 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
                     pair: bool, blocks: int, tm: int, tn: int, tk: int, num_splits: int, scale_load: str,
                     precision, channel: bool = False):
     """One [tm, tn] output tile's partial sum over one split of K (module docstring: shapes, grid)."""
-    mi = pl.program_id(0)
-    ni = pl.program_id(1)
-    split = pl.program_id(2)
+    # rows of x [tm]; output columns [tn], rows of the weight
+    split, rows, row_ok, cols, col_ok = output_tile(m, n, tm, tn)
     layer = layer_ref[0]
     row_bytes = blocks * BLOCK * bits // 8
-    rows = mi * tm + jnp.arange(tm, dtype=jnp.int32)  # [tm] rows of x
-    row_ok = rows < m
-    cols = ni * tn + jnp.arange(tn, dtype=jnp.int32)  # [tn] output columns: rows of the weight
-    col_ok = cols < n
     w_rows = layer * n + cols  # [tn] rows of the flat codes / scales
     width = tk * bits // 8  # code bytes of one step
     nb = tk // BLOCK  # blocks of one step
@@ -203,8 +212,7 @@ def _qmatmul_kernel(layer_ref, x_ref, codes_ref, scales_ref, o_ref, *, m: int, n
     if channel:  # scales_ref [1, L * N]: each column's scale, applied to its sum
         acc = acc * plgpu.load(scales_ref.at[jnp.zeros((1,), jnp.int32)[:, None], w_rows[None, :]],
                                mask=col_ok[None, :], other=0).astype(jnp.float32)
-    rows_out = pl.num_programs(0) * tm  # Mp
-    o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
+    store_partial(o_ref, acc, split, tm, tn)
 
 
 def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *, bits: int,

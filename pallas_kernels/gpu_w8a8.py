@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gpu_qmatmul import BLOCK, MIN_DOT_DIM, call_split_k, default_splits, split_k_sum, tiles
+from pallas_kernels import gpu_qmatmul as split_k
+from pallas_kernels.gpu_qmatmul import BLOCK, MIN_DOT_DIM
 
 
 def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,14 +56,9 @@ def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _w8a8_kernel(layer_ref, xq_ref, xd_ref, codes_ref, scales_ref, o_ref, *, m: int, n: int, blocks: int, tm: int,
                  tn: int, num_splits: int):
     """One [tm, tn] output tile's partial sum over one split of the K blocks (module docstring: shapes, grid)."""
-    mi = pl.program_id(0)
-    ni = pl.program_id(1)
-    split = pl.program_id(2)
+    # rows of x [tm]; output columns [tn], rows of the weight
+    split, rows, row_ok, cols, col_ok = split_k.output_tile(m, n, tm, tn)
     layer = layer_ref[0]
-    rows = mi * tm + jnp.arange(tm, dtype=jnp.int32)  # [tm] rows of x
-    row_ok = rows < m
-    cols = ni * tn + jnp.arange(tn, dtype=jnp.int32)  # [tn] output columns: rows of the weight
-    col_ok = cols < n
     w_rows = layer * n + cols  # [tn] rows of the flat codes
     j = jnp.arange(BLOCK, dtype=jnp.int32)  # [32]
 
@@ -76,19 +72,19 @@ def _w8a8_kernel(layer_ref, xq_ref, xd_ref, codes_ref, scales_ref, o_ref, *, m: 
         part = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
         return acc + part.astype(jnp.float32) * xd
 
-    acc = split_k_sum(body, blocks, num_splits, split, tm, tn)
+    acc = split_k.split_k_sum(body, blocks, num_splits, split, tm, tn)
     acc = acc * plgpu.load(scales_ref.at[jnp.zeros((1,), jnp.int32)[:, None], w_rows[None, :]],
                            mask=col_ok[None, :], other=0).astype(jnp.float32)
-    rows_out = pl.num_programs(0) * tm  # Mp
-    o_ref[pl.ds(split * rows_out + mi * tm, tm), pl.ds(ni * tn, tn)] = acc
+    split_k.store_partial(o_ref, acc, split, tm, tn)
 
 
 def w8a8_matmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Array | int = 0, *,
                     interpret: bool = False, tile: tuple[int, int, int] | None = None, num_splits: int | None = None,
                     num_stages: int = 3) -> jax.Array:
     """x [M, K] @ (scales * (codes - 128))[layer]^T -> [M, N] float32, x quantized per block of 32 to int8 first
-    (module docstring). tile: (tm, tn, num_warps) instead of `tiles(M)`'s (powers of two >= 16); num_splits: splits
-    of the K blocks (None: `default_splits`). interpret=True runs Pallas' interpreter (any backend, CPU included)."""
+    (module docstring). tile: (tm, tn, num_warps) instead of `gpu_qmatmul.tiles(M)`'s (powers of two >= 16);
+    num_splits: splits of the K blocks (None: `gpu_qmatmul.default_splits`). interpret=True runs Pallas' interpreter
+    (any backend, CPU included)."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if codes.ndim == 2:
@@ -103,18 +99,18 @@ def w8a8_matmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: ja
     if tuple(scales.shape) != (num_layers, n):
         raise ValueError(f"scales must be [{num_layers}, {n}] (one per layer and output column), got "
                          f"{list(scales.shape)}")
-    tm, tn, num_warps = tile or (lambda t: (t[0], t[1], t[3]))(tiles(m))
+    tm, tn, num_warps = tile or (lambda t: (t[0], t[1], t[3]))(split_k.tiles(m))
     if min(tm, tn) < MIN_DOT_DIM or any(v & (v - 1) for v in (tm, tn)):
         raise ValueError(f"tile={tile}: tm and tn must be powers of two >= {MIN_DOT_DIM}")
     blocks = kp // BLOCK
     mp, np_ = pl.cdiv(m, tm) * tm, pl.cdiv(n, tn) * tn
     if num_splits is None:
-        num_splits = default_splits((mp // tm) * (np_ // tn), blocks, mp * np_ * 4, n * (kp + 4))
+        num_splits = split_k.default_splits((mp // tm) * (np_ // tn), blocks, mp * np_ * 4, n * (kp + 4))
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     xq, xd = quantize_blocks(x)
     kernel = functools.partial(_w8a8_kernel, m=m, n=n, blocks=blocks, tm=tm, tn=tn, num_splits=num_splits)
-    return call_split_k(kernel, layer, xq, xd, codes.reshape(num_layers * n, kp),
+    return split_k.call_split_k(kernel, layer, xq, xd, codes.reshape(num_layers * n, kp),
                         scales.astype(jnp.float32).reshape(1, num_layers * n), m=m, n=n,
                         tile=(tm, tn, BLOCK, num_warps), num_splits=num_splits, num_stages=num_stages,
                         interpret=interpret, name="w8a8_matmul")
