@@ -5,8 +5,9 @@ Why: at a decode batch of 256 sequences an H100's or H200's layer matmuls are bo
 their weights (benchmarks/gpu_throughput.py --floors), so int8 weights multiplied in bf16 (gpu_qmatmul.py's
 `channel=True`) save little there. The int8 tensor cores do twice bf16's operations a second. The activations are
 quantized as the native CPU kernel quantizes them (`pallas_kernels.cpu_native.quantized.quantize_activations`, the
-Q8_0 scheme of llama.cpp): per block of 32 values, d = max|x| * (1 / 127), q = round-half-even(x * (1 / d)), all in
-float32; so a GPU's products are the CPU kernel's numbers, up to the order of the float32 sum.
+Q8_0 scheme of llama.cpp): per block of 32 values, d = max|x| / 127, q = round-half-even(x * (1 / d)), all in
+float32 and to the bit (`div127`); so a GPU's products are the CPU kernel's numbers, up to the order of the float32
+sum.
 
 This module knows nothing of the engine: raw arrays and static shapes.
 
@@ -39,15 +40,29 @@ from pallas_kernels import gpu_qmatmul as split_k
 from pallas_kernels.gpu_qmatmul import BLOCK, MIN_DOT_DIM
 
 
+def div127(a: jax.Array) -> jax.Array:
+    """a / 127 correctly rounded in float32 (a >= 0 finite), as C++'s `a / 127.0f`. XLA computes a division by a
+    constant as a product with the rounded reciprocal, one rounding off for some a (and then a q at a tie one off), so:
+    d0 = a * (1/127), within one unit in the last place of the quotient, then of d0 and its two neighbours the one
+    whose residual a - 127 c is smallest. Each residual is exact, as (a - 128 c) + c: 128 c is exact, and each
+    subtraction is of numbers within a factor of two of each other (Sterbenz). No quotient is a tie between two
+    floats (127 c would need more than 24 bits). d0 goes through an optimization barrier, or XLA would fold 128 d0 into
+    a (128 / 127), a product rounded once more."""
+    d0 = jax.lax.optimization_barrier(a * jnp.float32(1.0 / 127.0))
+    best, best_err = d0, jnp.abs((a - 128.0 * d0) + d0)
+    for c in (jnp.nextafter(d0, jnp.float32(jnp.inf)), jnp.nextafter(d0, jnp.float32(0.0))):
+        err = jnp.abs((a - 128.0 * c) + c)
+        best, best_err = jnp.where(err < best_err, c, best), jnp.minimum(err, best_err)
+    return best
+
+
 def quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (xq [M, Kp] int8, xd [M, B] float32): per block of 32, d = max|x| * (1 / 127) and q =
-    round-half-even(x * (1 / d)) in float32 (0 where the block is all zeros), as the native CPU kernel computes them."""
+    """x [M, K] -> (xq [M, Kp] int8, xd [M, B] float32): per block of 32, d = max|x| / 127 and q = round-half-even
+    (x * (1 / d)) in float32 (0 where the block is all zeros), as the native CPU kernel computes them."""
     m, k = x.shape
     kp = -(-k // BLOCK) * BLOCK
     xb = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kp - k))).reshape(m, kp // BLOCK, BLOCK)
-    # (a product with 1/127 rounded to float32, as the native kernel: a division would be turned into it by XLA
-    # anyway, and d must be the kernel's to the bit, or a q at a rounding tie comes out one off)
-    d = jnp.max(jnp.abs(xb), axis=-1) * jnp.float32(1.0 / 127.0)  # [M, B]
+    d = div127(jnp.max(jnp.abs(xb), axis=-1))  # [M, B]
     inv = jnp.where(d != 0, 1.0 / jnp.where(d != 0, d, 1.0), 0.0).astype(jnp.float32)
     q = jnp.round(xb * inv[..., None]).astype(jnp.int8)  # jnp.round: half to even, as np.rint
     return q.reshape(m, kp), d

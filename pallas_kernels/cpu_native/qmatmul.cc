@@ -224,11 +224,8 @@ inline int CodeAt(const QState& p, int64_t g, int64_t b, int64_t kk, int64_t j, 
 
 // ---- phase 1: the activations ---------------------------------------------------------------------------------------
 
-// Row r quantized per block of 32 (kInt8Dot): d = max|x| * (1 / 127), q = round-to-nearest-even(x * (1 / d)), all in
-// float32 (quantized.py's reference and the GPU kernel's quantization, pallas_kernels/gpu_w8a8.py, repeat these
-// operations; a product with the rounded reciprocal rather than a division, because XLA turns a division by a
-// constant into that product).
-constexpr float kInv127 = 1.0f / 127.0f;
+// Row r quantized per block of 32 (kInt8Dot): d = max|x| / 127, q = round-to-nearest-even(x * (1 / d)), all in float32
+// (quantized.py's reference repeats these operations).
 [[maybe_unused]] void QuantizeRow(QState& p, int64_t r) {
   int8_t* q = p.a->qx.data() + r * p.kp;
   float total = 0.0f;
@@ -238,7 +235,7 @@ constexpr float kInv127 = 1.0f / 127.0f;
       v[i] = p.XAt(r, b * kBlock + i);
       amax = std::max(amax, std::fabs(v[i]));
     }
-    const float d = amax * kInv127, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     int sum = 0;
     for (int64_t i = 0; i < kBlock; ++i) {
       const int qi = static_cast<int>(std::nearbyint(v[i] * id));
@@ -271,7 +268,7 @@ void QuantizeRowVec(QState& p, int64_t r) {
       }
     }
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
-    const float d = amax * kInv127, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v[0], _mm512_set1_ps(id)));
     const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v[1], _mm512_set1_ps(id)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));

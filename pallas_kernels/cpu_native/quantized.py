@@ -109,20 +109,16 @@ def qmatmul_glu_native(x: jax.Array, gate: tuple[jax.Array, jax.Array], up: tupl
                 scale_mode=np.int64(scale_mode), act=np.int64(GLU_ACTIVATIONS[activation]))
 
 
-INV_127 = np.float32(1.0 / 127.0)  # the kernel's kInv127: 1/127 rounded to float32 (double rounding is exact here)
-
-
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The kernel's int8 activations of x [M, K] (float32 values): (q [M, Kp] int8 per block of 32, d [M, B] float32),
-    d = max|x| * (1 / 127) per block (the reciprocal rounded to float32 first) and q = round-to-nearest-even(x * (1 /
-    d)), in float32 as the kernel computes them."""
+    d = max|x| / 127 per block and q = round-to-nearest-even(x * (1 / d)), in float32 as the kernel computes them."""
     x = np.asarray(x, np.float32)
     m, k = x.shape
     kp = -(-k // 32) * 32
     xb = np.zeros((m, kp), np.float32)
     xb[:, :k] = x
     xb = xb.reshape(m, kp // 32, 32)
-    d = (np.max(np.abs(xb), axis=-1) * INV_127).astype(np.float32)
+    d = (np.max(np.abs(xb), axis=-1) / np.float32(127.0)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1.0) / np.where(d != 0, d, np.float32(1.0)), np.float32(0.0)).astype(np.float32)
     q = np.rint(xb * inv[..., None]).astype(np.int8)
     return q.reshape(m, kp), d
