@@ -11,8 +11,8 @@ weight of --layers layers in a `fori_loop` whose layer index is traced, as the e
   * kernel      the Pallas kernel on the stack and the layer, its tiles `gpu_qmatmul.tiles(M)`, and each of --tiles;
   * int8 kernel the per-channel int8 kernel (`qmatmul_gpu(channel=True)`: x in bf16) on the stack's codes (--int8);
   * int8 w8a8 kernel  the same weights times x quantized to int8 per block of 32, on the int8 tensor cores
-                (pallas_kernels/gpu_w8a8.py: the engine's int8 decode steps on CUDA; --int8). Its error against XLA
-                own includes the activations' int8 rounding.
+                (pallas_kernels/gpu_w8a8.py: the engine's int8 decode steps on CUDA; --int8), at its tiles and at
+                each of --tiles' tm, tn and warps. Its error against XLA own includes the activations' rounding.
 Each is timed as the median of --samples samples of --reps calls (common.time_call). Reported per product: us,
 TFLOP/s, the weight bytes over the time (GB/s) and as a share of a measured copy bandwidth, and the largest
 difference from `XLA own` relative to the largest |output|. What the numbers are for: the kernel's tiles were
@@ -71,7 +71,10 @@ def ways(tile_variants, int8: bool) -> dict:
     if int8:
         out["int8 kernel"] = looped(lambda x, q, layer: qmatmul_gpu(x, q.codes, q.scales, layer, bits=8,
                                                                     pair=False, channel=True))
-        out["int8 w8a8 kernel"] = looped(lambda x, q, layer: w8a8_matmul_gpu(x, q.codes, q.scales, layer))
+        for tile in [None, *tile_variants]:  # its tiles: the variants' tm, tn and warps (its K step is one block)
+            name = "int8 w8a8 kernel" + ("" if tile is None else f" {tile[0]},{tile[1]},{tile[3]}")
+            out[name] = looped(lambda x, q, layer, tile=tile: w8a8_matmul_gpu(
+                x, q.codes, q.scales, layer, tile=None if tile is None else (tile[0], tile[1], tile[3])))
     return out
 
 

@@ -187,7 +187,8 @@ def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
     own = [w[i] + 0 for i in range(3)]
     x = jnp.asarray(np.random.default_rng(4).standard_normal((16, 64)), jnp.bfloat16)
     fns = bench.ways([(16, 32, 32, 4)], int8=True)
-    assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel", "int8 w8a8 kernel"}
+    assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel", "int8 w8a8 kernel",
+                        "int8 w8a8 kernel 16,32,4"}
     want = np.asarray(sum(jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(3)))
     for way, fn in fns.items():
         got = np.asarray(fn(x, quant.quantize_int8(w) if way.startswith("int8") else w, own))
