@@ -544,6 +544,7 @@ class ModelRunner:
                      for e, neutral in zip(EXTRAS, self._neutral_extras(inputs.layout.num_seqs), strict=True))
 
     def _neutral_extras(self, num_seqs: int) -> tuple[jax.Array, ...]:
+        """The EXTRAS as no row uses them, for steps of num_seqs rows, on the step's device (made once)."""
         if num_seqs not in self._neutral:
             self._neutral[num_seqs] = tuple(self._put(np.full(shape, e.neutral, e.dtype))
                                             for e, shape in zip(EXTRAS, self._extra_shapes(num_seqs), strict=True))
