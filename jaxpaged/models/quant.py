@@ -280,8 +280,8 @@ def gpu_layer_kernel(max_rows: int):
     CUDA, a Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its
     GEMM: a 16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
     pallas_kernels/gpu_w8a8.py (x in int8 per block of 32, as the native CPU kernel; the block formats take
-    pallas_kernels/gpu_qmatmul.py at every size). 0: never. The caller traces for
-    a CUDA GPU without a tensor-parallel mesh."""
+    pallas_kernels/gpu_qmatmul.py at every size). 0: never. The caller traces for a CUDA GPU without a
+    tensor-parallel mesh."""
     token = _GPU_ROWS.set(max_rows)
     try:
         yield
@@ -310,8 +310,8 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
     which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
     channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the W8A8 kernel;
-    everywhere else `_dense_matmul`. Every branch but the
-    kernels' multiplies the layer's codes[layer], scales[layer]."""
+    everywhere else `_dense_matmul`. Every branch but the kernels' multiplies the layer's codes[layer],
+    scales[layer]."""
     def at_layer(fn):
         if layer is None:
             return fn
@@ -321,7 +321,7 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     if qw.scale_mode == CHANNEL:
         cuda = at_layer(_signed_channel_matmul)
         if x.shape[0] <= gpu_kernel_rows():  # the stack read in place, not the layer's codes copied first
-            cuda = functools.partial(_channel_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
+            cuda = functools.partial(_channel_kernel_matmul, layer=0 if layer is None else layer)
         return jax.lax.platform_dependent(x, codes, scales, cuda=cuda, default=dense)
     kernel = functools.partial(_kernel_matmul, qw=qw, layer=0 if layer is None else layer)
     if qw.bits == 4 and x.shape[0] <= NIBBLE_MAX_ROWS:
@@ -346,8 +346,7 @@ def _kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: Qua
     return qmatmul_gpu(x, codes, scales, layer, bits=qw.bits, pair=qw.scale_mode in (BLOCK_F16, BLOCK_F32))
 
 
-def _channel_kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight,
-                           layer) -> jax.Array:
+def _channel_kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, layer) -> jax.Array:
     """int8 per channel on CUDA in `gpu_layer_kernel`'s steps: the Pallas Triton kernel on the stacked codes (or one
     matrix's, layer 0) with x quantized to int8 per block of 32, on the int8 tensor cores: the native CPU kernel's
     numbers (pallas_kernels/gpu_w8a8.py says why: these steps are bound by their FLOPs)."""
