@@ -353,13 +353,11 @@ def main() -> None:
 
         logging.basicConfig(format="%(asctime)s %(name)s %(message)s")
         logging.getLogger("jaxpaged.worker.model_runner").setLevel(logging.DEBUG)
-    if args.xla_layer_matmul:
-        from jaxpaged.worker import model_runner
+    from jaxpaged.worker import model_runner  # the A/Bs: the engine's earlier ways
 
+    if args.xla_layer_matmul:
         model_runner.gpu_layer_matmul_rows = lambda mesh: 0
     if args.fused_sampler:
-        from jaxpaged.worker import model_runner
-
         model_runner.split_sampler_here = lambda multihost: False
     device = jax.devices()[0]
     if device.platform not in ("gpu", "tpu") and not args.smoke:
