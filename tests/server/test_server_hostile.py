@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,36 @@ def test_a_body_that_says_gzip_but_is_not_is_a_400_and_one_warning_line(server):
     warnings = [line for line in log.splitlines() if "gzip" in line]
     assert len(warnings) == 3 and all(" WARNING " in w for w in warnings), log
     assert "Traceback" not in log and " ERROR " not in log, log
+
+
+def raw_deflate(data: bytes) -> bytes:
+    compressor = zlib.compressobj(wbits=-15)
+    return compressor.compress(data) + compressor.flush()
+
+
+def test_a_compressed_body_that_breaks_off_is_a_400_at_once_even_after_its_headers(server):
+    """A deflate body that did not end as a deflate stream, sent after its headers (as clients that write headers
+    and body separately do), waited for the rest until --body-timeout (30 s) and was answered 408."""
+    raw = json.dumps({**CMPL}).encode()
+    bodies = {"deflate": [b"junk", zlib.compress(raw)[:-3], raw_deflate(raw)[:-2], zlib.compress(raw) + b"x"],
+              "gzip": [gzip.compress(raw)[:-8]], "br": [raw]}
+    for encoding, cases in bodies.items():
+        for body in cases:
+            request = http_bytes("POST", "/v1/completions", body, {"Content-Encoding": encoding,
+                                                                   "Connection": "close"})
+            head_end = request.index(b"\r\n\r\n") + 4
+            with connect(server) as sock:
+                sock.sendall(request[:head_end])
+                time.sleep(0.3)  # the headers reach the handler before the body
+                sock.sendall(request[head_end:])
+                data, seconds = read_until_closed(sock, 30)
+            head, _, answer = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and seconds < 5, (encoding, body[:20], seconds, data[:300])
+            assert_client_error(400, json.loads(answer), None)
+    for body in (zlib.compress(raw), raw_deflate(raw)):  # both forms of deflate are read as before
+        status, answer = post(f"{server.url}/v1/completions", body, {"Content-Encoding": "deflate"})
+        assert status == 200, answer
+    alive_and_well(server)
 
 
 @pytest.mark.parametrize("key", [" 7", "7 ", "1_0", "\u0663", "07", "+7", "-1", "7.0", "", "0x7", "1e2",

@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import sys
+import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import NoReturn
@@ -221,7 +222,7 @@ async def _read_body(request: web.Request) -> bytes:
                           status=413, code="request_too_large")
     try:
         async with asyncio.timeout(request.app[BODY_TIMEOUT]):
-            return await request.read()
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise OpenAIError(f"the request body exceeds the limit of {limit} bytes", status=413,
                           code="request_too_large") from None
@@ -229,11 +230,40 @@ async def _read_body(request: web.Request) -> bytes:
         logger.warning("%s sent headers but not the body of %s %s within %g s (--body-timeout); closing",
                        request.remote, request.method, request.path, request.app[BODY_TIMEOUT])
         raise _BodyTimeout from None
-    except (RequestPayloadError, HttpProcessingError) as e:  # e.g. "Content-Encoding: gzip" on a body that is not
-        encoding = request.headers.get("Content-Encoding", "")[:40]
-        logger.warning("%s sent a body that does not decode as Content-Encoding %r on %s %s: answered 400 (%s)",
-                       request.remote, encoding, request.method, request.path, re.sub(r"\s+", " ", str(e))[:120])
-        raise _UndecodableBody(f"the request body does not decode as its Content-Encoding {encoding!r}") from None
+    except (RequestPayloadError, HttpProcessingError) as e:  # an error aiohttp reports on the body itself
+        raise _undecodable(request, str(e)) from None
+    return _decoded(request, raw, limit)
+
+
+def _decoded(request: web.Request, raw: bytes, limit: int) -> bytes:
+    """The body as its Content-Encoding says, at most `limit` bytes: gzip and deflate are decoded here, br and zstd
+    refused (400), any other value read as it is (as aiohttp reads it). aiohttp's own decoding is off (build_app):
+    it reports a deflate body that does not end as a deflate stream as an error of the connection, not of the
+    request, so a handler whose headers had arrived first waited for the rest until --body-timeout (then a 408)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding in ("br", "zstd"):
+        raise _undecodable(request, "not supported", " (this server decodes gzip and deflate)")
+    if encoding not in ("gzip", "deflate") or not raw:
+        return raw
+    # deflate is zlib-wrapped (RFC 1950) or, as aiohttp and urllib3 also take it, raw (RFC 1951)
+    decoder = zlib.decompressobj(31 if encoding == "gzip" else 15 if raw[0] & 0xF == 8 else -15)
+    try:
+        body = decoder.decompress(raw, limit + 1)  # a small body that decompresses to gigabytes stops at the limit
+    except zlib.error as e:
+        raise _undecodable(request, str(e)) from None
+    if len(body) > limit:
+        raise OpenAIError(f"the request body exceeds the limit of {limit} bytes", status=413,
+                          code="request_too_large")
+    if not decoder.eof or decoder.unused_data:
+        raise _undecodable(request, "the compressed stream does not end where the body does")
+    return body
+
+
+def _undecodable(request: web.Request, detail: str, hint: str = "") -> _UndecodableBody:
+    encoding = request.headers.get("Content-Encoding", "")[:40]
+    logger.warning("%s sent a body that does not decode as Content-Encoding %r on %s %s: answered 400 (%s)",
+                   request.remote, encoding, request.method, request.path, re.sub(r"\s+", " ", detail)[:120])
+    return _UndecodableBody(f"the request body does not decode as its Content-Encoding {encoding!r}{hint}")
 
 
 def _sse(obj: dict) -> bytes:
@@ -384,7 +414,9 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
     open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
-    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+    # auto_decompress off: _read_body decodes gzip and deflate itself (see _decoded)
+    app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes,
+                          handler_args={"auto_decompress": False})
     app[ENGINE] = engine
     app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser)
     app[LIFECYCLE] = Lifecycle()
