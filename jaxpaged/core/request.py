@@ -156,7 +156,8 @@ class Request:
     speculates: bool = False  # speculative decoding may propose tokens for its sequences
 
     # Each step's input depends on the previous step's token on the host (a grammar's bitmask, bad words of several
-    # tokens, penalties' token counts, beam selection): its steps run synchronously. Set once, when it is made.
+    # tokens, beam selection): its steps run synchronously. (Penalties do not: the step counts the token the host
+    # has not seen yet, `SamplingMetadata.pending_tokens`.) Set once, when it is made.
     needs_host_tokens: bool = dataclasses.field(init=False)
     # Its sampled tokens need nothing but appending and the stop checks (no beams, grammar or log-probs): the step
     # loop's fast path.
@@ -164,7 +165,7 @@ class Request:
 
     def __post_init__(self):
         p = self.params
-        self.needs_host_tokens = (self.beam is not None or self.grammar is not None or p.has_penalties
+        self.needs_host_tokens = (self.beam is not None or self.grammar is not None
                                   or any(len(w) > 1 for w in self.bad_words_ids))
         self.plain = self.beam is None and self.grammar is None and p.logprobs is None
 

@@ -4,7 +4,7 @@ The step loop (`step`), asynchronous by default: each call schedules, lays out a
 reads the tokens of the step dispatched before it, so the device has the next step queued while the host reads,
 appends and checks the last one's tokens (stop conditions apply one step late; a sequence that stopped gets one
 extra token computed, which is dropped). Requests that need each token on the host before the next step is laid out
-(a grammar's bitmask, bad words of several tokens, penalties, beam search) make the loop synchronous while they run.
+(a grammar's bitmask, bad words of several tokens, beam search) make the loop synchronous while they run.
 
 The engine hands out token ids (`EngineOutput`), not text: detokenization, stop strings and output kinds are the
 output processor's (`jaxpaged.engine.output_processor`), which runs beside the loop (the server's reader tasks) or
@@ -172,9 +172,9 @@ class Engine:
         req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
         # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
-        # bias or bans: bad words and logit_bias decode one token a step).
+        # penalties, bias or bans: those requests decode one token a step).
         req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias
-                          and not bad_words_ids)
+                          and not bad_words_ids and not params.has_penalties)
         if req.speculates and self.runner.drafts:
             parent.spec_lookahead = self.spec.num_speculative_tokens
         return req

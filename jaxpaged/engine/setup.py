@@ -88,7 +88,7 @@ class EngineConfig:
               "command line")
     async_scheduling: bool = _option(True, "schedule and dispatch each step before reading the previous one's "
                                            "tokens, so the device never waits for the host (requests with grammars, "
-                                           "penalties, multi-token bad words or beam search run synchronously)")
+                                           "multi-token bad words or beam search run synchronously)")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
     compilation_cache_dir: str | None = _option(

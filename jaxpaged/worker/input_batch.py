@@ -121,8 +121,8 @@ class StepLayout:
 
     def unpack(self, buf: jax.Array, extras: tuple[jax.Array, ...]
                ) -> tuple[jax.Array, jax.Array, AttentionMetadata, SamplingMetadata]:
-        """Inside the jitted step: (host token ids [T], token_src [T], attention metadata, sampling metadata);
-        `extras` are the EXTRAS arrays, in order."""
+        """Inside the jitted step: (host token ids [T], token_src [T], attention metadata, sampling metadata, whose
+        pending_tokens the step sets from token_src); `extras` are the EXTRAS arrays, in order."""
         bitmask, seen_tokens, bias_ids, bias_values = extras
         s = self.num_seqs
 
@@ -147,7 +147,7 @@ class StepLayout:
             presence_penalty=field("presence_penalty", jnp.float32),
             frequency_penalty=field("frequency_penalty", jnp.float32),
             repetition_penalty=field("repetition_penalty", jnp.float32), seen_tokens=seen_tokens,
-            output_start=field("output_start"), penalized=flags[1] != 0,
+            output_start=field("output_start"), pending_tokens=jnp.full(s, -1, jnp.int32), penalized=flags[1] != 0,
             bias_ids=bias_ids, bias_values=bias_values)
         return field("token_ids"), field("token_src"), md, sm
 
@@ -455,8 +455,8 @@ class InputBatch:
         return StepInputs(layout, buf, extras, want_logprobs, greedy_only), step_rows
 
     def seen_tokens(self, out: SchedulerOutput, layout: StepLayout, max_len: int) -> np.ndarray:
-        """[S, max_len] int32 of the penalized rows' tokens (prompt, then output; -1 padding): every token is known
-        on the host (such requests run synchronously)."""
+        """[S, max_len] int32 of the penalized rows' tokens on the host (prompt, then output; -1 padding). A row's last
+        token may not be here yet (asynchronous scheduling): the step adds it (`SamplingMetadata.pending_tokens`)."""
         seen = np.full((layout.num_seqs, max_len), -1, np.int32)
         for i, seq in enumerate(out.seqs):
             if seq.params.has_penalties:

@@ -20,7 +20,7 @@ MAX_BANNED = 8  # EOS / stop token ids masked while a request is below its min_t
 
 _FIELDS = ["temperature", "top_p", "top_k", "min_p", "seed_lo", "seed_hi", "step", "want_logprobs", "banned",
            "bitmask", "constrained", "presence_penalty", "frequency_penalty", "repetition_penalty", "seen_tokens",
-           "output_start", "penalized", "bias_ids", "bias_values"]
+           "output_start", "pending_tokens", "penalized", "bias_ids", "bias_values"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=_FIELDS, meta_fields=[])
@@ -47,6 +47,9 @@ class SamplingMetadata:
     # A penalized row's tokens, prompt then output (-1 = padding); fixed width, so no request changes a shape.
     seen_tokens: jax.Array  # [S, max_model_len] int32
     output_start: jax.Array  # [S] int32, index in seen_tokens of the first generated token
+    # A row's last output token when the host did not have it for seen_tokens (asynchronous scheduling: the previous
+    # step's, still on its way to the host); -1 = none. Penalties count it as well.
+    pending_tokens: jax.Array  # [S] int32
     penalized: jax.Array  # [] bool, any row has a penalty
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] int32, -1 = none
     bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] float32
@@ -62,7 +65,7 @@ class SamplingMetadata:
             bitmask=np.full((s, (vocab_size + 31) // 32), -1, np.int32), constrained=np.array(False),
             presence_penalty=np.zeros(s, np.float32), frequency_penalty=np.zeros(s, np.float32),
             repetition_penalty=np.ones(s, np.float32), seen_tokens=np.full((s, max_len), -1, np.int32),
-            output_start=np.zeros(s, np.int32), penalized=np.array(False),
+            output_start=np.zeros(s, np.int32), pending_tokens=np.full(s, -1, np.int32), penalized=np.array(False),
             bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, np.int32), bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32))
 
 
@@ -154,7 +157,8 @@ def _scale_and_filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
 
 def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
     """Repetition (HF: on prompt and output), frequency and presence (OpenAI: on output) penalties, from the rows'
-    token counts built here. logits [S, V] float32."""
+    token counts built here (seen_tokens, and pending_tokens where the host lacked the last one). logits [S, V]
+    float32."""
     num_rows, vocab = logits.shape
     rows = jnp.arange(num_rows)[:, None]
     seen = s.seen_tokens  # [S, L]
@@ -163,6 +167,10 @@ def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
     is_output = valid & (jnp.arange(seen.shape[1])[None, :] >= s.output_start[:, None])
     counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, ids].add(is_output.astype(jnp.float32))
     anywhere = jnp.zeros((num_rows, vocab), jnp.bool_).at[rows, ids].max(valid)
+    pending = s.pending_tokens >= 0  # [S] an output token the host had not seen yet
+    last = jnp.maximum(s.pending_tokens, 0)
+    counts = counts.at[rows[:, 0], last].add(pending.astype(jnp.float32))
+    anywhere = anywhere.at[rows[:, 0], last].max(pending)
     rep = s.repetition_penalty[:, None]
     logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)

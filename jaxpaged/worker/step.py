@@ -167,6 +167,7 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
     token_ids = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], host_ids)  # [T]
+    sm = dataclasses.replace(sm, pending_tokens=_pending_tokens(token_ids, token_src, md, layout))
     # Rows from query_start_loc[-1] on are padding (the step's token bucket): the native matmuls skip them.
     # (the named scopes label the step's parts in a profile: benchmarks/spec_anatomy.py sums the ops by them)
     with native_matmul(native_matmul_rows, live_rows=(token_ids.shape[0], md.query_start_loc[-1])):
@@ -213,6 +214,17 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
     out = sampler.sample(logits, sm, native=native)
     tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
     return tokens, out, kv_pool, draft_pool
+
+
+def _pending_tokens(token_ids: jax.Array, token_src: jax.Array, md: AttentionMetadata, layout: StepLayout
+                    ) -> jax.Array:
+    """[S] int32: each row's last token where it came from the device (the host has not seen it: penalties count it
+    beside the row's seen_tokens), else -1. Only a row that runs one token, its last, reads it from the device
+    (`InputBatch.build`); that token is the one whose logits the row samples from (its first logits row when the step
+    verifies)."""
+    s, k = layout.num_seqs, layout.spec_width
+    first = md.logits_indices.reshape(s, k + 1)[:, 0]  # [S]
+    return jnp.where((token_src[first] >= 0) & (md.context_lens > 0), token_ids[first], -1)
 
 
 def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf: jax.Array, md: AttentionMetadata,

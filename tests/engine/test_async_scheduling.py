@@ -28,6 +28,10 @@ CASES = {
     "logprobs": SamplingParams(temperature=0.7, seed=2, max_tokens=10, logprobs=3, ignore_eos=True),
     "penalties": SamplingParams(temperature=0.8, seed=9, max_tokens=14, presence_penalty=0.8,
                                 frequency_penalty=0.4, repetition_penalty=1.3, ignore_eos=True),
+    "penalties_n2": SamplingParams(n=2, temperature=1.0, seed=21, max_tokens=16, presence_penalty=2.0,
+                                   frequency_penalty=1.0, repetition_penalty=1.2, ignore_eos=True),
+    "penalties_greedy": SamplingParams(temperature=0.0, max_tokens=16, presence_penalty=0.5, frequency_penalty=0.5,
+                                       repetition_penalty=1.5, ignore_eos=True),
     "logit_bias": SamplingParams(temperature=0.0, max_tokens=12, logit_bias={40: 5.0, 41: -100.0}, ignore_eos=True),
     "n3": SamplingParams(n=3, temperature=1.0, seed=13, max_tokens=12, ignore_eos=True),
     "bad_words": SamplingParams(temperature=1.0, seed=17, max_tokens=12, bad_words=["b", "cd"], ignore_eos=True),
@@ -126,6 +130,20 @@ def test_the_next_step_is_dispatched_before_the_last_ones_tokens_are_read(monkey
     assert pattern.count("d") == pattern.count("f") > 10
     assert "dd" in pattern and pattern.index("dd") < pattern.index("f")  # step 2 queued before step 1 is read
     assert "dfdfdf" in pattern  # steady state: one step in flight while the host reads the one before
+
+
+def test_penalized_requests_keep_the_loop_asynchronous(monkeypatch):
+    """Penalties need a row's token history, not on the host: the step counts the last token, which it reads from
+    the device, itself. So penalized requests still overlap steps (their tokens are the synchronous loop's: the
+    penalties cases above)."""
+    events = []
+    dispatch, fetch = ModelRunner.dispatch, ModelRunner.fetch
+    monkeypatch.setattr(ModelRunner, "dispatch", lambda self, *a: events.append("d") or dispatch(self, *a))
+    monkeypatch.setattr(ModelRunner, "fetch", lambda self, h: events.append("f") or fetch(self, h))
+    llm = tiny_llm(CONFIG, PARAMS)
+    llm.generate(PROMPTS[:2], CASES["penalties"], use_tqdm=False)
+    pattern = "".join(events)
+    assert "dfdfdf" in pattern and pattern.index("dd") < pattern.index("f")
 
 
 def test_final_only_requests_give_no_output_until_they_finish():

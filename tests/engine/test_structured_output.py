@@ -168,6 +168,36 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     np.testing.assert_allclose(got, want)
 
 
+def test_penalties_count_the_pending_token_as_the_host_would():
+    """Under asynchronous scheduling a row's last token is still on its way to the host when the next step is laid
+    out: the step passes it as pending_tokens, and the penalties are those of the history with it appended."""
+    import jax.numpy as jnp
+
+    from jaxpaged.worker import sampler
+
+    rng = np.random.default_rng(1)
+    rows, vocab, max_len = 3, 12, 8
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)).astype(np.float32) * 2)
+    history = [[4, 4, 1, 2], [3, 5, 5], [7, 1, 1]]  # prompt: the first 2 tokens of each; the last is output
+
+    def penalized(with_pending: bool):
+        sm = sampler.SamplingMetadata.padding(rows, vocab, max_len)
+        for i, ids in enumerate(history):
+            known = ids[:-1] if with_pending else ids
+            sm.seen_tokens[i, :len(known)] = known
+            sm.output_start[i] = 2
+            if with_pending:
+                sm.pending_tokens[i] = ids[-1]
+        sm.presence_penalty[:] = 0.5
+        sm.frequency_penalty[:] = 0.25
+        sm.repetition_penalty[:] = 1.5
+        sm.penalized = np.array(True)
+        return np.asarray(sampler.process_logits(logits, sm))
+
+    np.testing.assert_allclose(penalized(True), penalized(False))
+    assert not np.allclose(penalized(False), np.asarray(logits))
+
+
 def test_greedy_with_penalties_is_deterministic_and_batch_invariant(llm):
     penalized = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, presence_penalty=0.8,
                                frequency_penalty=0.6, repetition_penalty=1.4)

@@ -35,7 +35,7 @@ def run_worker(case: str, sizes: str, devices: int = 4, timeout: int = 900) -> d
 def assert_same_generations(results: dict) -> None:
     base = results["1"]
     for tp, got in results.items():
-        for key in ("greedy", "seeded_n2", "greedy_again", "beams", "preempted"):
+        for key in ("greedy", "seeded_n2", "penalized", "greedy_again", "beams", "preempted"):
             if key in base:
                 assert got[key] == base[key], (tp, key)
         for key in ("greedy_logprobs", "seeded_n2_logprobs", "beam_logprobs"):

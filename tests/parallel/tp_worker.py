@@ -52,7 +52,10 @@ def generations(llm: LLM, vocab: int) -> dict:
     out = {}
     for name, params in (("greedy", greedy),
                          ("seeded_n2", SamplingParams(temperature=0.9, top_p=0.9, n=2, seed=7, max_tokens=10,
-                                                      ignore_eos=True, logprobs=1))):
+                                                      ignore_eos=True, logprobs=1)),
+                         ("penalized", SamplingParams(temperature=0.8, seed=3, max_tokens=10, presence_penalty=0.8,
+                                                      frequency_penalty=0.4, repetition_penalty=1.3, ignore_eos=True,
+                                                      logprobs=1))):
         res = llm.generate(ps, params, use_tqdm=False)
         out[name] = [[c.token_ids for c in r.outputs] for r in res]
         out[name + "_logprobs"] = [[[lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
