@@ -460,7 +460,7 @@ class InputBatch:
         seen = np.full((layout.num_seqs, max_len), -1, np.int32)
         for i, seq in enumerate(out.seqs):
             if seq.params.has_penalties:
-                tokens = seq.token_ids
+                tokens = seq.token_array()
                 seen[i, :len(tokens)] = tokens
         return seen
 
