@@ -265,6 +265,8 @@ BAD_INPUT = {
     "negative_max_tokens": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400,
                             "max_tokens"),
     "max_tokens_beyond_context": ("/v1/chat/completions", chat_body(max_tokens=MAX_MODEL_LEN), 400, "max_tokens"),
+    "max_completion_tokens_beyond_context": ("/v1/chat/completions", chat_body(max_completion_tokens=MAX_MODEL_LEN),
+                                             400, "max_completion_tokens"),
     "prompt_over_context": ("/v1/completions", {"model": MODEL, "prompt": [5] * (MAX_MODEL_LEN + 10)}, 400,
                             "prompt"),
     "token_id_outside_vocab": ("/v1/completions", {"model": MODEL, "prompt": [5, 10**9]}, 400, None),

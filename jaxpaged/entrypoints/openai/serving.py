@@ -152,7 +152,8 @@ class OpenAIServing:
                               '"required" or a named function', param="tool_choice")
         ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
         prompts = [_Prompt(None, ids)]
-        max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages")
+        max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages",
+                                      "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         structured = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured))
@@ -397,8 +398,10 @@ class OpenAIServing:
                 f"characters, more than this server tokenizes ({limit} characters, --max-prompt-chars). Please "
                 f"reduce the length of the {param}.", param=param, code="context_length_exceeded")
 
-    def _max_tokens(self, prompts: list[_Prompt], max_tokens: int | None, param: str) -> int | None:
-        """Refuses prompts (plus max_tokens) beyond the context, as OpenAI words it."""
+    def _max_tokens(self, prompts: list[_Prompt], max_tokens: int | None, param: str,
+                    tokens_param: str = "max_tokens") -> int | None:
+        """Refuses prompts (plus max_tokens) beyond the context, as OpenAI words it; `tokens_param` is the field that
+        set max_tokens (chat's max_completion_tokens, when given)."""
         limit = self.engine.max_model_len
         what = "messages" if param == "messages" else "prompt"
         for p in prompts:
@@ -414,7 +417,7 @@ class OpenAIServing:
                 raise OpenAIError(
                     f"This model's maximum context length is {limit} tokens. However, you requested "
                     f"{n + max_tokens} tokens ({n} in the {what}, {max_tokens} in the completion). Please reduce "
-                    f"the length of the {what} or completion.", param="max_tokens", code="context_length_exceeded")
+                    f"the length of the {what} or completion.", param=tokens_param, code="context_length_exceeded")
         return max_tokens
 
     async def _start(self, id_prefix: str, model: str, n: int, prompts: list[_Prompt], params) -> _Context:
