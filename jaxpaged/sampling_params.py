@@ -27,6 +27,11 @@ MAX_BAD_WORD_CHARS = 256
 MAX_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
 # Temperatures below this are greedy: logits / 1e-300 overflows float32 and the argmax is what such a request means.
 GREEDY_TEMPERATURE = 1e-5
+# The sampler holds temperature and repetition_penalty in float32: a value past float32's range becomes inf or 0 there,
+# and a logit that is -inf (banned, or outside a grammar) divided by an infinite temperature is NaN, which the argmax
+# can pick. Beyond these bounds a distribution is flat (or a penalty total) to float32 precision anyway.
+MAX_TEMPERATURE = 1e6
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 def _int(name: str, value, lo: int, hi: int, none_ok: bool = False) -> None:
@@ -158,8 +163,8 @@ class SamplingParams:
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
         self.temperature = _float("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature} must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy)")
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
         self.top_p = _float("top_p", self.top_p)
@@ -187,8 +192,9 @@ class SamplingParams:
                 raise ValueError(f"{name}={value} must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
             setattr(self, name, value)
         self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1 is off)")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in [{lo:g}, {hi:g}] (1 is off)")
         self.logit_bias = self._logit_bias(self.logit_bias)
         self.bad_words = self._bad_words(self.bad_words)
         if isinstance(self.structured_outputs, dict):

@@ -265,6 +265,10 @@ def test_stop_strings_with_regex_characters_work_literally(llm):
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),  # float32 inf in the sampler
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # float32 0
+    ({"temperature": 1e39}, "temperature"),  # float32 inf: a banned token's -inf / inf is NaN, which can win
+    ({"temperature": -0.5}, "temperature"),
     ({"repetition_penalty": "1"}, "repetition_penalty"),
     ({"logit_bias": {5: 101}}, "logit_bias"),
     ({"logit_bias": {-1: 1}}, "logit_bias"),

@@ -273,6 +273,9 @@ BAD_INPUT = {
     "presence_penalty": ("/v1/chat/completions", chat_body(presence_penalty=2.5), 400, "presence_penalty"),
     "frequency_penalty": ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400,
                           "frequency_penalty"),
+    "temperature_past_float32": ("/v1/chat/completions", chat_body(temperature=1e39), 400, "temperature"),
+    "repetition_penalty_past_float32": ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1e300},
+                                        400, "repetition_penalty"),
     "body_over_limit": ("/v1/completions", {"model": MODEL, "prompt": "x" * (MAX_BODY + 100)}, 413, None),
     "unknown_route": ("/v1/engines", {}, 404, None),
 }
