@@ -6,6 +6,7 @@ commit before the persistent batch) runs the same workload in a subprocess besid
 
     python benchmarks/host_overhead.py                      # 64, 256, 1024 sequences; writes results/host_overhead.json
     python benchmarks/host_overhead.py --seqs 256 --steps 30 --no-baseline
+    python benchmarks/host_overhead.py --seqs 256 --no-baseline --penalized-only   # penalized rows, long prompts
 
 Goal (issue #29): host time <= 1 ms per step at 256 sequences and <= 3 ms at 1024 on this project's CPU, hidden behind
 the device step by asynchronous scheduling. A cProfile of one configuration is printed at the end.
@@ -63,22 +64,27 @@ def tiny_model(vocab: int, layers: int, hidden: int):
 
 
 def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool, args, profile: bool = False,
-             frozen: bool = False) -> dict:
+             frozen: bool = False, penalized: bool = False) -> dict:
     """frozen: the start-up heap frozen out of the garbage collector's reach first (`gc.freeze()`), as the server
-    does after loading; the collector's time during the timed steps is measured either way (`gc_ms`)."""
+    does after loading; the collector's time during the timed steps is measured either way (`gc_ms`). penalized:
+    every request has presence, frequency and repetition penalties and a prompt of --penalty-prompt tokens (the
+    step sends each row's history)."""
     from jaxpaged import LLM, RequestOutputKind, SamplingParams
 
     config, params = tiny_model(args.vocab, args.layers, args.hidden)
+    prompt_len = args.penalty_prompt if penalized else args.prompt
+    blocks_per_seq = max(12, -(-(prompt_len + steps + 16) // 16))
     llm = LLM.from_params(config, params, None, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
-                          max_model_len=2048, block_size=16, num_blocks=num_seqs * 12 + 8, precompile=False,
+                          max_model_len=2048, block_size=16, num_blocks=num_seqs * blocks_per_seq + 8, precompile=False,
                           show_progress=False, dtype="float32", enable_prefix_caching=False,
                           async_scheduling=async_scheduling)
     engine = llm.engine
     kind = RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY
-    sp = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True, output_kind=kind)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2) if penalized else {}
+    sp = SamplingParams(temperature=0.0, max_tokens=2048 - prompt_len, ignore_eos=True, output_kind=kind, **penalties)
     rng = np.random.default_rng(0)
     for i in range(num_seqs):
-        engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(2, args.vocab, args.prompt).tolist()}, sp)
+        engine.add_request(f"r{i}", {"prompt_token_ids": rng.integers(2, args.vocab, prompt_len).tolist()}, sp)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()
     for _ in range(5):  # every sequence decoding, the decode shape compiled
@@ -113,7 +119,8 @@ def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool,
     split = {k: 1e3 * (getattr(times, k) - before[k]) / max(n, 1)
              for k in ("schedule_s", "prepare_s", "dispatch_s", "output_s", "wait_s")}
     device = device_step_ms(engine)
-    outputs = ("streamed" if streaming else "final only") + (", heap frozen" if frozen else "")
+    outputs = ("streamed" if streaming else "final only") + (", heap frozen" if frozen else "") + \
+        (f", penalized, {prompt_len}-token prompts" if penalized else "")
     row = {"seqs": num_seqs, "async": async_scheduling, "outputs": outputs,
            "step_ms": 1e3 * wall, "device_ms": device, "gc_ms": 1e3 * collecting[0] / steps,
            **{k.replace("_s", "_ms"): v for k, v in split.items()},
@@ -216,6 +223,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
+    parser.add_argument("--penalized", action="store_true", help="also rows whose requests have penalties")
+    parser.add_argument("--penalized-only", action="store_true", help="only those rows")
+    parser.add_argument("--penalty-prompt", type=int, default=1000, help="prompt tokens of the penalized rows")
     parser.add_argument("--baseline", default=BASELINE, help="git ref of the engine to compare with")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--profile-seqs", type=int, default=1024, help="cProfile the async run of this many")
@@ -225,10 +235,14 @@ def main() -> None:
     rows, profile = [], ""
     for num_seqs in args.seqs:
         for async_scheduling in (True, False):
-            for streaming, frozen in ((False, False), (True, False), (True, True)):
-                want_profile = num_seqs == args.profile_seqs and async_scheduling and not streaming
+            variants = [] if args.penalized_only else [(False, False, False), (True, False, False), (True, True, False)]
+            if args.penalized or args.penalized_only:
+                variants.append((False, False, True))
+            for streaming, frozen, penalized in variants:
+                want_profile = (num_seqs == args.profile_seqs and async_scheduling and not streaming
+                                and penalized == args.penalized_only)
                 row = run_ours(num_seqs, args.steps, async_scheduling, streaming, args, profile=want_profile,
-                               frozen=frozen)
+                               frozen=frozen, penalized=penalized)
                 profile = row.pop("profile", profile)
                 rows.append(row)
                 print(f"{num_seqs} seqs async={async_scheduling} {row['outputs']}: step {row['step_ms']:.2f} ms, "
