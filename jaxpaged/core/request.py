@@ -173,6 +173,9 @@ class Request:
     # tokens, beam selection): its steps run synchronously. (Penalties do not: the step counts the token the host
     # has not seen yet, `SamplingMetadata.pending_tokens`.) Set once, when it is made.
     needs_host_tokens: bool = dataclasses.field(init=False)
+    # Of those, it needs them only for its next bitmask (a grammar, bad words), not to lay out the step: where the
+    # sampler runs apart from the step (a GPU), the engine computes that bitmask after dispatching the step.
+    masks_need_tokens: bool = dataclasses.field(init=False)
     # Its sampled tokens need nothing but appending and the stop checks (no beams, grammar or log-probs): the step
     # loop's fast path.
     plain: bool = dataclasses.field(init=False)
@@ -181,6 +184,7 @@ class Request:
         p = self.params
         self.needs_host_tokens = (self.beam is not None or self.grammar is not None
                                   or any(len(w) > 1 for w in self.bad_words_ids))
+        self.masks_need_tokens = self.needs_host_tokens and self.beam is None
         self.plain = self.beam is None and self.grammar is None and p.logprobs is None
 
     @property

@@ -4,7 +4,9 @@ The step loop (`step`), asynchronous by default: each call schedules, lays out a
 reads the tokens of the step dispatched before it, so the device has the next step queued while the host reads,
 appends and checks the last one's tokens (stop conditions apply one step late; a sequence that stopped gets one
 extra token computed, which is dropped). Requests that need each token on the host before the next step is laid out
-(a grammar's bitmask, bad words of several tokens, beam search) make the loop synchronous while they run.
+(a grammar's bitmask, bad words of several tokens, beam search) make the loop synchronous while they run; where
+the sampler runs apart from the step (a GPU), a bitmask is computed after its step is dispatched instead, once the
+previous step's tokens are in (*late bitmasks*), and only beam search makes the loop synchronous.
 
 The engine hands out token ids (`EngineOutput`), not text: detokenization, stop strings and output kinds are the
 output processor's (`jaxpaged.engine.output_processor`), which runs beside the loop (the server's reader tasks) or
@@ -71,6 +73,10 @@ class _InFlight:
 
     out: SchedulerOutput
     handle: StepHandle
+    # late bitmasks: the step's [S, W] bitmask, laid out all ones, and (row, sequence) of the rows to fill in once
+    # the previous step's tokens are in
+    bitmask: np.ndarray | None = None
+    late_masks: list[tuple[int, Sequence]] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -120,6 +126,10 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
+        self._late_mask_requests = 0  # of those, the ones that need the tokens only for a bitmask (masks_need_tokens)
+        # Late bitmasks: with the sampler apart from the step (runner.split_sampler), a step's bitmasks can be computed
+        # after it is dispatched, so grammars and bad words keep the loop asynchronous.
+        self._late_masks = self.async_scheduling and self.runner.split_sampler
         self._masked_requests = 0  # unfinished requests with a grammar or bad words (a bitmask per sampling row)
         self._special_requests = 0  # unfinished requests whose tokens need more than appending (not Request.plain)
         self._streaming_requests = 0  # unfinished requests with an output at every step (Request.streams)
@@ -226,6 +236,7 @@ class Engine:
         self._check_request_id(req.request_id)
         self.requests[req.request_id] = req
         self._sync_requests += req.needs_host_tokens
+        self._late_mask_requests += req.masks_need_tokens
         self._masked_requests += _masked(req)
         self._special_requests += not req.plain
         self._streaming_requests += req.streams
@@ -293,6 +304,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self._sync_requests -= req.needs_host_tokens
+            self._late_mask_requests -= req.masks_need_tokens
             self._masked_requests -= _masked(req)
             self._special_requests -= not req.plain
             self._streaming_requests -= req.streams
@@ -329,9 +341,12 @@ class Engine:
         if out is not None and self.spec is not None and getattr(self.runner, "draft", None) is not None:
             self._skip_draft(out)
         times.schedule_s += time.perf_counter() - t0
-        launched = self._launch(out, outputs) if out is not None else None
+        late = not sync and self._late_mask_requests > 0
+        launched = self._launch(out, outputs, late) if out is not None else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
+        if launched is not None and launched.late_masks:
+            self._sample_late(launched, outputs)
         self._inflight = launched
         # (a verifying step, spec_width > 0, is read at once: its rows' rollback sets their computed
         # tokens, which the next step must see)
@@ -343,14 +358,15 @@ class Engine:
     def _synchronous(self) -> bool:
         """Whether this step is read before the next one is scheduled: async_scheduling off, a request that needs
         its tokens on the host, or speculation that may propose (proposals need the last tokens)."""
-        if self._sync_requests:
+        if self._sync_requests > (self._late_mask_requests if self._late_masks else 0):
             return True
         if self.async_scheduling:
             return False
         return not (self._async_unless_speculating and not self.spec_gate.batch_enabled(len(self.scheduler.running)))
 
-    def _launch(self, out: SchedulerOutput, failed: list[EngineOutput]) -> _InFlight | None:
-        """Queues the step's swaps, copies and the step itself on the device; None when nothing runs."""
+    def _launch(self, out: SchedulerOutput, failed: list[EngineOutput], late: bool = False) -> _InFlight | None:
+        """Queues the step's swaps, copies and the step itself on the device; None when nothing runs. late: its
+        bitmasks are laid out all ones and filled in by `_sample_late`."""
         t0 = time.perf_counter()
         self._add_forked(out.forked)
         num_failed = len(failed)
@@ -359,10 +375,12 @@ class Engine:
             self.runner.copy_blocks(out.blocks_to_copy)
         if not out.seqs or len(failed) > num_failed:
             return None
-        prepared = self._prepare(out, failed)
+        prepared = self._prepare(out, failed, late)
         if prepared is None:
             return None
         out, inputs, rows = prepared
+        late_masks = [(i, seq) for i, seq in enumerate(out.seqs)
+                      if late and out.samples[i] and _masked(self.requests[seq.request_id])]
         t1 = time.perf_counter()
         handle = None
         with self._device_guard(out, failed):
@@ -375,7 +393,30 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["prefill_steps" if out.is_prefill else "decode_steps"] += 1
         self.counters["prompt_tokens"] += out.prompt_tokens
-        return _InFlight(out, handle)
+        return _InFlight(out, handle, inputs.extras.get("bitmask"), late_masks)
+
+    def _sample_late(self, inflight: _InFlight, failed: list[EngineOutput]) -> None:
+        """Late bitmasks: the dispatched step's masked rows get their bitmasks, now that the tokens they depend on
+        (the step before's) are in, and its sampler is queued. A request whose bitmask raises fails alone (its row
+        samples freely, and its token is dropped with it); a sequence that has finished meanwhile keeps all ones."""
+        t0 = time.perf_counter()
+        mask = inflight.bitmask
+        for i, seq in inflight.late_masks:
+            req = self.requests.get(seq.request_id)
+            if req is None or seq.finished:
+                continue
+            try:
+                row = self._bitmask(req, seq)
+            except Exception as e:
+                (logger.warning if isinstance(e, GrammarError) else logger.exception)(
+                    "request %s: its bitmask failed: %s", req.request_id, e)
+                failed.append(self._fail(req, e, unwritten=False))
+                continue
+            if row is not None:
+                mask[i] = row
+        with self._device_guard(inflight.out, failed):
+            self.runner.sample_pending(inflight.handle, mask)
+        self.step_times.prepare_s += time.perf_counter() - t0
 
     @staticmethod
     def _unschedule(out: SchedulerOutput) -> None:
@@ -384,17 +425,19 @@ class Engine:
             seq.num_computed_tokens -= n
             seq.num_placeholders -= sampled
 
-    def _prepare(self, out: SchedulerOutput, failed: list[EngineOutput]):
+    def _prepare(self, out: SchedulerOutput, failed: list[EngineOutput], late: bool = False):
         """The step as it will run and its inputs, (SchedulerOutput, StepInputs, StepRows). A request whose rows
         cannot be laid out (its grammar's bitmask raises; or the layout raises and, tried alone, its rows do) fails
-        alone, and the step goes on without it; None when nothing is left."""
+        alone, and the step goes on without it; None when nothing is left. late: masked rows are laid out with all
+        tokens allowed (`_sample_late` fills them in)."""
         culprits: dict[str, Exception] = {}
         bitmasks: dict[int, np.ndarray] = {}  # seq_id -> the tokens it may sample
+        anything = np.full(bitmask_words(self.model_config.vocab_size), -1, np.int32) if late else None
         for i, seq in enumerate(out.seqs if self._masked_requests else ()):
             req = self.requests[seq.request_id]
             if _masked(req) and out.samples[i]:
                 try:
-                    mask = self._bitmask(req, seq)
+                    mask = anything if late else self._bitmask(req, seq)
                 except Exception as e:
                     culprits.setdefault(seq.request_id, e)
                     continue

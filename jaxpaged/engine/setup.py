@@ -87,8 +87,8 @@ class EngineConfig:
               "\"num_speculative_tokens\": 3} (a draft model, e.g. the default GGUF kept 4-bit); JSON on the "
               "command line")
     async_scheduling: bool = _option(True, "schedule and dispatch each step before reading the previous one's "
-                                           "tokens, so the device never waits for the host (requests with grammars, "
-                                           "multi-token bad words or beam search run synchronously)")
+                                           "tokens, so the device never waits for the host (beam search runs "
+                                           "synchronously; grammars and multi-token bad words too, except on a GPU)")
     precompile: bool = _option(True, "compile every step shape at start-up (else lazily, when first used)")
     show_progress: bool = _option(True, "progress bars for start-up compilation")
     compilation_cache_dir: str | None = _option(

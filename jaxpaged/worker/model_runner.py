@@ -485,6 +485,18 @@ class ModelRunner:
         self._finish(handle, tokens, out.greedy if isinstance(out, Unsampled) else out, inputs.want_logprobs)
         return handle
 
+    def sample_pending(self, handle: StepHandle, bitmask: np.ndarray) -> None:
+        """Queues the pending sampler of split step `handle` now, with `bitmask` [S, ceil(V / 32)] int32 in place of
+        the one the step was laid out with: the engine computes a step's grammar bitmasks after dispatching it,
+        once the tokens they depend on (the previous step's) have reached the host (`Engine`: late bitmasks)."""
+        if self._pending is None or self._pending[0] is not handle:
+            raise RuntimeError("sample_pending: this step has no pending sampler")
+        pending, unsampled, extras, want_logprobs = self._pending
+        at = [e.name for e in EXTRAS].index("bitmask")
+        extras = extras[:at] + (self._arg(bitmask),) + extras[at + 1:]
+        self._pending = (pending, unsampled, extras, want_logprobs)
+        self._flush()
+
     def _flush(self) -> None:
         """Queues the pending sampler of the last split step, if any (`dispatch`)."""
         if self._pending is None:
