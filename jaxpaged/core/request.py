@@ -13,8 +13,6 @@ import enum
 import itertools
 import time
 
-import numpy as np
-
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -73,7 +71,6 @@ class Sequence:
     # step whose chunk starts here needs no draft run over it (`InputBatch.build`: the draft_run flag)
     draft_loop_from: int = -1
     token_limit: int = 0  # set in __post_init__: the length at which it stops for max_tokens or max_model_len
-    _token_array: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)  # `token_array`
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:
@@ -98,17 +95,6 @@ class Sequence:
         """The oldest placeholder's value has reached the host."""
         self.token_ids.append(token)
         self.num_placeholders -= 1
-
-    def token_array(self) -> np.ndarray:
-        """token_ids as int32 (a penalized row's history, each step): kept, and extended by the tokens appended since
-        the last call, so a step converts only those."""
-        arr, n = self._token_array, len(self.token_ids)
-        if arr is None or len(arr) > n:
-            arr = np.asarray(self.token_ids, np.int32)
-        elif len(arr) < n:
-            arr = np.concatenate([arr, np.asarray(self.token_ids[len(arr):], np.int32)])
-        self._token_array = arr
-        return arr
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -208,6 +208,7 @@ class InputBatch:
         # contiguous allocation (a benchmark's model of pre-paged systems): tables hold blocks past the context
         self.truncate_tables = truncate_tables
         self.row_of: dict[int, int] = {}  # seq_id -> row
+        self._histories: dict[int, np.ndarray] = {}  # row -> a penalized row's tokens as int32 (`_history`)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         r = max_rows
         self.seq_id = np.full(r, -1, np.int64)
@@ -271,6 +272,7 @@ class InputBatch:
         self.added_rows.append(row)
         self.row_of[seq.seq_id] = row
         self.seq_id[row] = seq.seq_id
+        self._histories.pop(row, None)
         self._set_table(row, table)
         self.num_prompt[row] = seq.num_prompt_tokens
         self.last_token[row] = seq.token_ids[-1]
@@ -303,6 +305,7 @@ class InputBatch:
         row = self.row_of.pop(seq_id, None)
         if row is not None:
             self.seq_id[row] = -1
+            self._histories.pop(row, None)
             self.inflight[row] = -1
             self._free_rows.append(row)
 
@@ -460,9 +463,20 @@ class InputBatch:
         seen = np.full((layout.num_seqs, max_len), -1, np.int32)
         for i, seq in enumerate(out.seqs):
             if seq.params.has_penalties:
-                tokens = seq.token_array()
+                tokens = self._history(self.row_of[seq.seq_id], seq)
                 seen[i, :len(tokens)] = tokens
         return seen
+
+    def _history(self, row: int, seq: Sequence) -> np.ndarray:
+        """seq's tokens (the row's sequence) as int32: kept from the last step and extended by the tokens appended
+        since (a sequence's tokens are only appended), so a step converts only those."""
+        arr, n = self._histories.get(row), len(seq.token_ids)
+        if arr is None or len(arr) > n:
+            arr = np.asarray(seq.token_ids, np.int32)
+        elif len(arr) < n:
+            arr = np.concatenate([arr, np.asarray(seq.token_ids[len(arr):], np.int32)])
+        self._histories[row] = arr
+        return arr
 
     def check_tables(self, tables: dict) -> None:
         """Raises AssertionError where a row's block table differs from the block manager's (tests)."""

@@ -7,9 +7,12 @@ device before the host reads step N's tokens.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxpaged import BeamSearchParams, SamplingParams
+from jaxpaged.worker.input_batch import InputBatch
 from jaxpaged.worker.model_runner import ModelRunner
 from tests.tiny import CharTokenizer, checked, random_params, random_prompts, tiny_config, tiny_llm
 
@@ -144,6 +147,31 @@ def test_penalized_requests_keep_the_loop_asynchronous(monkeypatch):
     llm.generate(PROMPTS[:2], CASES["penalties"], use_tqdm=False)
     pattern = "".join(events)
     assert "dfdfdf" in pattern and pattern.index("dd") < pattern.index("f")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_penalized_rows_history_is_its_sequences_tokens_at_every_step(monkeypatch, mode):
+    """The persistent batch keeps each penalized row's tokens as an array and extends it step by step: at every step
+    it holds exactly the tokens the host has, through rows reused by other sequences and preemption."""
+    checked = []
+    original = InputBatch.seen_tokens
+
+    def checking(self, out, layout, max_len):
+        seen = original(self, out, layout, max_len)
+        for i, seq in enumerate(out.seqs):
+            if seq.params.has_penalties:
+                n = len(seq.token_ids)
+                assert seen[i, :n].tolist() == seq.token_ids and (seen[i, n:] == -1).all()
+                checked.append(seq.seq_id)
+        return seen
+
+    monkeypatch.setattr(InputBatch, "seen_tokens", checking)
+    llm = tiny_llm(CONFIG, PARAMS, max_num_seqs=4, num_blocks=14, preemption_mode=mode,
+                   swap_space=0.01 if mode == "swap" else 0.0)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 8, 20, seed=6)]
+    llm.generate(prompts, dataclasses.replace(CASES["penalties_n2"], max_tokens=20), use_tqdm=False)
+    assert llm.stats()[f"preemptions_{mode}"] > 0
+    assert len(checked) > 100 and len(set(checked)) >= 12  # every sample of every prompt, step after step
 
 
 def test_final_only_requests_give_no_output_until_they_finish():
