@@ -7,8 +7,8 @@
 # Stage 1, what the latest changes need first: the GPU kernels no card has run yet (their numbers on the card: a
 # throughput row over random weights cannot tell a wrong product from a right one), then issue #29's and #30's
 # decode rows, then the A/Bs that say what each change gave (the sampler split from the step; the layer matmul
-# kernel). Stage 2: the prefill-heavy row, a sampled row (the split sampler's path), the layer matmul's tiles, a
-# CUDA-graph experiment and the other kernel tests. Each part has its own time limit, so one that hangs leaves the
+# kernel). Stage 2: the prefill-heavy row, a sampled row (the split sampler's path), a grammar A/B (late bitmasks),
+# the layer matmul's tiles, a CUDA-graph experiment and the other kernel tests. Each part has its own time limit, so one that hangs leaves the
 # others their time. Output: each part's log and JSON in $OUT (or benchmarks/results/device/ without $OUT). The GGUF
 # Pallas matmul's timing (benchmarks/gpu_qmatmul.py) ran on an H200 on 2026-11-27
 # (benchmarks/results/device_h200_20261127/) and is left out.
@@ -68,14 +68,19 @@ else
   #     client samples (every step runs the split sampler: queued after the next step is laid out)
   part prefill 110 $GPU_TPUT --rows 8b:P:bf16 --out "$OUT_DIR/gpu_throughput_prefill.json"
   part sampled 70 $GPU_TPUT --rows 1b:D:bf16 --sampling top_p --out "$OUT_DIR/gpu_throughput_sampled.json"
-  # 2b. the layer matmul kernel's tiles (reasoned, never tuned) against XLA's GEMM at Llama-3-8B's decode shapes
+  # 2b. a grammar on every request (a regex's bitmask each step): late bitmasks (computed while the step's model
+  #     runs) against the synchronous loop they replace
+  part grammar 70 $GPU_TPUT --rows 1b:D:bf16 --sampling regex --out "$OUT_DIR/gpu_throughput_grammar.json"
+  part grammar_sync 70 $GPU_TPUT --rows 1b:D:bf16 --sampling regex --sync-masks \
+    --out "$OUT_DIR/gpu_throughput_grammar_sync.json"
+  # 2c. the layer matmul kernel's tiles (reasoned, never tuned) against XLA's GEMM at Llama-3-8B's decode shapes
   part layer_matmul 70 python3 benchmarks/gpu_layer_matmul.py --rows 256 --shapes "8b gate/up" "8b down" "8b q/o" \
     "8b k/v" --tiles 128,128,64,8 64,256,64,8 128,64,64,4 --int8 --budget-s 50 --out "$OUT_DIR/gpu_layer_matmul.json"
-  # 2c. the 1B decode row with the layer loop recorded as a CUDA graph (XLA's command buffers with WHILE, off by
+  # 2d. the 1B decode row with the layer loop recorded as a CUDA graph (XLA's command buffers with WHILE, off by
   #     default): is the 1B step launch-bound?
   XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
     part command_buffers 70 $GPU_TPUT --rows 1b:D:bf16 --out "$OUT_DIR/gpu_throughput_command_buffers.json"
-  # 2d. correctness on the card (passed on an H200 on 2026-11-27, so last): the paged attention kernel (bf16 and fp8
+  # 2e. correctness on the card (passed on an H200 on 2026-11-27, so last): the paged attention kernel (bf16 and fp8
   #     pools), the quantized matmuls' fusion, the engine's step shapes
   part kernels 90 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider \
     tests/kernels/test_kernel_gpu.py tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py \

@@ -26,7 +26,10 @@ of `--formats` is a jaxpaged row of its own, `bf16` (the default), `fp8kv` (kv_c
 A/B rows against the engine's earlier ways: `--xla-layer-matmul` (XLA's GEMM of the sliced layer, which copies
 the layer's weights first) and `--fused-sampler` (the sampler inside the step, whose conditionals make the host wait
 for the device: jaxpaged.worker.step). `--sampling top_p` samples as a chat client does (temperature 1, top-p 0.95),
-so every step runs the split sampler. Each row also prints a decode step's host time by part (the engine's timers).
+so every step runs the split sampler; `--sampling regex` adds a grammar to every request (a bitmask each step, filled
+in after the step's dispatch: late bitmasks), and `--sync-masks` lays the bitmasks out before each step instead, the
+loop synchronous (the engine before late bitmasks: their A/B). Each row also prints a decode step's host time by part
+(the engine's timers).
 
 Without a GPU or TPU it says so and exits (unless --smoke).
 """
@@ -64,7 +67,11 @@ WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length ra
 FORMATS = {"bf16": {}, "fp8kv": {"kv_cache_dtype": "fp8"}, "int8": {"quantization": "int8"},
            "fp8kv+int8": {"kv_cache_dtype": "fp8", "quantization": "int8"}}  # engine options of each row
 # how the jaxpaged rows sample (the HF peers are greedy): greedy, or as a chat client does (the split sampler's path)
-SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 1.0, "top_p": 0.95, "seed": 0}}
+SAMPLING = {"greedy": {"temperature": 0.0}, "top_p": {"temperature": 1.0, "top_p": 0.95, "seed": 0},
+            # a grammar for every request: its bitmask each step (late bitmasks on a GPU; --sync-masks: before them).
+            # The grammar never ends, so each request runs to max_tokens; over tests/tiny_hf.py's 384-token tokenizer
+            # (random weights: any tokenizer whose ids fit the vocabulary will do), so the host's work is a lower bound.
+            "regex": {"temperature": 1.0, "seed": 0, "regex": "[a-z ,.]*"}}
 TOP_OPS = 12  # device operations of a decode step printed per row
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, NVIDIA's data sheets
 
@@ -156,7 +163,7 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxpaged import LLM, SamplingParams
+    from jaxpaged import LLM
     from jaxpaged.models.llama import LlamaForCausalLM
 
     row = f"{config_name(config)} {name} {fmt}"
@@ -164,13 +171,20 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     print(f"[{row}] random weights made in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
-    llm = LLM.from_model(model, None, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
+    tokenizer = None
+    if "regex" in SAMPLING[args.sampling]:  # a grammar needs a tokenizer
+        from tests.tiny_hf import make_tiny_tokenizer
+
+        tokenizer = make_tiny_tokenizer()
+    llm = LLM.from_model(model, tokenizer, dtype="bfloat16", max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                          enable_prefix_caching=False, show_progress=False, precompile=not args.lazy_compile,
                          **FORMATS[fmt])
     compile_s = time.perf_counter() - t0
     print(f"[{row}] engine built in {compile_s:.1f} s", flush=True)
-    sp = SamplingParams(max_tokens=new, ignore_eos=True, **SAMPLING[args.sampling])
+    if args.sync_masks:  # the A/B: bitmasks laid out before each step, the loop synchronous while they run
+        llm.engine._late_masks = False
+    sp = sampling_params(args.sampling, new)
     batch = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)  # the first run: anything left to load or compile
@@ -183,31 +197,40 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     seconds = time.perf_counter() - t0
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"[{row}] timed run {seconds:.1f} s", flush=True)
-    step_ms, device_ms, top_ops, host_ms = decode_step_times(llm, prompts, new, SAMPLING[args.sampling])
+    step_ms, device_ms, top_ops, host_ms = decode_step_times(llm, prompts, new, args.sampling)
     del model, llm
     gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
-    system = ("jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}") + (" (XLA layer matmul)" if args.xla_layer_matmul
-                                                                     else "") + \
-        (" (fused sampler)" if args.fused_sampler else "") + (f" {args.sampling}" if args.sampling != "greedy" else "")
+    system = " ".join(["jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}"]
+                      + ["(XLA layer matmul)"] * args.xla_layer_matmul + ["(fused sampler)"] * args.fused_sampler
+                      + [args.sampling] * (args.sampling != "greedy") + ["(synchronous masks)"] * args.sync_masks)
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
                top_ops, host_ms)
 
 
+def sampling_params(sampling: str, new: int, **kw):
+    """The rows' SamplingParams for `--sampling` (a SAMPLING key): `new` tokens each, EOS ignored."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.sampling_params import StructuredOutputsParams
+
+    fields = dict(SAMPLING[sampling])
+    if "regex" in fields:
+        fields["structured_outputs"] = StructuredOutputsParams(regex=fields.pop("regex"))
+    return SamplingParams(max_tokens=new, ignore_eos=True, **fields, **kw)
+
+
 HOST_PARTS = ("schedule", "prepare", "dispatch", "output", "wait")  # the engine's StepTimes, in a step's order
 
 
-def decode_step_times(llm, prompts: list[list[int]], new: int, sampling: dict | None = None, steps: int = 20
+def decode_step_times(llm, prompts: list[list[int]], new: int, sampling: str | None = None, steps: int = 20
                       ) -> tuple[float, float | None, list[dict] | None, dict[str, float]]:
     """A decode step's wall time and device time (ms) with every sequence decoding, its costliest device ops, and
     its host time by part (ms per step, `HOST_PARTS`): the prompts are prefilled, then `steps` engine steps run
     timed, then `steps` more under jax.profiler; device time is the trace's busiest device line per step (None
     without one: a CPU)."""
-    from jaxpaged import SamplingParams
-
     engine = llm.engine
-    sp = SamplingParams(max_tokens=new, ignore_eos=True, output_kind=2, **(sampling or SAMPLING["greedy"]))
+    sp = sampling_params(sampling or "greedy", new, output_kind=2)
     for i, p in enumerate(prompts):
         engine.add_request(f"trace-{i}", {"prompt_token_ids": p}, sp)
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
@@ -333,8 +356,12 @@ def main() -> None:
                     help="the sampler inside the step, as on CPU, instead of split from it (jaxpaged.worker.step: "
                          "the engine before the split, whose sampler's conditionals make the host wait; an A/B)")
     ap.add_argument("--sampling", default="greedy", choices=list(SAMPLING),
-                    help="how the jaxpaged rows sample: greedy (as the HF peers), or top_p: temperature 1, top-p "
-                         "0.95, seeded (every step then runs the sampler)")
+                    help="how the jaxpaged rows sample: greedy (as the HF peers), top_p: temperature 1, top-p "
+                         "0.95, seeded (every step then runs the sampler), or regex: top_p's with a grammar (a "
+                         "bitmask every step)")
+    ap.add_argument("--sync-masks", action="store_true",
+                    help="with --sampling regex: each step's bitmasks laid out before it, the loop synchronous "
+                         "(the engine before late bitmasks; an A/B)")
     ap.add_argument("--log-compiles", action="store_true", help="log each step shape's compile time")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on any machine")
     ap.add_argument("--floors", action="store_true",
