@@ -170,14 +170,14 @@ def test_a_grammar_that_fails_while_generating_fails_its_own_request_only(server
     thread = threading.Thread(target=lambda: answers.update(normal=post(f"{server.url}/v1/completions", normal)))
     thread.start()
     status, answer = post(f"{server.url}/v1/completions", failing)  # after its first token: its own 400
-    assert_client_error(status, answer, None)
+    assert_client_error(status, answer, "guided_grammar")
     assert "grammar" in answer["error"]["message"]
     status, answer = post(f"{server.url}/v1/completions", {**failing, "stream": True})
     assert status == 200
     events = sse_events(answer["raw"])
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and events[-1] == "[DONE]", events
-    assert_client_error(400, errors[0], None)
+    assert_client_error(400, errors[0], "guided_grammar")
     thread.join()
     status, answer = answers["normal"]
     events = sse_events(answer["raw"])
@@ -357,7 +357,7 @@ def test_an_engine_failure_reaches_the_client_without_internals(error, status, c
     internals = 'ValueError: boom\n<state>{"rows": 1}</state><grammar>{"grammars": [{"lark_grammar": "..."}]}'
     exc = EngineStepError(f"internal engine error: {internals}") if error == "step" else \
         RequestGrammarError("structured output: the grammar failed while generating: NoExtensionBias")
-    ctx = _Context("cmpl-1", MODEL, 0, 1, [], [_FailingStream(exc)], None)
+    ctx = _Context("cmpl-1", MODEL, 0, 1, [], [_FailingStream(exc)], None, "response_format")
 
     async def read():
         async for _ in ctx.merged():
@@ -366,4 +366,26 @@ def test_an_engine_failure_reaches_the_client_without_internals(error, status, c
     with pytest.raises(OpenAIError) as e:
         asyncio.run(read())
     assert e.value.status == status and e.value.code == code
+    assert e.value.param == ("response_format" if error == "grammar" else None)  # the field whose grammar failed
     assert not any(leak in e.value.message for leak in LEAKS) and "boom" not in e.value.message, e.value.message
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "structured_outputs": {"choice": ["a"]}}, "structured_outputs"),
+    ({"prompt": "x", "response_format": {"type": "text"}}, None),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_a_grammar_is_blamed_on_the_field_that_set_it(body, field):
+    """The param of a grammar that fails while generating (grammar_failed) is the request field it came from."""
+    from jaxpaged.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    request = (ChatCompletionRequest if "messages" in body else CompletionRequest).model_validate(
+        {"model": MODEL, **body})
+    assert request.grammar_field == field
+    assert request.structured_output_request()[1] == field

@@ -130,7 +130,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
         structured = await self._structured(body)
         ctx = await self._start("cmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.logprobs, structured))
+                                body.sampling_params(max_tokens, body.logprobs, structured), body.grammar_field)
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -156,7 +156,7 @@ class OpenAIServing:
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         structured = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.engine_logprobs, structured))
+                                body.sampling_params(max_tokens, body.engine_logprobs, structured), body.grammar_field)
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
@@ -420,11 +420,13 @@ class OpenAIServing:
                     f"the length of the {what} or completion.", param=tokens_param, code="context_length_exceeded")
         return max_tokens
 
-    async def _start(self, id_prefix: str, model: str, n: int, prompts: list[_Prompt], params) -> _Context:
-        """Submits the prompts as one OpenAI request, id `<id_prefix>-<hex>`; the context merges their streams."""
+    async def _start(self, id_prefix: str, model: str, n: int, prompts: list[_Prompt], params,
+                     grammar_param: str | None = None) -> _Context:
+        """Submits the prompts as one OpenAI request, id `<id_prefix>-<hex>`; the context merges their streams.
+        grammar_param: the field whose grammar constrains the output."""
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         streams = await self._add(request_id, prompts, params)
-        return _Context(request_id, model, int(time.time()), n, prompts, streams, self)
+        return _Context(request_id, model, int(time.time()), n, prompts, streams, self, grammar_param)
 
     async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
         """Queues every prompt of the request in one engine iteration, or none of them."""
@@ -497,6 +499,7 @@ class _Context:
     prompts: list[_Prompt]
     streams: list[RequestStream]
     serving: OpenAIServing
+    grammar_param: str | None = None  # the field whose grammar constrains the output (named if it fails midway)
 
     async def finals(self) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
@@ -544,7 +547,7 @@ class _Context:
                 for t in tasks:
                     t.cancel()
         except RequestGrammarError as e:  # the request's own grammar: a client error, in its own words
-            raise OpenAIError(str(e), code="grammar_failed") from e
+            raise OpenAIError(str(e), param=self.grammar_param, code="grammar_failed") from e
         except EngineStepError as e:  # the details (state, tracebacks) are in the server log, never in the answer
             logger.error("request %s failed inside the engine: %s", self.request_id, str(e)[:2000])
             raise OpenAIError(f"the engine failed while generating request {self.request_id}; the server log has the "
