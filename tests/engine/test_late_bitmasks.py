@@ -5,6 +5,7 @@ lays each bitmask out before its step); a bitmask that fails fails its own reque
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -109,3 +110,20 @@ def test_a_grammar_that_fails_in_a_late_bitmask_fails_its_own_request(pair):
     assert sum(len(d.token_ids) for o in outs["good"] for d in o.deltas) == 30
     assert engine.stats()["num_used"] == 0
     engine.block_manager.check_invariants()
+
+
+def test_a_bad_word_of_two_tokens_is_banned_right_after_its_first_token(pair):
+    """The ban of a two-token bad word depends on the token just sampled, the one a late bitmask waits for: the word
+    is taken from the plain greedy output, and both loops steer around it the same way."""
+    late, fused = pair
+    tok = late.engine.tokenizer
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    free = late.generate([PROMPTS[0]], plain, use_tqdm=False)[0].outputs[0].token_ids
+    word = next(w for i in range(2, len(free) - 1)
+                if (w := tok.decode(free[i:i + 2])).strip() == w and len(w) > 1
+                and tok.encode(w, add_special_tokens=False) == free[i:i + 2])
+    banned = dataclasses.replace(plain, bad_words=[word])
+    got = [late.generate([PROMPTS[0]], banned, use_tqdm=False)[0].outputs[0] for _ in range(2)]
+    want = fused.generate([PROMPTS[0]], banned, use_tqdm=False)[0].outputs[0]
+    assert got[0].token_ids == got[1].token_ids == want.token_ids != free
+    assert word not in want.text
