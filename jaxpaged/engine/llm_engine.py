@@ -379,8 +379,8 @@ class Engine:
         if prepared is None:
             return None
         out, inputs, rows = prepared
-        late_masks = [(i, seq) for i, seq in enumerate(out.seqs)
-                      if late and out.samples[i] and _masked(self.requests[seq.request_id])]
+        late_masks = [(i, seq) for i, seq in enumerate(out.seqs)  # (no pass over the rows unless late)
+                      if out.samples[i] and _masked(self.requests[seq.request_id])] if late else []
         t1 = time.perf_counter()
         handle = None
         with self._device_guard(out, failed):
