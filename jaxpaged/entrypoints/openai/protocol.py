@@ -114,18 +114,6 @@ class _SamplingRequest(_Body):
         return (rf is not None and rf.type != "text") or self.structured_outputs is not None or any(
             getattr(self, f"guided_{kind}") is not None for kind in ("json", "regex", "choice", "grammar"))
 
-    @property
-    def grammar_field(self) -> str | None:
-        """The field whose grammar constrains the output (what a grammar that fails while generating is blamed on):
-        the one `structured_output_request` takes, without building it."""
-        rf = self.response_format
-        if rf is not None and rf.type != "text":
-            return "response_format"
-        if self.structured_outputs is not None:
-            return "structured_outputs"
-        return next((f"guided_{kind}" for kind in ("json", "regex", "choice", "grammar")
-                     if getattr(self, f"guided_{kind}") is not None), None)
-
     def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The one structured-output constraint the body sets (response_format, structured_outputs or a guided_*
         field) and the field that set it; two at once is a 400."""
@@ -338,10 +326,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def template_tools(self) -> list[dict] | None:
         return [t.as_template_tool() for t in self.tools] if self.tools else None
-
-    @property
-    def grammar_field(self) -> str | None:
-        return "tools" if self.tool_mode in ("required", "named") else super().grammar_field  # their schemas
 
     def structured_output_request(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """tool_choice "required" or a named function constrains the output to valid calls of the tools."""

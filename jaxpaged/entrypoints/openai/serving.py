@@ -128,9 +128,9 @@ class OpenAIServing:
             else:
                 prompts.append(_Prompt(None, list(p)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
-        structured = await self._structured(body)
+        structured, grammar_param = await self._structured(body)
         ctx = await self._start("cmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.logprobs, structured), body.grammar_field)
+                                body.sampling_params(max_tokens, body.logprobs, structured), grammar_param)
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -154,9 +154,9 @@ class OpenAIServing:
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages",
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
-        structured = await self._structured(body)
+        structured, grammar_param = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.engine_logprobs, structured), body.grammar_field)
+                                body.sampling_params(max_tokens, body.engine_logprobs, structured), grammar_param)
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
@@ -337,12 +337,14 @@ class OpenAIServing:
         except Exception as e:  # e.g. a slow tokenizer: structured-output requests will say so themselves
             logger.warning("structured outputs were not warmed up: %s", str(e)[:200])
 
-    async def _structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
-        """The body's structured-output constraint, checked and its grammar compiled for the engine on a grammar
-        thread: a large or hostile spec holds up neither the event loop (/health, other streams) nor the engine
-        thread, which then finds the grammar compiled. Errors name the field (400; 429 when the workers are busy)."""
+    async def _structured(self, body: CompletionRequest | ChatCompletionRequest
+                          ) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The body's structured-output constraint and the field that set it (a grammar that fails while generating
+        is blamed on it), checked and its grammar compiled for the engine on a grammar thread: a large or hostile
+        spec holds up neither the event loop (/health, other streams) nor the engine thread, which then finds the
+        grammar compiled. Errors name the field (400; 429 when the workers are busy)."""
         if not body.sets_structured_output:
-            return None
+            return None, None
         with self._grammar_lock:
             if self._grammar_backlog >= MAX_GRAMMAR_BACKLOG:
                 raise OpenAIError(f"{self._grammar_backlog} structured-output requests are waiting for their grammars "
@@ -351,7 +353,8 @@ class OpenAIServing:
             self._grammar_backlog += 1
         return await asyncio.get_running_loop().run_in_executor(self._grammar_threads, self._compile_structured, body)
 
-    def _compile_structured(self, body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputsParams | None:
+    def _compile_structured(self, body: CompletionRequest | ChatCompletionRequest
+                            ) -> tuple[StructuredOutputsParams | None, str | None]:
         try:
             return self._compile_structured_now(body)
         finally:
@@ -359,17 +362,17 @@ class OpenAIServing:
                 self._grammar_backlog -= 1
 
     def _compile_structured_now(self, body: CompletionRequest | ChatCompletionRequest
-                                ) -> StructuredOutputsParams | None:
+                                ) -> tuple[StructuredOutputsParams | None, str | None]:
         structured, param = body.structured_output_request()
         if structured is None:
-            return None
+            return None, None
         try:
             self.engine.engine.grammars.prepare(structured.kind, structured.spec)
         except GrammarBusyError as e:
             raise OpenAIError(str(e), status=429, type="server_overloaded", param=param, code="grammar_busy") from e
         except (TypeError, ValueError) as e:
             raise OpenAIError(f"{param}: {e}", param=param) from e
-        return structured
+        return structured, param
 
     async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
                         tools: list[dict] | None = None) -> list[int]:
