@@ -126,6 +126,6 @@ def w8a8_matmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: ja
     xq, xd = quantize_blocks(x)
     kernel = functools.partial(_w8a8_kernel, m=m, n=n, blocks=blocks, tm=tm, tn=tn, num_splits=num_splits)
     return split_k.call_split_k(kernel, layer, xq, xd, codes.reshape(num_layers * n, kp),
-                        scales.astype(jnp.float32).reshape(1, num_layers * n), m=m, n=n,
-                        tile=(tm, tn, BLOCK, num_warps), num_splits=num_splits, num_stages=num_stages,
-                        interpret=interpret, name="w8a8_matmul")
+                                scales.astype(jnp.float32).reshape(1, num_layers * n), m=m, n=n,
+                                tile=(tm, tn, BLOCK, num_warps), num_splits=num_splits, num_stages=num_stages,
+                                interpret=interpret, name="w8a8_matmul")
