@@ -63,9 +63,10 @@ def prepare_for_device(params, dtype):
     return _prepare(params, native_quantized(), dtype)
 
 
-def describe_weights(state, quantization: str | None) -> dict:
+def describe_weights(state, quantization: str | None, tensor_parallel: bool = False) -> dict:
     """{"quantization", "weight_bytes", "weight_format", "weight_formats": {format: bytes}} of the engine's state,
-    logged once: what the weights occupy as the device holds them (panel padding included)."""
+    logged once: what the weights occupy as the devices hold them (panel padding included; split or not, each
+    array counts once)."""
     summary = weight_summary(state)
     quantized = [name for name in summary["weight_formats"] if name in GGUF_FORMATS + ("int8",)]
     fmt = "+".join(quantized) if quantized else next(iter(summary["weight_formats"]), "none")
@@ -84,6 +85,8 @@ def describe_weights(state, quantization: str | None) -> dict:
         if jax.default_backend() == "tpu" and set(quantized) & set(GGUF_FORMATS):
             where = "; GGUF block formats by the Pallas TPU kernel (dequantized in VMEM; 4-bit up to 64 rows fused " \
                     "by XLA), int8 next to XLA's dot"
+        if tensor_parallel:
+            where = "; tensor parallel: each device's shard dequantized inside the step next to XLA's dot"
     logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
                 where)

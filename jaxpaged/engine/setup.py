@@ -112,10 +112,6 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed} must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError(f"quantization={self.quantization!r} is not supported with tensor_parallel_size="
-                             f"{self.tensor_parallel_size} > 1 (the Megatron split of quantized weights is not "
-                             "implemented); use quantization=None or tensor_parallel_size=1")
         # The per-concern configs check their ranges; build them now so a bad value fails before any loading.
         self.speculative()
         self.distributed_config()
@@ -290,13 +286,15 @@ def split_model(model: nnx.Module, dtype, quantization: str | None = None) -> tu
     return graphdef, nnx.merge_state(params, jax.tree.map(jnp.asarray, rest))
 
 
-def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
+def split_model_tensor_parallel(model: nnx.Module, dtype, mesh, quantization: str | None = None):
     """The Llama-family or Gemma 3 `model` split over `mesh`: (graphdef, state, config) with heads laid out by
     `jaxpaged.parallel.tensor_parallel.HeadLayout` (config's head counts are the layout's slots) and every parameter
     placed straight into its shards (cast on the host first, so no device ever holds a whole split tensor). Both
     modules hold the loader's layout (`jaxpaged.loader.layout`), which is what the Megatron split names; Gemma 3's
     extra tensors (per-head q/k norms, post-attention and post-MLP norms) are per head_dim or per hidden unit and stay
-    replicated."""
+    replicated. quantization="int8" quantizes the model first, as `split_model` does; quantized weights (that, or a
+    GGUF's kept formats) are split as they are stored (`tensor_parallel`'s docstring)."""
+    from jaxpaged.engine import quant_setup
     from jaxpaged.models import families, gemma3, llama
     from jaxpaged.parallel import tensor_parallel
 
@@ -307,15 +305,19 @@ def split_model_tensor_parallel(model: nnx.Module, dtype, mesh):
     layout = tensor_parallel.HeadLayout.plan(config.num_heads, config.num_kv_heads, tp)
     (logger.info if layout.is_plain_split else logger.warning)(
         "tensor parallel %d: %s", tp, layout.describe(config.num_heads, config.num_kv_heads))
+    if quantization == "int8":
+        model = nnx.clone(model)  # the caller's module stays as it was (`LLM.from_model`)
+    quant_setup.quantize_model(model, quantization)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if not layout.is_plain_split:
+        params = tensor_parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
     specs = tensor_parallel.llama_partition_specs(params, tp)
-    if layout.is_plain_split and all(_placed_as(x, mesh, spec, dtype) for x, spec in zip(
+    if all(_placed_as(x, mesh, spec, dtype) for x, spec in zip(
             jax.tree.leaves(params), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, tensor_parallel.P)),
             strict=True)):
         placed = params  # restored straight into these shardings (an Orbax checkpoint)
     else:
-        params = tensor_parallel.expand_llama_params(jax.tree.map(np.asarray, params), layout, config.head_dim)
-        placed = tensor_parallel.place(params, tensor_parallel.llama_partition_specs(params, tp), mesh, dtype)
+        placed = tensor_parallel.place(params, specs, mesh, dtype)
     config = dataclasses.replace(config, num_heads=layout.num_heads, num_kv_heads=layout.num_kv_heads)
     graphdef, state = nnx.split(families.from_params(config, placed))
     return graphdef, state, config
@@ -358,7 +360,7 @@ def build_runner(model: nnx.Module, config: EngineConfig):
     if mesh is None:
         graphdef, state = split_model(model, dtype, config.quantization)
     else:
-        graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh)
+        graphdef, state, model_config = split_model_tensor_parallel(model, dtype, mesh, config.quantization)
     attn, cache_dtype = choose_attention(config.attention_backend, cache.cache_dtype, dtype, model_config.head_dim)
     draft, draft_config = draft_model(config.speculative(), model, config, dtype, attn, cache_dtype)
     attn = kv_quant.with_scales(attn, cache_dtype, model_config.num_layers, model_config.head_dim,  # fp8 scales
@@ -410,7 +412,8 @@ def build_runner(model: nnx.Module, config: EngineConfig):
         _log_device_bytes(runner)
     from jaxpaged.engine import quant_setup
 
-    runner.weight_info = quant_setup.describe_weights(state, config.quantization)  # Engine.stats() reports it
+    # Engine.stats() reports it
+    runner.weight_info = quant_setup.describe_weights(state, config.quantization, tensor_parallel=mesh is not None)
     return runner, cache, sched, max_model_len
 
 
@@ -456,7 +459,7 @@ def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) ->
     """One INFO line: which native CPU kernels (pallas_kernels/cpu_native) this engine's steps run, which are built
     but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax
     where the layer matmuls run natively (`native_matmul_rows`), and those matmuls, the norms and rope with a
-    bfloat16 model; the quantized matmul with quantized weights."""
+    bfloat16 model; the quantized matmul with quantized weights and no tensor-parallel mesh."""
     from jaxpaged.engine import quant_setup
     from jaxpaged.worker.step import native_matmul_rows
     from pallas_kernels import cpu_native
@@ -464,7 +467,7 @@ def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) ->
     in_use = ["attention"] if attention in ("native", "native_else_reference") else []
     if native_matmul_rows(mesh) > 0:
         in_use += ["argmax"] + (["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else [])
-    if quantized and quant_setup.native_quantized():
+    if quantized and quant_setup.native_quantized() and mesh is None:  # a mesh: XLA's dot (partitioned_products)
         in_use.append("qmatmul")
     logger.info("%s", cpu_native.describe(in_use))
 

@@ -294,6 +294,21 @@ def gpu_kernel_rows() -> int:
     return _GPU_ROWS.get()
 
 
+_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpaged_partitioned_products", default=False)
+
+
+@contextlib.contextmanager
+def partitioned_products(on: bool = True):
+    """While tracing inside this block (a step for a tensor-parallel mesh), plain-layout products run as XLA's dot
+    only, which GSPMD splits over the mesh with the weights' shards; a Pallas kernel's custom call it would run on
+    whole weights gathered to every device."""
+    token = _PARTITIONED.set(on)
+    try:
+        yield
+    finally:
+        _PARTITIONED.reset(token)
+
+
 # XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
 # shapes; above it writes the weight at full width in either form, and the Pallas TPU kernel runs those products
 # (benchmarks/quant_fusion.py, docs/quantization.md "Where it is multiplied").
@@ -310,14 +325,18 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
     which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
     channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the W8A8 kernel;
-    everywhere else `_dense_matmul`. Every branch but the kernels' multiplies the layer's codes[layer],
-    scales[layer]."""
+    everywhere else `_dense_matmul`. Inside `partitioned_products`, only the branches that are XLA's dot. Every
+    branch but the kernels' multiplies the layer's codes[layer], scales[layer]."""
     def at_layer(fn):
         if layer is None:
             return fn
         return lambda x, codes, scales: fn(x, codes[layer], scales[layer])
 
     dense = at_layer(functools.partial(_dense_matmul, qw=qw))
+    if _PARTITIONED.get():
+        cuda = at_layer(_signed_channel_matmul) if qw.scale_mode == CHANNEL else dense
+        tpu = at_layer(functools.partial(_nibble_matmul, qw=qw)) if qw.bits == 4 else dense
+        return jax.lax.platform_dependent(x, codes, scales, cuda=cuda, tpu=tpu, default=dense)
     if qw.scale_mode == CHANNEL:
         cuda = at_layer(_signed_channel_matmul)
         if x.shape[0] <= gpu_kernel_rows():  # the stack read in place, not the layer's codes copied first

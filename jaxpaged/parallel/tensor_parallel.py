@@ -16,6 +16,14 @@ device's slice. When tp divides num_kv_heads and num_heads this is the plain spl
 3 kv heads) kv heads are replicated, as vLLM does when tp > num_kv_heads, so each device holds the kv heads its query
 heads need, and query heads are padded with zero weights (their output is multiplied by zero rows of o) so every
 device has as many. The plan is the one that holds the fewest kv heads per device, then the fewest padded queries.
+
+Quantized weights (`jaxpaged.models.quant.QuantizedWeight`, int8 or a GGUF's kept formats) split the same way, on
+their codes and scales as stored ([*lead, N, K bytes], blocks of 32 along K): a column split cuts N (codes and
+scales alike), a row split cuts K (the block formats' codes and scales at block boundaries; int8's per-channel
+scales are replicated: they scale the summed output). Heads are rearranged on the codes too, a padded
+head's weights made exactly zero (zero scales, or int8's zero code), so nothing is quantized again: the numbers are
+tp 1's. Their products are XLA's dot of the dequantized shard (`quant.partitioned_products`), which GSPMD splits;
+the Pallas and native kernels' custom calls it would not.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.models.quant import BLOCK, CHANNEL, QuantizedWeight, is_quantized
 from jaxpaged.worker.attention import KVPool
 
 logger = logging.getLogger(__name__)
@@ -130,17 +139,66 @@ def _expand_heads(w: np.ndarray, heads: tuple[int, ...], head_dim: int, axis: in
     return np.moveaxis(out.reshape(*w.shape[:-1], len(heads) * head_dim), -1, axis)
 
 
+def _slot_index(heads: tuple[int, ...], width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(index, real) [len(heads) * width]: for each slot's `width` positions, the model's position it takes (a
+    padded slot: head 0's) and whether it is a real head's."""
+    index = np.asarray([max(h, 0) * width + j for h in heads for j in range(width)])
+    return index, np.repeat(np.asarray(heads) >= 0, width)
+
+
+def _zero_where_padded(scales: np.ndarray, real: np.ndarray, axis: int) -> np.ndarray:
+    return np.where(real.reshape((-1,) + (1,) * (scales.ndim - axis - 1)), scales, np.zeros((), scales.dtype))
+
+
+def _expand_quantized_columns(qw: QuantizedWeight, heads: tuple[int, ...], head_dim: int) -> QuantizedWeight:
+    """A quantized [*lead, K, N] matrix (q, k, v) whose N = heads * head_dim output columns (rows of its codes and
+    scales) are rearranged into the slots `heads`; a padded slot's scales are zero, so its weights are exactly zero
+    in every format (w = s * (u - offset), or s * u + m with m zero too)."""
+    axis = len(qw.lead)  # N in codes [*lead, N, K bytes] and in every scale layout
+    index, real = _slot_index(heads, head_dim)
+    scales = _zero_where_padded(np.take(qw.scales, index, axis=axis), real, axis)
+    return qw.replace(codes=np.take(qw.codes, index, axis=axis), scales=scales,
+                      dense_shape=(*qw.dense_shape[:-1], len(index)))
+
+
+def _expand_quantized_rows(qw: QuantizedWeight, heads: tuple[int, ...], head_dim: int) -> QuantizedWeight:
+    """A quantized [*lead, K, N] matrix (o) whose K = heads * head_dim inputs are rearranged into the slots `heads`;
+    a padded slot's weights are exactly zero (int8: code 128; the block formats: zero scales). The block formats
+    move whole blocks of 32 inputs, so head_dim must be a multiple of 32 (ValueError otherwise)."""
+    if qw.scale_mode == CHANNEL:  # one byte per input; K padded with code 128 (weight 0) to a whole block
+        index, real = _slot_index(heads, head_dim)
+        codes = np.where(real, np.take(qw.codes, index, axis=-1), np.uint8(128))
+        codes = np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, -len(index) % BLOCK)], constant_values=128)
+        return qw.replace(codes=codes, dense_shape=(*qw.dense_shape[:-2], len(index), qw.dense_shape[-1]))
+    if head_dim % BLOCK:
+        raise ValueError(f"tensor parallelism moves whole heads of {head_dim} inputs, which a {qw.format} weight's "
+                         f"blocks of {BLOCK} do not fit; use quantization='int8' or None")
+    blocks, block_bytes = head_dim // BLOCK, BLOCK * qw.bits // 8
+    b_index, b_real = _slot_index(heads, blocks)
+    byte_index = (b_index[:, None] * block_bytes + np.arange(block_bytes)).reshape(-1)
+    axis = len(qw.lead) + 1  # B in the block scale layouts [*lead, N, B(, 2)]
+    scales = _zero_where_padded(np.take(qw.scales, b_index, axis=axis), b_real, axis)
+    return qw.replace(codes=np.take(qw.codes, byte_index, axis=-1), scales=scales,
+                      dense_shape=(*qw.dense_shape[:-2], len(heads) * head_dim, qw.dense_shape[-1]))
+
+
 def expand_llama_params(params: dict, layout: HeadLayout, head_dim: int) -> dict:
-    """The Llama-layout params (nested dict of numpy) with heads rearranged into `layout`'s slots (a no-op for a
-    plain split)."""
+    """The Llama-layout params (nested dict of numpy; quantized weights `QuantizedWeight`s of numpy arrays) with
+    heads rearranged into `layout`'s slots (a no-op for a plain split)."""
     if layout.is_plain_split:
         return params
     layers = dict(params["layers"])
     for name, heads, axis in (("wq", layout.q_heads, -1), ("wk", layout.kv_heads, -1), ("wv", layout.kv_heads, -1),
                               ("bq", layout.q_heads, -1), ("bk", layout.kv_heads, -1), ("bv", layout.kv_heads, -1),
                               ("wo", layout.q_heads, 1)):
-        if name in layers:
-            layers[name] = _expand_heads(np.asarray(layers[name]), heads, head_dim, axis)
+        w = layers.get(name)
+        if w is None:
+            continue
+        if is_quantized(w):
+            expand = _expand_quantized_rows if name == "wo" else _expand_quantized_columns
+            layers[name] = expand(w, heads, head_dim)
+        else:
+            layers[name] = _expand_heads(np.asarray(w), heads, head_dim, axis)
     return {**params, "layers": layers}
 
 
@@ -149,33 +207,68 @@ _SPLIT_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk
                "w_gate": 2, "w_up": 2, "w_down": 1}
 
 
+def _split_spec(ndim: int, axis: int | None) -> P:
+    return P() if axis is None else P(*[AXIS if i == axis else None for i in range(ndim)])
+
+
+def _quantized_specs(qw: QuantizedWeight, dense_axis: int | None, tp: int, where: str) -> QuantizedWeight:
+    """qw with a PartitionSpec in place of its codes and of its scales, for the split of the full-width array it
+    stands for along `dense_axis` (None: replicated): its output columns N (rows of codes and scales), or its inputs
+    K (the codes' bytes and the block scales, at block boundaries; int8's per-channel scales replicated), where no
+    code is padding past K. What tp does not divide so is replicated, and said so."""
+    if dense_axis is None:
+        return qw.replace(codes=P(), scales=P())
+    n_axis, k_axis = len(qw.lead), len(qw.lead) + 1  # in codes [*lead, N, K bytes] and the scales' layouts
+    if dense_axis == (0 if qw.table else qw.ndim - 1):
+        ok, codes_axis, scales_axis = qw.n % tp == 0, n_axis, n_axis
+    else:  # none of the codes padding past K; the block formats: whole blocks per device
+        padded_k = qw.codes.shape[-1] * 8 // qw.bits
+        ok, codes_axis = padded_k == qw.k and qw.k % ((1 if qw.scale_mode == CHANNEL else BLOCK) * tp) == 0, k_axis
+        scales_axis = None if qw.scale_mode == CHANNEL else k_axis
+    if not ok:
+        logger.warning("%s (%s %s): axis %d does not split %d ways (the block formats: in whole blocks of %d); "
+                       "replicated", where, qw.format, qw.shape, dense_axis, tp, BLOCK)
+        codes_axis = scales_axis = None
+    return qw.replace(codes=_split_spec(np.ndim(qw.codes), codes_axis),
+                      scales=_split_spec(np.ndim(qw.scales), scales_axis))
+
+
 def llama_partition_specs(params: dict, tp: int) -> dict:
-    """A PartitionSpec per leaf of the Llama-layout params. An axis tp does not divide (a vocabulary of 50257) is
-    left replicated, and said so."""
+    """A PartitionSpec per leaf of the Llama-layout params (for a quantized weight, a `QuantizedWeight` holding one
+    for its codes and one for its scales). An axis tp does not divide (a vocabulary of 50257) is left replicated, and
+    said so."""
     def spec(path, x):
-        name = path[-1].key
+        name, where = path[-1].key, "/".join(p.key for p in path)
         axis = _SPLIT_AXIS.get(name)
+        if is_quantized(x):
+            return _quantized_specs(x, axis, tp, where)
         shape = np.shape(x)
         if axis is None:
             return P()
         if shape[axis] % tp:
-            logger.warning("%s %s: axis %d does not split %d ways; replicated", "/".join(p.key for p in path),
-                           shape, axis, tp)
+            logger.warning("%s %s: axis %d does not split %d ways; replicated", where, shape, axis, tp)
             return P()
-        return P(*[AXIS if i == axis else None for i in range(len(shape))])
+        return _split_spec(len(shape), axis)
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_quantized)
 
 
 def place(params: dict, specs: dict, mesh: Mesh, dtype) -> dict:
-    """Each leaf cast on the host and put on the mesh with its spec: a device receives only its shard."""
-    def put(x, spec):
+    """Each leaf cast on the host and put on the mesh with its spec: a device receives only its shard. A quantized
+    weight's codes and scales keep their dtypes; its compute dtype becomes `dtype`."""
+    def put(x, spec, cast=True):
         x = np.asarray(x)
-        if np.issubdtype(x.dtype, np.floating):
+        if cast and np.issubdtype(x.dtype, np.floating):
             x = x.astype(dtype, copy=False)
         return jax.device_put(x, NamedSharding(mesh, spec))
 
-    return jax.tree.map(put, params, specs, is_leaf=lambda x: isinstance(x, P))
+    def put_leaf(x, spec):
+        if is_quantized(x):
+            return x.replace(codes=put(x.codes, spec.codes, cast=False), scales=put(x.scales, spec.scales, cast=False),
+                             compute_dtype=np.dtype(dtype).name)
+        return put(x, spec)
+
+    return jax.tree.map(put_leaf, params, specs, is_leaf=is_quantized)
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.models.matmul import native_matmul
-from jaxpaged.models.quant import gpu_layer_kernel
+from jaxpaged.models.quant import gpu_layer_kernel, partitioned_products
 from jaxpaged.worker import sampler
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.worker.input_batch import EXTRAS, StepLayout
@@ -144,8 +144,9 @@ class DraftSpec:
 
 def _step(*args, gpu_layer_rows: int = 0, **kwargs):
     """`_step_body`, its layer matmuls of at most gpu_layer_rows rows by the Pallas GPU kernel that reads a stacked
-    weight in place (`gpu_layer_matmul_rows`)."""
-    with gpu_layer_kernel(gpu_layer_rows):
+    weight in place (`gpu_layer_matmul_rows`); with a tensor-parallel mesh, quantized weights' products by XLA's dot
+    (`partitioned_products`)."""
+    with gpu_layer_kernel(gpu_layer_rows), partitioned_products(kwargs.get("mesh") is not None):
         return _step_body(*args, **kwargs)
 
 

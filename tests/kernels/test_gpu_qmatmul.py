@@ -177,9 +177,10 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
     check_engine_branch(quant._kernel_matmul, fmt)
 
 
-def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, kernel_rows: int = 0) -> str:
+def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, kernel_rows: int = 0,
+                       partitioned: bool = False) -> str:
     """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`, inside
-    `quant.gpu_layer_kernel(kernel_rows)`."""
+    `quant.gpu_layer_kernel(kernel_rows)` and `quant.partitioned_products(partitioned)`."""
     from jax import export
 
     from jaxpaged.models.matmul import layer_matmul
@@ -187,7 +188,7 @@ def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, 
     def run(x):
         def body(i, acc):
             return acc + layer_matmul(x, qw, i)
-        with quant.gpu_layer_kernel(kernel_rows):
+        with quant.gpu_layer_kernel(kernel_rows), quant.partitioned_products(partitioned):
             return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
 
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
@@ -266,3 +267,19 @@ def test_on_cuda_int8_reads_the_stack_in_place_within_the_row_limit():
     for rows, limit in [(16, 8), (8, 0)]:
         outside = _layer_loop_module(qw, "cuda", rows=rows, kernel_rows=limit)
         assert not any(f"@{t}(" in outside for t in TRITON_CALL_TARGETS) and "dynamic_slice" in outside
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_k"])
+def test_under_tensor_parallelism_the_products_are_xla_dots(fmt):
+    """Inside `quant.partitioned_products` (a step traced for a tensor-parallel mesh) no product lowers to a Pallas
+    kernel's custom call, which GSPMD would run on whole weights gathered to every device: for CUDA (int8 within the
+    W8A8 kernel's row limit too) and TPU, only XLA's dot; outside it the same loop calls the kernels."""
+    qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(7), fmt, 4, 256, 512))
+    for platform in ("cuda", "tpu"):
+        module = _layer_loop_module(qw, platform, kernel_rows=8, partitioned=True)
+        assert not any(f"@{t}(" in module for t in TRITON_CALL_TARGETS) and "tpu_custom_call" not in module, platform
+        assert "stablehlo.dot_general" in module, platform
+    kernels = _layer_loop_module(qw, "cuda", kernel_rows=8)
+    assert sum(kernels.count(f"@{t}(") for t in TRITON_CALL_TARGETS) == 1
+    if fmt == "q8_0":  # on TPU, Q8_0 is the Mosaic kernel's at every row count
+        assert "tpu_custom_call" in _layer_loop_module(qw, "tpu")

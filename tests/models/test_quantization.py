@@ -328,8 +328,6 @@ def test_unknown_quantization_is_refused_naming_the_option():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization"):
         LLM(model="/nonexistent.gguf", quantization="awq")  # the option fails before the path is looked at
-    with pytest.raises(ValueError, match="quantization='int8' is not supported with tensor_parallel_size"):
-        EngineConfig(quantization="int8", tensor_parallel_size=2)
 
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxpaged.parallel.tensor_parallel import HeadLayout
@@ -53,14 +54,16 @@ def _flatten(x):
     return [x]
 
 
-@pytest.fixture(scope="module", params=["tiny8", "tiny3", "gemma"])
+@pytest.fixture(scope="module", params=["tiny8", "tiny3", "gemma", "gguf"])
 def tiny_results(request):
     return request.param, run_worker(request.param, "1,2,4")[0]
 
 
 def test_every_tp_size_generates_the_same_tokens(tiny_results):
-    """8 kv heads (split 2 and 4 ways), SmolLM2's 9 query / 3 kv heads (replicated, queries padded) and a tiny
-    Gemma 3 (4 query heads, its 1 kv head replicated; q/k norms, sliding-window layers, soft-capped logits)."""
+    """8 kv heads (split 2 and 4 ways), SmolLM2's 9 query / 3 kv heads (replicated, queries padded), a tiny
+    Gemma 3 (4 query heads, its 1 kv head replicated; q/k norms, sliding-window layers, soft-capped logits) and a
+    model whose layer matrices are GGUF block formats kept quantized (6 query / 3 kv heads of 32: replicated and
+    padded on the codes)."""
     assert_same_generations(tiny_results[1])
 
 
@@ -96,18 +99,72 @@ def test_weights_and_pool_are_split_not_copied(tiny_results):
             name = next((n for n in split if f"['{n}']" in path), None)
             if name is None:
                 assert leaf["spec"] == "P()", path
+            elif path.endswith((".codes", ".scales")):
+                assert_quantized_split(name, path, leaf, tp)
             else:
                 assert leaf["spec"] == split[name], path
                 assert leaf["max_shard_bytes"] * tp == leaf["bytes"], path
+        if case == "gguf":
+            assert sum(path.endswith(".codes") for path in info["params"]) == 7
         layers, blocks, bs, slots, dim = info["pool_shape"]
         assert info["pool_spec"] == "P(None, None, None, 'tp', None)" and info["pool_devices"] == tp
         assert info["local_pool"] == [layers, blocks, bs, slots // tp, dim]
         if case == "tiny8":
             assert slots == 8
-        elif case == "tiny3":  # 3 kv heads: 2 per device at tp 2, 1 at tp 4 (one spare slot)
+        elif case in ("tiny3", "gguf"):  # 3 kv heads: 2 per device at tp 2, 1 at tp 4 (one spare slot)
             assert slots // tp == {2: 2, 4: 1}[tp]
         else:  # Gemma's one kv head on every device
             assert slots == tp
+
+
+def assert_quantized_split(name: str, path: str, leaf: dict, tp: int) -> None:
+    """A quantized weight's codes [L, N, K bytes] (a table's [V, K bytes]) and scales [L, N, ...] split as stored: by
+    N for the column-split matrices and the vocabulary, by K for o and down (int8's per-channel scales replicated),
+    1/tp of the bytes on each device."""
+    if name in ("wo", "w_down"):
+        if path.endswith(".scales") and len(leaf["shape"]) == 2:  # int8: one scale per output channel
+            assert leaf["spec"] == "P()", path
+            return
+        assert leaf["split_axis"] == 2, path
+    else:
+        assert leaf["split_axis"] == (0 if name in ("embed", "lm_head") else 1), path
+    assert leaf["max_shard_bytes"] * tp == leaf["bytes"], path
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q4_k"])
+@pytest.mark.parametrize("heads,kv,tp", [(9, 3, 2), (9, 3, 4), (6, 3, 4)])
+def test_heads_rearranged_on_the_codes_are_the_full_width_weights_rearranged(fmt, heads, kv, tp):
+    """Expanding a quantized q / k / v / o into a head layout's slots (kv heads replicated, queries padded) on its
+    codes and scales gives exactly the full-width weights expanded: the same weights, a padded head's all zero."""
+    from jaxpaged.models import quant
+    from jaxpaged.parallel.tensor_parallel import expand_llama_params
+    from tests.quant_weights import random_weight
+
+    head_dim, hidden, rng = 32, 64, np.random.default_rng(heads * tp)
+    layout = HeadLayout.plan(heads, kv, tp)
+    assert not layout.is_plain_split
+    layers = {"wq": random_weight(rng, fmt, 2, hidden, heads * head_dim),
+              "wk": random_weight(rng, fmt, 2, hidden, kv * head_dim),
+              "wv": random_weight(rng, fmt, 2, hidden, kv * head_dim),
+              "wo": random_weight(rng, fmt, 2, heads * head_dim, hidden)}
+    dense = {name: np.asarray(quant.dequantize(w, np.float32)) for name, w in layers.items()}
+    got = expand_llama_params({"layers": layers}, layout, head_dim)["layers"]
+    want = expand_llama_params({"layers": dense}, layout, head_dim)["layers"]
+    for name in layers:
+        assert got[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(got[name], np.float32)), want[name], err_msg=name)
+    assert not np.any(want["wo"][:, np.repeat(np.asarray(layout.q_heads) < 0, head_dim)])  # padded rows are zero
+
+
+def test_a_block_format_needs_heads_of_whole_blocks():
+    """A GGUF block format's o cannot move heads of 8 inputs (its blocks hold 32): a clear error naming the way out."""
+    from jaxpaged.parallel.tensor_parallel import expand_llama_params
+    from tests.quant_weights import random_weight
+
+    layout = HeadLayout.plan(9, 3, 2)
+    wo = random_weight(np.random.default_rng(0), "q4_1", 2, 9 * 8, 32)
+    with pytest.raises(ValueError, match="heads of 8 inputs.*blocks of 32.*quantization='int8' or None"):
+        expand_llama_params({"layers": {"wo": wo}}, layout, 8)
 
 
 @pytest.mark.parametrize("heads,kv,tp,per_device,group,padded", [
@@ -131,6 +188,22 @@ def test_tensor_parallel_size_must_divide_the_devices():
         tiny_llm(tensor_parallel_size=2)  # this process has one CPU device
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be >= 1"):
         tiny_llm(tensor_parallel_size=0)
+
+
+def test_int8_weights_under_tensor_parallelism():
+    """2 fake CPU devices (a subprocess): quantization="int8" on SmolLM2's 9 query / 3 kv heads (kv heads replicated
+    and queries padded on the int8 codes) gives tp 1's tokens and log-probs within the tolerance (tp 1 multiplies by
+    XLA's dot too: the native kernel's int8 activations give other numbers), its codes split 1/tp each."""
+    results, _ = run_worker("smol_int8", "1,2", devices=2)
+    assert_same_generations(results)
+    params = results["2"]["inspect"]["params"]
+    codes = [path for path in params if path.endswith(".codes")]
+    assert len(codes) == 8, codes  # q, k, v, o, gate, up, down and the LM head
+    for path, leaf in params.items():
+        if path.endswith((".codes", ".scales")):
+            name = next(n for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed", "lm_head")
+                        if f"['{n}']" in path)
+            assert_quantized_split(name, path, leaf, 2)
 
 
 def test_default_model_at_tp_1_2_and_4():

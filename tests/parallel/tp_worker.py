@@ -7,6 +7,10 @@ steps and arrays look like. Used by tests/parallel/test_tensor_parallel.py.
     python -m tests.parallel.tp_worker tiny8_spec 1,2       # any model case speculating (1-layer self-draft, n-gram)
     python -m tests.parallel.tp_worker tiny8_split 1,2      # any model case with its sampler split from the step
                                                             # (a GPU's way), and tp 1's fused outputs beside
+    python -m tests.parallel.tp_worker smol_int8 1,2        # any model case with quantization="int8"
+    python -m tests.parallel.tp_worker gguf 1,2,4           # GGUF block formats kept (quantization="gguf")
+Quantized cases multiply by XLA's dot at tp 1 too (not the native CPU kernel, whose int8 activations give other
+numbers): what tensor parallelism must not change.
 """
 
 from __future__ import annotations
@@ -30,6 +34,22 @@ def model(case: str):
         config = tiny_config(hidden=32, heads=8, kv_heads=8, head_dim=8, layers=2)
     elif case == "tiny3":  # SmolLM2's heads: 9 query, 3 kv (replicated and padded at 2 and 4)
         config = tiny_config(hidden=36, heads=9, kv_heads=3, head_dim=8, layers=2)
+    elif case == "smol":  # SmolLM2's heads again, every matrix's K a whole number of 32-blocks per device at tp 2
+        config = tiny_config(hidden=64, heads=9, kv_heads=3, head_dim=8, layers=2)
+    elif case == "gguf":  # heads of 32 (whole blocks), SmolLM2's 2 query heads per kv head; every block format
+        from jaxpaged.models.quant import is_quantized
+        from tests.quant_weights import random_weight
+
+        config = tiny_config(hidden=64, heads=6, kv_heads=3, head_dim=32, layers=2)
+        params = random_params(config, seed=1)
+        rng = np.random.default_rng(2)
+        layers = params["layers"]
+        for name, fmt in (("wq", "q4_0"), ("wk", "q8_0"), ("wv", "q4_k"), ("wo", "q4_1"), ("w_gate", "q4_k"),
+                          ("w_up", "q8_0"), ("w_down", "q4_1")):
+            _, k, n = layers[name].shape
+            layers[name] = random_weight(rng, fmt, config.num_layers, k, n).replace(compute_dtype="float32")
+        assert all(is_quantized(layers[name]) for name in ("wq", "wo", "w_down"))
+        return config, params
     elif case == "gemma":  # Gemma 3: 4 query heads, 1 kv head (replicated), q/k and post norms, sliding layers
         from tests.models.gemma3_cases import engine_hf_model, ours
 
@@ -86,7 +106,8 @@ def inspect(llm: LLM) -> dict:
 
     for path, x in tree_flatten_with_path(runner.params)[0]:
         shard_bytes = [s.data.nbytes for s in x.addressable_shards]
-        shardings[keystr(path)] = {"shape": list(x.shape), "spec": str(x.sharding.spec),
+        split_axis = next((i for i, axis in enumerate(x.sharding.spec) if axis == "tp"), None)
+        shardings[keystr(path)] = {"shape": list(x.shape), "spec": str(x.sharding.spec), "split_axis": split_axis,
                                    "max_shard_bytes": max(shard_bytes), "bytes": int(x.nbytes)}
     return {"steps": steps, "params": shardings, "pool_shape": list(runner.kv_pool.shape),
             "pool_spec": str(runner.kv_pool.k.sharding.spec), "local_pool": list(local_pool),
@@ -104,6 +125,12 @@ def main(case: str, sizes: str) -> None:
 
         case, fused_split = case.removesuffix("_split"), model_runner.split_sampler_here
         model_runner.split_sampler_here = lambda multihost: True
+    if case.endswith("_int8") or case == "gguf":  # quantized weights, multiplied by XLA's dot at every tp
+        from jaxpaged.engine import quant_setup
+
+        quant_setup.native_quantized = lambda: False
+        ENGINE = {**ENGINE, "quantization": "gguf" if case == "gguf" else "int8"}
+        case = case.removesuffix("_int8")
     speculating = case.endswith("_spec")
     if speculating:  # the model's first layer proposes 3 tokens a step: every decode step verifies
         case, ENGINE = case.removesuffix("_spec"), {
