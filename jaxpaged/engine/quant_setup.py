@@ -86,7 +86,8 @@ def describe_weights(state, quantization: str | None, tensor_parallel: bool = Fa
             where = "; GGUF block formats by the Pallas TPU kernel (dequantized in VMEM; 4-bit up to 64 rows fused " \
                     "by XLA), int8 next to XLA's dot"
         if tensor_parallel:
-            where = "; tensor parallel: each device's shard dequantized inside the step next to XLA's dot"
+            where = ("; tensor parallel: each device's shard dequantized inside the step next to XLA's dot"
+                     if jax.default_backend() == "cpu" else where + " (tensor parallel: on each device's shard)")
     logger.info("weights: %.1f MiB (%s), quantization=%s%s", summary["weight_bytes"] / 2**20,
                 ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in summary["weight_formats"].items()), quantization,
                 where)

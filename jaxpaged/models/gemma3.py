@@ -34,7 +34,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import lm_head, rope_inv_freq
 from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
-from jaxpaged.models.quant import embedding_rows
+from jaxpaged.models.quant import COLUMNS, ROWS, embedding_rows
 from jaxpaged.models.rope import rope_qk
 
 NEG_INF = -1e30
@@ -101,31 +101,36 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Arr
 Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
+def _plain(x: jax.Array, w: jax.Array, split: str | None = None) -> jax.Array:
+    return matmul(x, w)
+
+
 def decoder_layer(p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array, window: jax.Array, attend: Attend, *,
-                  config: ModelConfig, matmul: Callable[[jax.Array, jax.Array], jax.Array] = matmul,
+                  config: ModelConfig, matmul: Callable[..., jax.Array] = _plain,
                   glu: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
     """One Gemma 3 layer. p: this layer's params (the loader's per-layer names); h [T, H];
     cos, sin [T, 1, D/2] float32 of this layer's rope base; window int32 scalar. Returns h [T, H].
-    matmul(x, p[name]) multiplies by a weight matrix: by default p holds this layer's [K, N] matrices; the paged
-    model passes the stacked [L, K, N] ones with a `layer_matmul` of its layer, and glu(x, w_gate, w_up) (default:
-    act(matmul(x, w_gate)) * matmul(x, w_up)) as its `layer_glu`."""
+    matmul(x, p[name], split) multiplies by a weight matrix (split: `quant.COLUMNS` or `ROWS`, how tensor
+    parallelism splits it): by default p holds this layer's [K, N] matrices; the paged model passes the stacked
+    [L, K, N] ones with a `layer_matmul` of its layer, and glu(x, w_gate, w_up) (default: act(matmul(x, w_gate)) *
+    matmul(x, w_up)) as its `layer_glu`."""
     c = config
     num_tokens = h.shape[0]
     x = rms_norm(h, p["attn_norm"], c)
-    q = matmul(x, p["wq"]).reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
-    k = matmul(x, p["wk"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
-    v = matmul(x, p["wv"]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+    q = matmul(x, p["wq"], COLUMNS).reshape(num_tokens, c.num_heads, c.head_dim)  # [T, Hq, D]
+    k = matmul(x, p["wk"], COLUMNS).reshape(num_tokens, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
+    v = matmul(x, p["wv"], COLUMNS).reshape(num_tokens, c.num_kv_heads, c.head_dim)
     if c.qk_norm:  # over each head's D values, before RoPE
         q, k = rms_norm(q, p["q_norm"], c), rms_norm(k, p["k_norm"], c)
     q, k = rope_qk(q, k, cos, sin)
-    out = matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"])  # [T, H]
+    out = matmul(attend(q, k, v, window).reshape(num_tokens, c.num_heads * c.head_dim), p["wo"], ROWS)  # [T, H]
     h = h + (rms_norm(out, p["post_attn_norm"], c) if c.post_norms else out)
     x = rms_norm(h, p["mlp_norm"], c)
     if glu is None:
-        gated = ACTIVATIONS[_act_name(c)](matmul(x, p["w_gate"])) * matmul(x, p["w_up"])  # [T, I]
+        gated = ACTIVATIONS[_act_name(c)](matmul(x, p["w_gate"], COLUMNS)) * matmul(x, p["w_up"], COLUMNS)  # [T, I]
     else:
         gated = glu(x, p["w_gate"], p["w_up"])
-    out = matmul(gated, p["w_down"])  # [T, H]
+    out = matmul(gated, p["w_down"], ROWS)  # [T, H]
     return h + (rms_norm(out, p["post_mlp_norm"], c) if c.post_norms else out)
 
 
@@ -267,7 +272,7 @@ class Gemma3ForCausalLM(nnx.Module):
 
             cos, sin = rope[tables[j].tobytes()]
             h = decoder_layer(p, h, cos, sin, jnp.int32(window or NO_WINDOW), attend, config=c,
-                              matmul=lambda x, w: layer_matmul(x, w, layer),
+                              matmul=lambda x, w, split=None: layer_matmul(x, w, layer, split),
                               glu=lambda x, wg, wu: layer_glu(x, wg, wu, layer, _act_name(c)))
             return h, box[0]
 

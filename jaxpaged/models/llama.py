@@ -29,7 +29,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul, layer_matmul3
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
-from jaxpaged.models.quant import embedding_rows, is_quantized
+from jaxpaged.models.quant import ROWS, embedding_rows, is_quantized
 from jaxpaged.models.rope import rope_qk
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 
@@ -116,8 +116,8 @@ class LlamaDecoderLayer(nnx.Module):
         def vec(p: nnx.Param) -> jax.Array:  # [L, n] -> layer's [n]
             return p[...][layer]
 
-        def mm(x: jax.Array, p: nnx.Param) -> jax.Array:  # x @ layer's matrix of p [L, K, N]
-            return layer_matmul(x, p[...], layer)
+        def mm_rows(x: jax.Array, p: nnx.Param) -> jax.Array:  # x @ layer's matrix of p [L, K, N], split by rows
+            return layer_matmul(x, p[...], layer, ROWS)
 
         x = layer_rms_norm(h, self.attn_norm[...], layer, eps)
         q, k, v = layer_matmul3(x, (self.wq[...], self.wk[...], self.wv[...]), layer)
@@ -130,9 +130,9 @@ class LlamaDecoderLayer(nnx.Module):
             q, k = rms_norm(q, vec(self.q_norm), eps), rms_norm(k, vec(self.k_norm), eps)
         q, k = rope_qk(q, k, cos, sin)
         out, kv_pool = attn(q, k, v, kv_pool, layer, md, sliding_window=c.sliding_window)  # [T, Hq, D]
-        s, x = layer_add_rms_norm(h, mm(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo),
+        s, x = layer_add_rms_norm(h, mm_rows(out.reshape(num_tokens, c.num_heads * c.head_dim), self.wo),
                                   self.mlp_norm[...], layer, eps)  # s = h + attention
-        mlp = mm(layer_glu(x, self.w_gate[...], self.w_up[...], layer, "silu"), self.w_down)
+        mlp = mm_rows(layer_glu(x, self.w_gate[...], self.w_up[...], layer, "silu"), self.w_down)
         return residual_add(s, mlp), kv_pool
 
 

@@ -2,6 +2,7 @@
 
     y = matmul(x, w)                      # x [M, K] @ w [K, N], accumulated in float32, returned in x's dtype
     y = layer_matmul(x, w, layer)         # x [M, K] @ w[layer] of a stacked w [L, K, N]: the same numbers
+    y = layer_matmul(x, wo, layer, quant.ROWS)  # under tensor parallelism: split by rows (kernels per shard)
     q, k, v = layer_matmul3(x, (wq, wk, wv), layer)   # three of them (one native call for quantized weights)
     y = layer_glu(x, w_gate, w_up, layer, "silu")   # silu(x @ w_gate[layer]) * (x @ w_up[layer]): a gated MLP
     logits = head_matmul(h, head)         # h [S, H] @ head [H, V] (or prepacked) -> float32 logits
@@ -38,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.models.quant import gpu_kernel_rows, is_quantized, qglu, qmatmul, qmatmul3
+from jaxpaged.models.quant import COLUMNS, gpu_kernel_rows, is_quantized, on_shards, qglu, qmatmul, qmatmul3
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
 _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_native_live_rows", default=None)
@@ -90,11 +91,13 @@ def _layer(w: jax.Array, layer: jax.Array | int) -> jax.Array:
     return w[layer]
 
 
-def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Array:
+def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, split: str | None = None) -> jax.Array:
     """x [M, K] @ w[layer] for w [L, K, N] stacked over layers (or prepacked, or a `quant.QuantizedWeight`: read in
-    its quantized form); `matmul`'s numbers, in x's dtype."""
+    its quantized form); `matmul`'s numbers, in x's dtype. split: how a tensor-parallel mesh splits w, COLUMNS (its
+    outputs: q/k/v, gate, up) or ROWS (its inputs: o, down), so that a kernel can run on each device's shard
+    (`quant.on_shards`); None, or a weight the mesh does not split so: XLA's dot, which GSPMD splits."""
     if is_quantized(w):
-        return qmatmul(x, w, layer, rows=_live_rows(x))
+        return qmatmul(x, w, layer, rows=_live_rows(x), split=split)
     if uses_native(x, w):
         from pallas_kernels.cpu_native import matmul_native
 
@@ -102,17 +105,20 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int) -> jax.Arra
     if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= gpu_kernel_rows() and w.dtype == x.dtype:
         from pallas_kernels.gpu_matmul import layer_matmul_gpu
 
-        return layer_matmul_gpu(x, w, layer).astype(x.dtype)
+        y = on_shards(lambda x, w, layer: layer_matmul_gpu(x, w, layer), x, w, layer, split)
+        if y is not None:
+            return y.astype(x.dtype)
     return matmul(x, _layer(w, layer))
 
 
 def layer_matmul3(x: jax.Array, ws: tuple[jax.Array, jax.Array, jax.Array],
                   layer: jax.Array | int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x @ each of three stacked weights at `layer` (an attention layer's q, k, v): `layer_matmul`'s numbers; three
-    quantized weights of one format go through one native call (x quantized once, one call's fixed cost)."""
+    """x @ each of three stacked weights at `layer` (an attention layer's q, k, v, split by COLUMNS):
+    `layer_matmul`'s numbers; three quantized weights of one format go through one native call (x quantized once,
+    one call's fixed cost)."""
     if all(is_quantized(w) for w in ws):
         return qmatmul3(x, tuple(ws), layer, rows=_live_rows(x))
-    return tuple(layer_matmul(x, w, layer) for w in ws)
+    return tuple(layer_matmul(x, w, layer, COLUMNS) for w in ws)
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -138,7 +144,7 @@ def layer_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: jax.Array
         from pallas_kernels.cpu_native import matmul_glu_native
 
         return matmul_glu_native(x, w_gate, w_up, layer, activation, rows=_live_rows(x))
-    return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer)) * layer_matmul(x, w_up, layer)
+    return ACTIVATIONS[activation](layer_matmul(x, w_gate, layer, COLUMNS)) * layer_matmul(x, w_up, layer, COLUMNS)
 
 
 def head_matmul(h: jax.Array, head: jax.Array) -> jax.Array:

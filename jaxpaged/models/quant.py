@@ -256,19 +256,26 @@ def embedding_rows(table, token_ids: jax.Array) -> jax.Array:
 # ---- multiplying -----------------------------------------------------------------------------------------------------
 
 
-def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=None, mode: str | None = None):
+def qmatmul(x: jax.Array, qw: QuantizedWeight, layer=None, out_dtype=None, rows=None, mode: str | None = None,
+            split: str | None = None):
     """x [M, K] @ the quantized matrix (the matrix of `layer` for a stacked one; a table: x @ table.T) -> [M, N] in
     out_dtype (default x's), float32 accumulation. Panel layout: the native CPU kernel (`rows`: how many leading
     rows of x are real, an int32 scalar; the rest come back as zeros; `mode`: "int8" or "bf16", the kernel's way to
-    multiply, default `NATIVE_MODE`). Plain layout: dequantized to x's dtype and XLA's dot (the numbers of the same
-    weights dequantized at load)."""
+    multiply, default `NATIVE_MODE`). Plain layout: `_plain_matmul` (a kernel, or dequantized to x's dtype and XLA's
+    dot: the numbers of the same weights dequantized at load); under a tensor-parallel mesh, on each device's shard
+    by `split` (`on_shards`)."""
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if qw.layout == "panels":
         from pallas_kernels.cpu_native.quantized import qmatmul_native
 
         return qmatmul_native(x, qw.codes, qw.scales, 0 if layer is None else layer, rows, n=qw.n, bits=qw.bits,
                               scale_mode=qw.scale_mode, mode=mode or NATIVE_MODE, out_dtype=out_dtype)
-    return _plain_matmul(x, qw, qw.codes, qw.scales, layer).astype(out_dtype)
+    y = None
+    if layer is not None:
+        y = on_shards(lambda x, w, layer: _plain_matmul(x, w, w.codes, w.scales, layer), x, qw, layer, split)
+    if y is None:
+        y = _plain_matmul(x, qw, qw.codes, qw.scales, layer)
+    return y.astype(out_dtype)
 
 
 _GPU_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_gpu_layer_matmul_rows", default=0)
@@ -280,8 +287,8 @@ def gpu_layer_kernel(max_rows: int):
     CUDA, a Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its
     GEMM: a 16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
     pallas_kernels/gpu_w8a8.py (x in int8 per block of 32, as the native CPU kernel; the block formats take
-    pallas_kernels/gpu_qmatmul.py at every size). 0: never. The caller traces for a CUDA GPU without a
-    tensor-parallel mesh."""
+    pallas_kernels/gpu_qmatmul.py at every size). 0: never. The caller traces for a CUDA GPU; under a
+    tensor-parallel mesh (`partitioned_products`) the kernels run on each device's shard."""
     token = _GPU_ROWS.set(max_rows)
     try:
         yield
@@ -294,19 +301,91 @@ def gpu_kernel_rows() -> int:
     return _GPU_ROWS.get()
 
 
-_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxpaged_partitioned_products", default=False)
+# ---- tensor parallelism: a product on each device's shard ----------------------------------------------------------
+
+COLUMNS, ROWS = "columns", "rows"  # a weight's Megatron split: by its outputs N (q/k/v, gate, up) or inputs K (o, down)
+
+_MESH: contextvars.ContextVar = contextvars.ContextVar("jaxpaged_product_mesh", default=None)
 
 
 @contextlib.contextmanager
-def partitioned_products(on: bool = True):
-    """While tracing inside this block (a step for a tensor-parallel mesh), plain-layout products run as XLA's dot
-    only, which GSPMD splits over the mesh with the weights' shards; a Pallas kernel's custom call it would run on
-    whole weights gathered to every device."""
-    token = _PARTITIONED.set(on)
+def partitioned_products(mesh):
+    """While tracing inside this block (a step for a tensor-parallel `mesh`; None: no mesh), a product whose
+    weight's split is given (`split=COLUMNS` or `ROWS`, and the mesh splits it so: `split_axes`) runs its kernel on
+    each device's shard (`on_shards`); any other product of a plain-layout quantized weight is XLA's dot only, which
+    GSPMD splits (a Pallas kernel's custom call it would run on whole weights gathered to every device)."""
+    token = _MESH.set(mesh)
     try:
         yield
     finally:
-        _PARTITIONED.reset(token)
+        _MESH.reset(token)
+
+
+def split_axes(w, split: str, tp: int) -> tuple[int | None, int | None] | None:
+    """Where a `split` (COLUMNS or ROWS) over tp devices cuts a weight as stored: (axis of the array, None) for a
+    full-width [*lead, K, N]; (axis of the codes, axis of the scales or None: replicated) for a `QuantizedWeight`
+    (codes [*lead, N, K bytes]; a table's N is its rows). None where tp does not split it so: N or K not a multiple
+    of tp, or, by rows, codes padded past K or (the block formats) shares that are not whole blocks of 32. The one
+    rule for how weights are placed (`jaxpaged.parallel.tensor_parallel.llama_partition_specs`) and multiplied."""
+    if not is_quantized(w):
+        axis = len(w.shape) - (1 if split == COLUMNS else 2)
+        return (axis, None) if w.shape[axis] % tp == 0 else None
+    n_axis, k_axis = len(w.lead), len(w.lead) + 1
+    if split == COLUMNS:
+        return (n_axis, n_axis) if w.n % tp == 0 else None
+    padded_k = w.codes.shape[-1] * 8 // w.bits
+    if padded_k != w.k or w.k % ((1 if w.scale_mode == CHANNEL else BLOCK) * tp):
+        return None
+    return k_axis, None if w.scale_mode == CHANNEL else k_axis
+
+
+def _spec(ndim: int, axis: int | None, name: str):
+    from jax.sharding import PartitionSpec as P
+
+    return P(*[name if i == axis else None for i in range(ndim)]) if axis is not None else P()
+
+
+def split_specs(w, split: str, tp: int, name: str):
+    """The PartitionSpec(s) of `split_axes`, with mesh axis `name`: a PartitionSpec for a full-width array, a
+    QuantizedWeight holding one for its codes and one for its scales; None where tp does not split it so."""
+    axes = split_axes(w, split, tp)
+    if axes is None:
+        return None
+    if not is_quantized(w):
+        return _spec(len(w.shape), axes[0], name)
+    return w.replace(codes=_spec(w.codes.ndim, axes[0], name), scales=_spec(w.scales.ndim, axes[1], name))
+
+
+def on_shards(fn, x: jax.Array, w, layer, split: str | None):
+    """fn(x, w, layer) -> x [M, K] @ w[layer] [M, N] float32 for a stacked w [L, K, N] (full width or quantized), a
+    kernel's product of one device's arrays: as it is
+    without a mesh (`partitioned_products`); with one, run on each device's shard (`jax.shard_map`) where `split`
+    is given and the mesh splits w so, else None (the caller multiplies by XLA's dot). By COLUMNS each device
+    multiplies the whole x by its columns and holds its columns of the product; by ROWS its columns of x (split
+    there by the layer before) by its rows, and the partial products are summed over the mesh in float32 (the
+    all-reduce GSPMD places after the dot)."""
+    mesh = _MESH.get()
+    if mesh is None:
+        return fn(x, w, layer)
+    from jax.sharding import PartitionSpec as P
+
+    axis = mesh.axis_names[0]
+    w_spec = split_specs(w, split, mesh.size, axis) if split is not None else None
+    if w_spec is None:
+        return None
+
+    def body(x, w, layer):
+        if is_quantized(w):  # the shard's own shape [*lead, K, N]: its columns, or its rows
+            dense = list(w.dense_shape)
+            dense[-1 if split == COLUMNS else -2] //= mesh.size
+            w = w.replace(dense_shape=tuple(dense))
+        with partitioned_products(None):  # one device's arrays: its kernels
+            y = fn(x, w, layer)
+        return y if split == COLUMNS else jax.lax.psum(y.astype(jnp.float32), axis)
+
+    x_spec, out_spec = (P(), P(None, axis)) if split == COLUMNS else (P(None, axis), P())
+    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, P()), out_specs=out_spec,
+                         check_vma=False)(x, w, layer)
 
 
 # XLA TPU (libtpu 0.0.42) fuses `_nibble_matmul`'s dequantization into the dot up to this many rows at Llama-3-8B's
@@ -325,15 +404,15 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
     which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
     channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the W8A8 kernel;
-    everywhere else `_dense_matmul`. Inside `partitioned_products`, only the branches that are XLA's dot. Every
-    branch but the kernels' multiplies the layer's codes[layer], scales[layer]."""
+    everywhere else `_dense_matmul`. Inside `partitioned_products` with a mesh, only the branches that are XLA's
+    dot. Every branch but the kernels' multiplies the layer's codes[layer], scales[layer]."""
     def at_layer(fn):
         if layer is None:
             return fn
         return lambda x, codes, scales: fn(x, codes[layer], scales[layer])
 
     dense = at_layer(functools.partial(_dense_matmul, qw=qw))
-    if _PARTITIONED.get():
+    if _MESH.get() is not None:
         cuda = at_layer(_signed_channel_matmul) if qw.scale_mode == CHANNEL else dense
         tpu = at_layer(functools.partial(_nibble_matmul, qw=qw)) if qw.bits == 4 else dense
         return jax.lax.platform_dependent(x, codes, scales, cuda=cuda, tpu=tpu, default=dense)
@@ -421,7 +500,7 @@ def qmatmul3(x: jax.Array, weights: tuple[QuantizedWeight, ...], layer=None, row
         return qmatmul3_native(x, tuple((w.codes, w.scales) for w in weights), 0 if layer is None else layer, rows,
                                ns=tuple(w.n for w in weights), bits=first.bits, scale_mode=first.scale_mode,
                                mode=NATIVE_MODE)
-    return tuple(qmatmul(x, w, layer, rows=rows) for w in weights)
+    return tuple(qmatmul(x, w, layer, rows=rows, split=COLUMNS) for w in weights)
 
 
 def qglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight, layer, activation: str, rows=None):
@@ -435,7 +514,8 @@ def qglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight, layer, activa
 
         return qmatmul_glu_native(x, (gate.codes, gate.scales), (up.codes, up.scales), 0 if layer is None else layer,
                                   rows, n=gate.n, bits=gate.bits, scale_mode=gate.scale_mode, activation=activation)
-    return ACTIVATIONS[activation](qmatmul(x, gate, layer, rows=rows)) * qmatmul(x, up, layer, rows=rows)
+    return ACTIVATIONS[activation](qmatmul(x, gate, layer, rows=rows, split=COLUMNS)) * \
+        qmatmul(x, up, layer, rows=rows, split=COLUMNS)
 
 
 # The native kernel's way to multiply (benchmarks/quantization.py --kernel measured both): int8 activations with

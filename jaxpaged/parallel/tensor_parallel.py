@@ -22,8 +22,13 @@ their codes and scales as stored ([*lead, N, K bytes], blocks of 32 along K): a 
 scales alike), a row split cuts K (the block formats' codes and scales at block boundaries; int8's per-channel
 scales are replicated: they scale the summed output). Heads are rearranged on the codes too, a padded
 head's weights made exactly zero (zero scales, or int8's zero code), so nothing is quantized again: the numbers are
-tp 1's. Their products are XLA's dot of the dequantized shard (`quant.partitioned_products`), which GSPMD splits;
-the Pallas and native kernels' custom calls it would not.
+tp 1's.
+
+Products. GSPMD splits XLA's dot by the weights' shardings, but not a kernel's custom call (it would gather the
+weights to every device). So the step's layer products that run a kernel (the Pallas GPU layer matmul, the Pallas
+quantized matmuls) run it on each device's shard through `shard_map` (`quant.on_shards`): by columns on the whole
+x, by rows on x's columns, then an all-reduce of the partial products. The models name each product's split
+(`matmul.layer_matmul(..., split=ROWS)`); `quant.split_axes` is the one rule for both placement and products.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.models.quant import BLOCK, CHANNEL, QuantizedWeight, is_quantized
+from jaxpaged.models.quant import BLOCK, CHANNEL, COLUMNS, ROWS, QuantizedWeight, is_quantized, split_specs
 from jaxpaged.worker.attention import KVPool
 
 logger = logging.getLogger(__name__)
@@ -202,53 +207,31 @@ def expand_llama_params(params: dict, layout: HeadLayout, head_dim: int) -> dict
     return {**params, "layers": layers}
 
 
-# Megatron split of the Llama layout (jaxpaged.loader.layout): name -> the axis split over "tp" (None: replicated)
-_SPLIT_AXIS = {"embed": 0, "lm_head": 1, "wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1, "wo": 1,
-               "w_gate": 2, "w_up": 2, "w_down": 1}
-
-
-def _split_spec(ndim: int, axis: int | None) -> P:
-    return P() if axis is None else P(*[AXIS if i == axis else None for i in range(ndim)])
-
-
-def _quantized_specs(qw: QuantizedWeight, dense_axis: int | None, tp: int, where: str) -> QuantizedWeight:
-    """qw with a PartitionSpec in place of its codes and of its scales, for the split of the full-width array it
-    stands for along `dense_axis` (None: replicated): its output columns N (rows of codes and scales), or its inputs
-    K (the codes' bytes and the block scales, at block boundaries; int8's per-channel scales replicated), where no
-    code is padding past K. What tp does not divide so is replicated, and said so."""
-    if dense_axis is None:
-        return qw.replace(codes=P(), scales=P())
-    n_axis, k_axis = len(qw.lead), len(qw.lead) + 1  # in codes [*lead, N, K bytes] and the scales' layouts
-    if dense_axis == (0 if qw.table else qw.ndim - 1):
-        ok, codes_axis, scales_axis = qw.n % tp == 0, n_axis, n_axis
-    else:  # none of the codes padding past K; the block formats: whole blocks per device
-        padded_k = qw.codes.shape[-1] * 8 // qw.bits
-        ok, codes_axis = padded_k == qw.k and qw.k % ((1 if qw.scale_mode == CHANNEL else BLOCK) * tp) == 0, k_axis
-        scales_axis = None if qw.scale_mode == CHANNEL else k_axis
-    if not ok:
-        logger.warning("%s (%s %s): axis %d does not split %d ways (the block formats: in whole blocks of %d); "
-                       "replicated", where, qw.format, qw.shape, dense_axis, tp, BLOCK)
-        codes_axis = scales_axis = None
-    return qw.replace(codes=_split_spec(np.ndim(qw.codes), codes_axis),
-                      scales=_split_spec(np.ndim(qw.scales), scales_axis))
+# Megatron split of the Llama layout (jaxpaged.loader.layout): name -> how "tp" splits it (absent: replicated). By
+# columns: a matrix's outputs N (q/k/v, gate, up, the LM head's vocabulary) and a bias; by rows: its inputs K (o,
+# down). The embedding table [V, H] is split over its vocabulary rows.
+_SPLIT = {"embed": COLUMNS, "lm_head": COLUMNS, "wq": COLUMNS, "wk": COLUMNS, "wv": COLUMNS, "bq": COLUMNS,
+          "bk": COLUMNS, "bv": COLUMNS, "w_gate": COLUMNS, "w_up": COLUMNS, "wo": ROWS, "w_down": ROWS}
 
 
 def llama_partition_specs(params: dict, tp: int) -> dict:
     """A PartitionSpec per leaf of the Llama-layout params (for a quantized weight, a `QuantizedWeight` holding one
-    for its codes and one for its scales). An axis tp does not divide (a vocabulary of 50257) is left replicated, and
-    said so."""
+    for its codes and one for its scales), by `quant.split_specs`, the rule the step's products follow too. What tp
+    does not split so (a vocabulary of 50257) is left replicated, and said so."""
     def spec(path, x):
         name, where = path[-1].key, "/".join(p.key for p in path)
-        axis = _SPLIT_AXIS.get(name)
-        if is_quantized(x):
-            return _quantized_specs(x, axis, tp, where)
-        shape = np.shape(x)
-        if axis is None:
-            return P()
-        if shape[axis] % tp:
-            logger.warning("%s %s: axis %d does not split %d ways; replicated", where, shape, axis, tp)
-            return P()
-        return _split_spec(len(shape), axis)
+        split = _SPLIT.get(name)
+        if split is None:
+            return x.replace(codes=P(), scales=P()) if is_quantized(x) else P()
+        if name == "embed" and not is_quantized(x):  # [V, H]: the vocabulary is its rows
+            specs = P(AXIS, None) if np.shape(x)[0] % tp == 0 else None
+        else:
+            specs = split_specs(x, split, tp, AXIS)
+        if specs is None:
+            logger.warning("%s %s: does not split %d ways by %s (quantized by rows: in whole blocks of %d); "
+                           "replicated", where, np.shape(x), tp, split, BLOCK)
+            return x.replace(codes=P(), scales=P()) if is_quantized(x) else P()
+        return specs
 
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=is_quantized)
 

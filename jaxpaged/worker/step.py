@@ -144,9 +144,9 @@ class DraftSpec:
 
 def _step(*args, gpu_layer_rows: int = 0, **kwargs):
     """`_step_body`, its layer matmuls of at most gpu_layer_rows rows by the Pallas GPU kernel that reads a stacked
-    weight in place (`gpu_layer_matmul_rows`); with a tensor-parallel mesh, quantized weights' products by XLA's dot
+    weight in place (`gpu_layer_matmul_rows`); with a tensor-parallel mesh, kernels on each device's shard
     (`partitioned_products`)."""
-    with gpu_layer_kernel(gpu_layer_rows), partitioned_products(kwargs.get("mesh") is not None):
+    with gpu_layer_kernel(gpu_layer_rows), partitioned_products(kwargs.get("mesh")):
         return _step_body(*args, **kwargs)
 
 
@@ -348,13 +348,14 @@ def native_matmul_rows(mesh: Mesh | None) -> int:
     return NATIVE_MATMUL_ROWS if cpu_native.matmul_is_fast() else 0
 
 
-def gpu_layer_matmul_rows(mesh: Mesh | None) -> int:
+def gpu_layer_matmul_rows(mesh: Mesh | None = None) -> int:
     """The most rows a step's layer matmuls run by the Pallas GPU kernels that read a stacked weight in place
-    (`jaxpaged.models.quant.gpu_layer_kernel`: bf16 and int8 per channel), 0 for none: on a CUDA GPU without a
-    tensor-parallel mesh (the kernels see one device's arrays), up to GPU_LAYER_MATMUL_ROWS, the decode-sized steps,
-    which are bound by reading the weights that XLA's GEMM would read three times (pallas_kernels/gpu_matmul.py);
-    larger steps are bound by the product itself and keep XLA's GEMM."""
-    if mesh is not None or jax.default_backend() != "gpu":
+    (`jaxpaged.models.quant.gpu_layer_kernel`: bf16 and int8 per channel), 0 for none: on a CUDA GPU, up to
+    GPU_LAYER_MATMUL_ROWS, the decode-sized steps, which are bound by reading the weights that XLA's GEMM would read
+    three times (pallas_kernels/gpu_matmul.py); larger steps are bound by the product itself and keep XLA's GEMM.
+    With a tensor-parallel mesh the kernels run on each device's shard (`quant.on_shards`)."""
+    del mesh  # the same rows with a mesh: each device's kernel sees its shard
+    if jax.default_backend() != "gpu":
         return 0
     return GPU_LAYER_MATMUL_ROWS
 

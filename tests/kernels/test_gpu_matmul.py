@@ -126,12 +126,13 @@ def test_the_layer_loop_reads_the_stack_in_place_up_to_the_row_limit():
         assert not any(f"@{t}(" in outside for t in TRITON_CALL_TARGETS) and "dynamic_slice" in outside
 
 
-def test_the_step_turns_the_kernel_on_only_on_a_gpu_without_a_mesh(monkeypatch):
+def test_the_step_turns_the_kernel_on_only_on_a_gpu(monkeypatch):
     assert step_module.gpu_layer_matmul_rows(None) == (step_module.GPU_LAYER_MATMUL_ROWS
                                                          if jax.default_backend() == "gpu" else 0)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert step_module.gpu_layer_matmul_rows(None) == step_module.GPU_LAYER_MATMUL_ROWS
-    assert step_module.gpu_layer_matmul_rows(object()) == 0  # a tensor-parallel mesh: one device's arrays
+    # a tensor-parallel mesh too: each device's kernel multiplies its shard (quant.on_shards)
+    assert step_module.gpu_layer_matmul_rows(object()) == step_module.GPU_LAYER_MATMUL_ROWS
 
 
 def test_an_engine_whose_steps_run_the_kernel_gives_the_same_tokens(monkeypatch):

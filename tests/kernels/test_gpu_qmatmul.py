@@ -179,8 +179,9 @@ def test_the_engine_passes_the_stack_layer_and_format_to_the_kernel(monkeypatch,
 
 def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, kernel_rows: int = 0,
                        partitioned: bool = False) -> str:
-    """The models' layer loop (fori_loop over the stack, `layer_matmul`) lowered for `platform`, inside
-    `quant.gpu_layer_kernel(kernel_rows)` and `quant.partitioned_products(partitioned)`."""
+    """The models' layer loop (fori_loop over the stack, `layer_matmul` with no split named) lowered for `platform`,
+    inside `quant.gpu_layer_kernel(kernel_rows)` and, if `partitioned`, `quant.partitioned_products` of a mesh."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("tp",)) if partitioned else None
     from jax import export
 
     from jaxpaged.models.matmul import layer_matmul
@@ -188,7 +189,7 @@ def _layer_loop_module(qw: quant.QuantizedWeight, platform: str, rows: int = 8, 
     def run(x):
         def body(i, acc):
             return acc + layer_matmul(x, qw, i)
-        with quant.gpu_layer_kernel(kernel_rows), quant.partitioned_products(partitioned):
+        with quant.gpu_layer_kernel(kernel_rows), quant.partitioned_products(mesh):
             return jax.lax.fori_loop(0, qw.shape[0], body, jnp.zeros((x.shape[0], qw.n), x.dtype))
 
     checks = [export.DisabledSafetyCheck.custom_call(t) for t in TRITON_CALL_TARGETS]
@@ -271,9 +272,10 @@ def test_on_cuda_int8_reads_the_stack_in_place_within_the_row_limit():
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_k"])
 def test_under_tensor_parallelism_the_products_are_xla_dots(fmt):
-    """Inside `quant.partitioned_products` (a step traced for a tensor-parallel mesh) no product lowers to a Pallas
-    kernel's custom call, which GSPMD would run on whole weights gathered to every device: for CUDA (int8 within the
-    W8A8 kernel's row limit too) and TPU, only XLA's dot; outside it the same loop calls the kernels."""
+    """Inside `quant.partitioned_products` (a step traced for a tensor-parallel mesh) a product whose split is not
+    named lowers to no Pallas kernel's custom call, which GSPMD would run on whole weights gathered to every device:
+    for CUDA (int8 within the W8A8 kernel's row limit too) and TPU, only XLA's dot; outside it the same loop calls
+    the kernels. (Named splits run the kernels on each device's shard: tests/parallel/test_tensor_parallel.py.)"""
     qw = jax.tree.map(jnp.asarray, random_weight(np.random.default_rng(7), fmt, 4, 256, 512))
     for platform in ("cuda", "tpu"):
         module = _layer_loop_module(qw, platform, kernel_rows=8, partitioned=True)

@@ -206,6 +206,24 @@ def test_int8_weights_under_tensor_parallelism():
             assert_quantized_split(name, path, leaf, 2)
 
 
+def test_the_gpu_layer_matmul_runs_on_each_devices_shard():
+    """2 fake CPU devices (a subprocess), the Pallas GPU layer matmul on (as on CUDA; the interpreter runs it): at
+    tp 2 each device's kernel multiplies its shard (shard_map: q/k/v, gate and up by columns on the whole x, o and
+    down by rows, their partial products all-reduced), with tp 1's tokens and log-probs within the tolerance, and
+    the layer loop keeps its two all-reduces (no weight gathered)."""
+    results, _ = run_worker("tiny8_gpukernel", "1,2", devices=2)
+    assert_same_generations(results)
+    one = {tuple(map(tuple, json.loads(c))) for c in results["1"]["kernel_calls"]}
+    two = {tuple(map(tuple, json.loads(c))) for c in results["2"]["kernel_calls"]}
+    assert one and two, "the kernel was not traced: the test would prove nothing"
+    # [L, K, N] weights: hidden 32, 8 heads of 8 (q, k, v, o: 64 wide), intermediate 64
+    assert {w for _, w in one} == {(2, 32, 64), (2, 64, 32)}
+    assert {w for _, w in two} == {(2, 32, 32)}  # columns halve N (64 -> 32), rows halve K (64 -> 32)
+    assert {x[1] for x, _ in two} == {32}  # x: the whole hidden (columns) or its half of the 64 (rows)
+    for key, step in results["2"]["inspect"]["steps"].items():
+        assert step["per_layer"]["all-reduce"] == 2 and step["per_layer"]["all-gather"] == 0, key
+
+
 def test_default_model_at_tp_1_2_and_4():
     """SmolLM2-135M (real weights, 9 query / 3 kv heads: kv heads replicated, query heads padded at tp 2 and 4) at
     tp 1, 2 and 4: the same greedy, seeded n=2, prefix-cached and beam-search tokens, log-probs within 1e-4."""

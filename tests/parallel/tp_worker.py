@@ -9,6 +9,8 @@ steps and arrays look like. Used by tests/parallel/test_tensor_parallel.py.
                                                             # (a GPU's way), and tp 1's fused outputs beside
     python -m tests.parallel.tp_worker smol_int8 1,2        # any model case with quantization="int8"
     python -m tests.parallel.tp_worker gguf 1,2,4           # GGUF block formats kept (quantization="gguf")
+    python -m tests.parallel.tp_worker tiny8_gpukernel 1,2  # any model case with the Pallas GPU layer matmul on (as
+                                                            # on CUDA; the interpreter runs it), on each shard
 Quantized cases multiply by XLA's dot at tp 1 too (not the native CPU kernel, whose int8 activations give other
 numbers): what tensor parallelism must not change.
 """
@@ -131,6 +133,19 @@ def main(case: str, sizes: str) -> None:
         quant_setup.native_quantized = lambda: False
         ENGINE = {**ENGINE, "quantization": "gguf" if case == "gguf" else "int8"}
         case = case.removesuffix("_int8")
+    kernel_calls = []
+    if case.endswith("_gpukernel"):  # the layer matmul kernel in every step, on each device's shard
+        from jaxpaged.worker import model_runner
+        from pallas_kernels import gpu_matmul
+
+        case, kernel = case.removesuffix("_gpukernel"), gpu_matmul.layer_matmul_gpu
+
+        def interpreted(x, w, *args, **kwargs):
+            kernel_calls.append([list(x.shape), list(w.shape)])
+            return kernel(x, w, *args, interpret=True, **kwargs)
+
+        model_runner.gpu_layer_matmul_rows = lambda mesh: 64
+        gpu_matmul.layer_matmul_gpu = interpreted
     speculating = case.endswith("_spec")
     if speculating:  # the model's first layer proposes 3 tokens a step: every decode step verifies
         case, ENGINE = case.removesuffix("_spec"), {
@@ -199,6 +214,9 @@ def main(case: str, sizes: str) -> None:
             model_runner.split_sampler_here = lambda multihost: True
             results[tp]["fused"] = generations(fused, vocab)
             results[tp]["split"] = llm.engine.runner.split_sampler and not fused.engine.runner.split_sampler
+        if kernel_calls:  # the (x, w) shapes the kernel was traced with at this tp: each device's shards
+            results[tp]["kernel_calls"] = sorted({json.dumps(c) for c in kernel_calls})
+            kernel_calls.clear()
         if tp > 1 and not speculating:  # (a self-draft's own loop over its layers is a second loop in the HLO)
             results[tp]["inspect"] = inspect(llm)
     print(json.dumps(results))
