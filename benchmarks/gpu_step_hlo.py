@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import RESULTS_DIR, print_table, write_json  # noqa: E402
 from gpu_throughput import FORMATS, SHAPES  # noqa: E402
-from quant_fusion import device  # noqa: E402
+from quant_fusion import device, devices  # noqa: E402
 
 from tests.hlo_checks import computations  # noqa: E402
 
@@ -41,12 +41,13 @@ SKIP = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
 def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fmt: str = "bf16",
-                        split_sampler: bool = True) -> str:
+                        split_sampler: bool = True, tp: int = 1) -> str:
     """The compiled HLO of a decode step of `seqs` sequences at `model`'s shapes (random weights, nothing allocated:
     ShapeDtypeStructs on the target device), the GPU layer matmul on up to kernel_rows rows. fmt: one of
     gpu_throughput.FORMATS (fp8kv: a float8_e4m3fn pool with per-layer scales 1.0 and rotated keys, as the engine
     builds it; int8: the weights quantized per channel, `jaxpaged.quantize`). split_sampler: the sampler left out of
-    the step, as the engine runs it on a GPU (jaxpaged.worker.step)."""
+    the step, as the engine runs it on a GPU (jaxpaged.worker.step). tp > 1: split over a mesh of tp such GPUs as
+    the engine splits it (`jaxpaged.parallel.tensor_parallel`; the step's kernel rows as the engine sets them)."""
     from flax import nnx
 
     from jaxpaged.models.llama import LlamaForCausalLM
@@ -59,7 +60,6 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fm
     from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
     from pallas_kernels.validation import KERNEL_DTYPES
 
-    sharding = jax.sharding.SingleDeviceSharding(device(target))
     config = SHAPES[model]
     options = FORMATS[fmt]
 
@@ -68,22 +68,45 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fm
         return quantize(module, options.get("quantization"))
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
-    leaves, treedef = jax.tree.flatten(state)
-    leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves)
+    mesh = None
+    if tp > 1:
+        from jaxpaged.parallel import tensor_parallel as tpl
+
+        mesh = jax.sharding.Mesh(devices(target, tp), (tpl.AXIS,))
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        specs = tpl.llama_partition_specs(nnx.to_pure_dict(state), tp)
+        spec_state = nnx.State(state)  # the same tree with a spec at each leaf
+        nnx.replace_by_pure_dict(spec_state, specs)
+        leaf_specs = jax.tree.leaves(spec_state, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+        leaves, treedef = jax.tree.flatten(state)
+        leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+                       for x, spec in zip(leaves, leaf_specs, strict=True))
+        pool_sharding = tpl.pool_sharding(mesh)
+    else:
+        sharding = pool_sharding = jax.sharding.SingleDeviceSharding(device(target))
+        leaves, treedef = jax.tree.flatten(state)
+        leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves)
     fp8 = options.get("kv_cache_dtype") == "fp8"
     attn = PagedAttention("pallas_gpu", functools.partial(paged_attention, implementation="pallas_gpu"),
                           KERNEL_DTYPES, SUPPORTED_HEAD_DIMS, kernel_variant=gpu_splits,
                           kv_scales=KVScales.uniform(config.num_layers) if fp8 else None)
+    if mesh is not None:
+        attn = tpl.ShardedAttention(attn, mesh)
     width, max_len = 128, 2048  # block tables of 2048 tokens in 16-token blocks
     blocks = seqs * width
     pool = KVPool(*(jax.ShapeDtypeStruct((config.num_layers, blocks + 1, 16, config.num_kv_heads, config.head_dim),
-                                         jnp.float8_e4m3fn if fp8 else jnp.bfloat16, sharding=sharding)
+                                         jnp.float8_e4m3fn if fp8 else jnp.bfloat16, sharding=pool_sharding)
                           for _ in range(2)))
     layout = StepLayout(seqs, seqs, width, 1, blocks // 4, 0, True)  # a quarter of the tables in use
     sds = functools.partial(jax.ShapeDtypeStruct, sharding=sharding)
     extras = tuple(sds(shape, e.dtype) for e, shape in zip(EXTRAS, extra_shapes(seqs, config.vocab_size, max_len),
                                                              strict=True))
-    step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows, split_sampler=split_sampler)
+    if mesh is None:
+        step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows, split_sampler=split_sampler)
+    else:
+        step = jit_step(graphdef, treedef, attn, pool_sharding, seqs, mesh=mesh,
+                        leaf_shardings=tuple(x.sharding for x in leaves), gpu_rows=kernel_rows,
+                        split_sampler=split_sampler)
     with jax.default_matmul_precision(step_matmul_precision(leaves)):
         lowered = step.lower(leaves, pool, sds((seqs,), jnp.int32), sds((layout.size,), jnp.int32), extras, (), (),
                              layout)
@@ -133,7 +156,8 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=256)
     ap.add_argument("--formats", nargs="+", default=["bf16"], choices=list(FORMATS),
                     help="KV cache and weight formats (benchmarks/gpu_throughput.py's)")
-    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "gpu_step_hlo.json"))
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel over this many GPUs of --target")
+    ap.add_argument("--out", default=None, help="default: results/gpu_step_hlo.json (_tp<N> with --tp)")
     args = ap.parse_args()
     from jaxpaged.worker.step import GPU_LAYER_MATMUL_ROWS
 
@@ -143,12 +167,13 @@ def main() -> None:
         h, f, d = config.hidden_size, config.intermediate_size, config.head_dim
         layer_mb = 2 * (h * (config.num_heads + 2 * config.num_kv_heads) * d + config.num_heads * d * h
                         + 3 * h * f) / 1e6
-        pool_dims = f"{config.num_kv_heads},{d}]"
+        pool_dims = f"{config.num_kv_heads // args.tp},{d}]"  # one device's kv heads
+        layer_mb /= args.tp  # one device's share
         if "int8" in fmt:
             layer_mb /= 2  # one byte a weight (and a scale per column)
         # the layer matmul by XLA and by the kernel; and the engine before the split sampler (its conditionals)
         for kernel, split in ((0, True), (GPU_LAYER_MATMUL_ROWS, True), (GPU_LAYER_MATMUL_ROWS, False)):
-            hlo = compile_decode_step(model, args.seqs, kernel, args.target, fmt, split_sampler=split)
+            hlo = compile_decode_step(model, args.seqs, kernel, args.target, fmt, split_sampler=split, tp=args.tp)
             rows = layer_loop_ops(hlo, pool_dims)
             copies = weight_copies(rows, pool_dims, args.seqs)
             name = f"{model} {fmt} layer matmul {'kernel' if kernel else 'XLA'}" + ("" if split else ", sampler fused")
@@ -160,13 +185,16 @@ def main() -> None:
             print(f"\n{name}: the layer loop's body ({len(rows)} ops, once per layer)")
             print_table(rows, [("op", "op", ""), ("kind", "kind", ""), ("what", "what", ""),
                                ("output", "output", ""), ("output_mb", "output MB", ".1f")])
-    print(f"\n{args.target}, decode step of {args.seqs} sequences: weight copies per layer (each read and written "
-          "before the GEMM reads the weight again)")
+    print(f"\n{args.target}{f' x {args.tp} (tensor parallel, per device)' if args.tp > 1 else ''}, decode step of "
+          f"{args.seqs} sequences: weight copies per layer (each read and written before the GEMM reads the weight "
+          "again)")
     print_table(summary, [("step", "step", ""), ("ops", "ops a layer", "d"), ("triton_calls", "Triton calls", "d"),
                           ("weight_mb", "layer weights MB", ".0f"), ("copies", "weight copies", "d"),
                           ("copied_mb", "MB copied", ".0f"), ("conditionals", "conditionals in the step", "d")])
-    write_json(args.out, {"target": args.target, "seqs": args.seqs, "jax": jax.__version__, "summary": summary,
-                          "layer_loop_bodies": bodies})
+    out = args.out or os.path.join(RESULTS_DIR, "gpu_step_hlo.json" if args.tp == 1 else
+                                   f"gpu_step_hlo_tp{args.tp}.json")
+    write_json(out, {"target": args.target, "tp": args.tp, "seqs": args.seqs, "jax": jax.__version__,
+                     "summary": summary, "layer_loop_bodies": bodies})
 
 
 if __name__ == "__main__":

@@ -89,13 +89,19 @@ _FORMAT_FIELDS = {"int8": (8, quant.CHANNEL), "q8_0": (8, quant.BLOCK_SYM), "q4_
 
 @functools.cache
 def device(target: str):
+    return devices(target, 1)[0]
+
+
+def devices(target: str, count: int) -> list:
+    """`count` devices of `target` with nothing behind them (deviceless compiles); on CUDA, one host's GPUs."""
     from jax.experimental import topologies
 
     platform, topology, config = TARGETS[target]
     if platform == "tpu":
-        return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+        return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[:count]
     with open(os.path.join(HERE, "target_configs", config)) as f:
-        return topologies.get_topology_desc(platform="cuda", topology=topology, target_config=f.read()).devices[0]
+        return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{count}",
+                                            target_config=f.read()).devices
 
 
 def abstract_weight(fmt: str, k: int, n: int, sharding, layers: int = LAYERS):

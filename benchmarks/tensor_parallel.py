@@ -21,6 +21,8 @@ Step time: median of 5 runs of the compiled step on 2 CPU cores shared by 8 fake
 fake devices share the same cores and memory, so more devices only add the collectives' overhead.
 
     python benchmarks/tensor_parallel.py          # prints a table, writes benchmarks/results/tensor_parallel.json
+    python benchmarks/tensor_parallel.py --quantization gguf   # the GGUF's Q4_1 / Q8_0 tensors kept, split as
+                                                  # stored (results/tensor_parallel_gguf.json); or int8
 """
 
 from __future__ import annotations
@@ -92,30 +94,30 @@ def megatron_bytes(tp: int, tokens: int, seqs: int, hidden: int, layers: int, vo
 # ---- one tp size, in a child process with 8 fake devices ------------------------------------------------------------
 
 
-def measure(tp: int) -> dict:
+def measure(tp: int, quantization: str | None = None) -> dict:
     import jax
     import numpy as np
 
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.parallel.tensor_parallel import per_device_bytes
 
-    llm = LLM(tensor_parallel_size=tp, **ENGINE)
+    llm = LLM(tensor_parallel_size=tp, quantization=quantization, **ENGINE)
     runner = llm.engine.runner
-    captured = {}
-    execute = runner.execute
+    captured = {}  # kind -> (inputs, rows) of its largest step
+    dispatch = runner.dispatch
 
-    def capture(batch):
-        kind = "decode" if batch.attn.tile_size == 1 else "prefill"
-        if kind not in captured or batch.shape_key[0] >= captured[kind].shape_key[0]:
-            captured[kind] = batch
-        return execute(batch)
+    def capture(inputs, rows):
+        kind = "decode" if inputs.layout.num_tokens == inputs.layout.num_seqs else "prefill"  # one token a row
+        if kind not in captured or inputs.layout.num_tokens >= captured[kind][0].layout.num_tokens:
+            captured[kind] = (inputs, rows)
+        return dispatch(inputs, rows)
 
-    runner.execute = capture
+    runner.dispatch = capture
     rng = np.random.default_rng(0)
     vocab = llm.engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(3, vocab, PROMPT_LEN).tolist()} for _ in range(PROMPTS)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    runner.execute = execute
+    runner.dispatch = dispatch
 
     config = runner.config
     local_pool = runner.kv_pool.k.addressable_shards[0].data.shape
@@ -124,14 +126,15 @@ def measure(tp: int) -> dict:
            "pool_bytes_per_device": max(pool.values()), "pool_bytes_total": sum(pool.values()),
            "kv_head_slots": config.num_kv_heads, "query_head_slots": config.num_heads, "steps": {}}
     model = llm.engine.model_config
-    for kind, batch in sorted(captured.items()):
-        tokens, seqs = batch.shape_key[0], batch.shape_key[1]
-        hlo = runner._executables[batch.shape_key].as_text()
+    for kind, (inputs, rows) in sorted(captured.items()):
+        layout = inputs.layout
+        tokens, seqs = layout.num_tokens, layout.num_seqs
+        hlo = runner._executables[layout.key].as_text()
         coll = step_collectives(hlo, local_pool, config.num_layers)
         times = []
-        for _ in range(6):
+        for _ in range(6):  # the same step again (it rewrites the same pool slots); the host batch is not touched
             t = time.perf_counter()
-            jax.block_until_ready(runner.execute_local(batch)["tokens"])
+            jax.block_until_ready(runner.dispatch(inputs, rows).tokens)
             times.append(time.perf_counter() - t)
         out["steps"][kind] = {
             "tokens": tokens, "seqs": seqs, "collectives": coll,
@@ -144,11 +147,12 @@ def measure(tp: int) -> dict:
 # ---- the parent -----------------------------------------------------------------------------------------------------
 
 
-def run_size(tp: int) -> dict:
+def run_size(tp: int, quantization: str | None) -> dict:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(tp)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
+    quant = ["--quantization", quantization] if quantization else []
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", str(tp), *quant], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode:
         raise RuntimeError(f"tp {tp} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -156,10 +160,12 @@ def run_size(tp: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantization", choices=("int8", "gguf"), default=None,
+                        help="weights quantized (int8) or the GGUF's formats kept (gguf); default: full width")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(measure(args.worker)))
+        print(json.dumps(measure(args.worker, args.quantization)))
         return
     sys.path.insert(0, HERE)
     from common import print_table, write_json
@@ -169,7 +175,7 @@ def main() -> None:
     results = []
     for tp in SIZES:
         t0 = time.perf_counter()
-        results.append(run_size(tp))
+        results.append(run_size(tp, args.quantization))
         print(f"tp {tp}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     rows = []
     for r in results:
@@ -183,7 +189,9 @@ def main() -> None:
             row[f"{kind}_ops"] = "/".join(str(s["collectives"][op]["count"]) for op in ("all-reduce", "all-gather"))
             row[f"{kind}_ms"] = s["step_ms"]
         rows.append(row)
-    print(f"\nSmolLM2-135M float32, {DEVICES} fake CPU devices on {os.cpu_count()} cores of {cpu}; pool "
+    weights = {None: "float32", "int8": "int8 weights, float32 compute", "gguf": "Q4_1/Q8_0 kept, float32 compute"}
+    print(f"\nSmolLM2-135M {weights[args.quantization]}, {DEVICES} fake CPU devices on {os.cpu_count()} cores of "
+          f"{cpu}; pool "
           f"{ENGINE['num_blocks']} blocks of {ENGINE['block_size']}. Collective KiB: result bytes from the compiled "
           "HLO (AR/AG: all-reduce/all-gather ops per step); formula: (2L+1)*T*hidden*4 + S*V*4. Step ms: fake devices "
           "sharing 2 cores, not a speed claim.\n")
@@ -194,9 +202,11 @@ def main() -> None:
                        ("decode_shape", "decode TxS", "s"), ("decode_ops", "AR/AG", "s"),
                        ("decode_coll", "coll KiB", ".0f"), ("decode_formula", "formula KiB", ".0f"),
                        ("decode_ms", "ms", ".0f")])
-    write_json(os.path.join(HERE, "results", "tensor_parallel.json"),
+    name = f"tensor_parallel_{args.quantization}.json" if args.quantization else "tensor_parallel.json"
+    write_json(os.path.join(HERE, "results", name),
                {"cpu": cpu, "devices": f"{DEVICES} fake CPU devices (--xla_force_host_platform_device_count)",
-                "engine": ENGINE, "formula": "(2 L + 1) x T x hidden x 4 + S x V x 4 result bytes per step",
+                "engine": ENGINE, "quantization": args.quantization,
+                "formula": "(2 L + 1) x T x hidden x 4 + S x V x 4 result bytes per step",
                 "note": "step_ms: fake devices on 2 CPU cores, not a speed claim", "results": results})
 
 
