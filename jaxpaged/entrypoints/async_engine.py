@@ -77,6 +77,8 @@ class _Add:
 class _Abort:
     request_id: str
     error: BaseException | None = None  # handed to the reader when it is still listening
+    # the reader the abort was meant for (None: none then): a later request that reuses the id is not it
+    stream: RequestStream | None = None
 
 
 @dataclasses.dataclass
@@ -291,10 +293,11 @@ class AsyncEngine:
                 yield out
 
     def abort(self, request_id: str) -> None:
-        """Stops a request and frees its KV blocks; thread-safe, unknown ids are ignored. Its reader, if any,
-        gets RequestAbortedError."""
+        """Stops a request and frees its KV blocks; thread-safe, unknown or finished ids are ignored. Its reader,
+        if any, gets RequestAbortedError; a request added later with the same id is not touched."""
         with self._cond:
-            self._commands.append(_Abort(request_id, RequestAbortedError(f"request {request_id!r} was aborted")))
+            self._commands.append(_Abort(request_id, RequestAbortedError(f"request {request_id!r} was aborted"),
+                                         self._streams.get(request_id)))
             self._cond.notify()
 
     def _stop_sequences(self, request_id: str, indices: list[int]) -> None:
@@ -432,10 +435,13 @@ class AsyncEngine:
                         cmd.done.set_exception(e)
                 continue
             if isinstance(cmd, _Abort):
+                # (commands apply in order: a request added after the abort is not in the engine yet)
                 self.engine.abort_request(cmd.request_id)
                 self._token_times.pop(cmd.request_id, None)
                 self._arrivals.pop(cmd.request_id, None)
-                if cmd.error is not None:
+                with self._cond:  # the reader it was meant for, still listening: not a newer one of the same id
+                    listening = cmd.stream is not None and self._streams.get(cmd.request_id) is cmd.stream
+                if cmd.error is not None and listening:
                     deliveries.append((cmd.request_id, cmd.error))
                 continue
             if isinstance(cmd, _StopSequences):

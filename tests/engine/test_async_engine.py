@@ -192,6 +192,23 @@ def test_abort_from_another_thread_frees_the_blocks_at_once(aengine):
     assert s["num_used"] == 0 and s["num_running"] == 0 and s["aborted_requests"] >= 1
 
 
+def test_aborting_a_finished_request_leaves_a_new_one_with_its_id_alone(aengine):
+    """abort(id) of a request that has finished is ignored, also by the request that reuses the id right after
+    (the abort's error went to whichever reader held the id when it was delivered: the new one, whose request
+    then ran on unread, its id refused). Twice in a row too."""
+    async def run():
+        first = [out async for out in aengine.generate("x", [5, 6, 7], GREEDY)]
+        aengine.abort("x")
+        aengine.abort("x")
+        second = [out async for out in aengine.generate("x", [5, 6, 7], GREEDY)]
+        return first, second
+
+    for _ in range(3):
+        first, second = asyncio.run(run())
+        assert second[-1].finished and second[-1].outputs[0].token_ids == first[-1].outputs[0].token_ids
+    assert wait_for(lambda: aengine.stats()["num_used"] == 0 and aengine.stats()["num_running"] == 0)
+
+
 def test_leaving_the_stream_early_aborts_the_request(aengine):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
