@@ -222,6 +222,15 @@ class Engine:
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
                              f"max_model_len={self.max_model_len}")
+        # The beams wait for each other at every step: a beam that has given its candidates holds its blocks until
+        # every other beam of the request has given its own, so the pool must hold all of them at full length,
+        # each on blocks of its own (as they are once preempted and recomputed), or the request could never end.
+        bm = self.scheduler.block_manager
+        blocks = params.beam_width * -(-(len(token_ids) + params.max_tokens) // bm.block_size)
+        if blocks > bm.num_blocks - 1:
+            raise ValueError(f"beam_width={params.beam_width} beams of prompt ({len(token_ids)} tokens) + "
+                             f"max_tokens={params.max_tokens} need {blocks} KV blocks; the pool has "
+                             f"{bm.num_blocks - 1}: lower beam_width or max_tokens, or give the KV cache more memory")
         # Greedy rows with the top-20 log-probs: the host picks the beams from those.
         sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
         parent = Sequence(request_id, token_ids, sp, max_model_len=self.max_model_len,
