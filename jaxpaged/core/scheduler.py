@@ -157,10 +157,15 @@ class Scheduler:
 
     def fork(self, parent: Sequence, children: list[Sequence]) -> None:
         """Children made by `parent.fork` (n > 1 samples, beams) share all its blocks (the last one is copied on
-        write) and run from the next step."""
+        write) and run from the next step. A parent preempted meanwhile (a beam whose group chose the next beams
+        after it had given its own candidates and been preempted) has no blocks on the device: its children are
+        recomputed."""
         for child in children:
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            child.num_computed_tokens = parent.num_computed_tokens
+            if parent.status is SequenceStatus.RUNNING:
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                child.num_computed_tokens = parent.num_computed_tokens
+            else:
+                child.num_computed_tokens = 0
             child.status = SequenceStatus.RUNNING
             self._insert_running(child)
 
