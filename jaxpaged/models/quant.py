@@ -325,8 +325,9 @@ def split_axes(w, split: str, tp: int) -> tuple[int | None, int | None] | None:
     """Where a `split` (COLUMNS or ROWS) over tp devices cuts a weight as stored: (axis of the array, None) for a
     full-width [*lead, K, N]; (axis of the codes, axis of the scales or None: replicated) for a `QuantizedWeight`
     (codes [*lead, N, K bytes]; a table's N is its rows). None where tp does not split it so: N or K not a multiple
-    of tp, or, by rows, codes padded past K or (the block formats) shares that are not whole blocks of 32. The one
-    rule for how weights are placed (`jaxpaged.parallel.tensor_parallel.llama_partition_specs`) and multiplied."""
+    of tp, or, by rows, codes padded past K or shares that are not whole blocks of 32 (the block formats' blocks;
+    the kernels' codes are whole blocks in every format). The one rule for how weights are placed
+    (`jaxpaged.parallel.tensor_parallel.llama_partition_specs`) and multiplied."""
     if not is_quantized(w):
         axis = len(w.shape) - (1 if split == COLUMNS else 2)
         return (axis, None) if w.shape[axis] % tp == 0 else None
@@ -334,7 +335,7 @@ def split_axes(w, split: str, tp: int) -> tuple[int | None, int | None] | None:
     if split == COLUMNS:
         return (n_axis, n_axis) if w.n % tp == 0 else None
     padded_k = w.codes.shape[-1] * 8 // w.bits
-    if padded_k != w.k or w.k % ((1 if w.scale_mode == CHANNEL else BLOCK) * tp):
+    if padded_k != w.k or w.k % (BLOCK * tp):
         return None
     return k_axis, None if w.scale_mode == CHANNEL else k_axis
 

@@ -19,8 +19,8 @@ device has as many. The plan is the one that holds the fewest kv heads per devic
 
 Quantized weights (`jaxpaged.models.quant.QuantizedWeight`, int8 or a GGUF's kept formats) split the same way, on
 their codes and scales as stored ([*lead, N, K bytes], blocks of 32 along K): a column split cuts N (codes and
-scales alike), a row split cuts K (the block formats' codes and scales at block boundaries; int8's per-channel
-scales are replicated: they scale the summed output). Heads are rearranged on the codes too, a padded
+scales alike), a row split cuts K at block boundaries (whole blocks of 32 per device; int8's per-channel scales
+are replicated: they scale the summed output). Heads are rearranged on the codes too, a padded
 head's weights made exactly zero (zero scales, or int8's zero code), so nothing is quantized again: the numbers are
 tp 1's.
 
@@ -228,7 +228,7 @@ def llama_partition_specs(params: dict, tp: int) -> dict:
         else:
             specs = split_specs(x, split, tp, AXIS)
         if specs is None:
-            logger.warning("%s %s: does not split %d ways by %s (quantized by rows: in whole blocks of %d); "
+            logger.warning("%s %s: does not split %d ways by %s (quantized, by rows: in whole blocks of %d each); "
                            "replicated", where, np.shape(x), tp, split, BLOCK)
             return x.replace(codes=P(), scales=P()) if is_quantized(x) else P()
         return specs
