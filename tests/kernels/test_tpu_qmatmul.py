@@ -267,3 +267,36 @@ def test_on_tpu_the_layer_loop_calls_the_kernel_where_xla_would_not_fuse(fmt):
         if kernel:
             assert f"tensor<4x512x{256 * qw.bits // 8}xui8>" in tpu
     assert "tpu_custom_call" not in lowered("cpu", 8)
+
+
+@pytest.mark.parametrize("split", ["columns", "rows"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_under_tensor_parallelism_the_kernel_runs_on_each_chips_shard(fmt, split):
+    """Compiled for 4 TPU v5e chips (deviceless; skipped without libtpu): inside `partitioned_products`, a layer
+    product of a weight split by columns or by rows (`quant.split_specs`, as the engine places it) is the Mosaic
+    kernel on each chip's shard, 128 rows (above NIBBLE_MAX_ROWS, so Q4_K takes the kernel too): no gather of the
+    codes, and an all-reduce only after a row split."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpaged.models.matmul import layer_matmul
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    mesh = Mesh(np.asarray(devices[:4]), ("tp",))
+    qw = random_weight(np.random.default_rng(3), fmt, 4, 1024, 1024)
+    specs = quant.split_specs(qw, split, 4, "tp")
+    qw = qw.replace(**{name: jax.ShapeDtypeStruct(getattr(qw, name).shape, getattr(qw, name).dtype,
+                                                  sharding=NamedSharding(mesh, getattr(specs, name)))
+                       for name in ("codes", "scales")})
+    x = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P() if split == "columns" else P(None, "tp")))
+
+    def run(x, qw):
+        with quant.partitioned_products(mesh):
+            return layer_matmul(x, qw, 1, split)
+
+    hlo = jax.jit(run).lower(x, qw).compile().as_text()
+    assert hlo.count(TPU_KERNEL) >= 1 and not re.search(r" all-gather(-start)?\(", hlo)
+    assert len(re.findall(r" all-reduce(-start)?\(", hlo)) == (0 if split == "columns" else 1)
