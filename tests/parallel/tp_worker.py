@@ -38,7 +38,7 @@ def model(case: str):
         config = tiny_config(hidden=36, heads=9, kv_heads=3, head_dim=8, layers=2)
     elif case == "smol":  # SmolLM2's heads again, every matrix's K a whole number of 32-blocks per device at tp 2
         config = tiny_config(hidden=64, heads=9, kv_heads=3, head_dim=16, layers=2)
-    elif case == "gguf":  # heads of 32 (whole blocks), SmolLM2's 2 query heads per kv head; every block format
+    elif case == "gguf":  # 6 query / 3 kv heads of 32 (whole blocks; replicated and padded at 2 and 4); block formats
         from jaxpaged.models.quant import is_quantized
         from tests.quant_weights import random_weight
 
