@@ -105,7 +105,7 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, split: str 
     if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= gpu_kernel_rows() and w.dtype == x.dtype:
         from pallas_kernels.gpu_matmul import layer_matmul_gpu
 
-        y = on_shards(lambda x, w, layer: layer_matmul_gpu(x, w, layer), x, w, layer, split)
+        y = on_shards(layer_matmul_gpu, x, w, layer, split)
         if y is not None:
             return y.astype(x.dtype)
     return matmul(x, _layer(w, layer))

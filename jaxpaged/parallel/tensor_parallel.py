@@ -220,16 +220,16 @@ def llama_partition_specs(params: dict, tp: int) -> dict:
     does not split so (a vocabulary of 50257) is left replicated, and said so."""
     def spec(path, x):
         name, where = path[-1].key, "/".join(p.key for p in path)
-        split = _SPLIT.get(name)
-        if split is None:
-            return x.replace(codes=P(), scales=P()) if is_quantized(x) else P()
-        if name == "embed" and not is_quantized(x):  # [V, H]: the vocabulary is its rows
-            specs = P(AXIS, None) if np.shape(x)[0] % tp == 0 else None
-        else:
-            specs = split_specs(x, split, tp, AXIS)
-        if specs is None:
-            logger.warning("%s %s: does not split %d ways by %s (quantized, by rows: in whole blocks of %d each); "
-                           "replicated", where, np.shape(x), tp, split, BLOCK)
+        split, specs = _SPLIT.get(name), None
+        if split is not None:
+            if name == "embed" and not is_quantized(x):  # [V, H]: the vocabulary is its rows
+                specs = P(AXIS, None) if np.shape(x)[0] % tp == 0 else None
+            else:
+                specs = split_specs(x, split, tp, AXIS)
+            if specs is None:
+                logger.warning("%s %s: does not split %d ways by %s (quantized, by rows: in whole blocks of %d "
+                               "each); replicated", where, np.shape(x), tp, split, BLOCK)
+        if specs is None:  # replicated
             return x.replace(codes=P(), scales=P()) if is_quantized(x) else P()
         return specs
 
