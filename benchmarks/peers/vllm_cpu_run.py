@@ -4,8 +4,9 @@ jaxpaged), started by `benchmarks/peers/vllm_cpu.py` with the preloads and threa
     <venv>/bin/python benchmarks/peers/vllm_cpu_run.py --model HF_DIR --prompts prompts.json --dtype bfloat16 \
         --out result.json
 
-prompts.json: {"prompt_token_ids": [[...], ...], "max_tokens": 96}. Every prompt goes in at once through one
-`LLM.generate` call: greedy, EOS ignored, exactly max_tokens new tokens, prefix caching off. The result JSON holds
+prompts.json: {"prompt_token_ids": [[...], ...], "max_tokens": 96, "sampling": {...}}. Every prompt goes in at once
+through one `LLM.generate` call: greedy (plus "sampling"'s SamplingParams fields, e.g. penalties), EOS ignored, exactly
+max_tokens new tokens, prefix caching off. The result JSON holds
 tok/s, wall time (the generate call alone, after the engine is built and warmed by vLLM itself) and every
 request's generated token ids, in prompt order.
 """
@@ -78,7 +79,8 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(**engine_args)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                            **spec.get("sampling", {}))
     requests = [{"prompt_token_ids": p} for p in prompts]
     rss.reset()
     t0 = time.perf_counter()
