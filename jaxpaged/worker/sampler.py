@@ -155,10 +155,17 @@ def _scale_and_filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Arra
     return jax.lax.cond(needs_filter, lambda x: _filter(x, top_k, top_p, min_p), lambda x: x, scaled)
 
 
-def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+def _penalize(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> jax.Array:
     """Repetition (HF: on prompt and output), frequency and presence (OpenAI: on output) penalties, from the rows'
     token counts built here (seen_tokens, and pending_tokens where the host lacked the last one). logits [S, V]
-    float32."""
+    float32. With `native`, the native CPU kernel gives the same bits visiting only each row's seen tokens
+    (`pallas_kernels.cpu_native.penalties_native`); XLA builds dense [S, V] counts."""
+    if native:
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available("penalties"):
+            return cpu_native.penalties_native(logits, s.seen_tokens, s.output_start, s.pending_tokens,
+                                               s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
     num_rows, vocab = logits.shape
     rows = jnp.arange(num_rows)[:, None]
     seen = s.seen_tokens  # [S, L]
@@ -172,7 +179,8 @@ def _penalize(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
     counts = counts.at[rows[:, 0], last].add(pending.astype(jnp.float32))
     anywhere = anywhere.at[rows[:, 0], last].max(pending)
     rep = s.repetition_penalty[:, None]
-    logits = jnp.where(anywhere, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    # times the reciprocal, as XLA rewrites a division by a broadcast anyway (and the native kernel does)
+    logits = jnp.where(anywhere, jnp.where(logits > 0, logits * (1.0 / rep), logits * rep), logits)
     return logits - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
 
 
@@ -185,12 +193,12 @@ def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def process_logits(logits: jax.Array, s: SamplingMetadata) -> jax.Array:
+def process_logits(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> jax.Array:
     """What a request asks of its logits before sampling: penalties, logit_bias, the structured-output / bad-words
-    bitmask and the min_tokens bans. logits [S, V] float32."""
+    bitmask and the min_tokens bans. logits [S, V] float32; native: the penalties by the native CPU kernel."""
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = s.banned
-    logits = jax.lax.cond(s.penalized, lambda x: _penalize(x, s), lambda x: x, logits)
+    logits = jax.lax.cond(s.penalized, lambda x: _penalize(x, s, native), lambda x: x, logits)
     logits = logits.at[rows, jnp.maximum(s.bias_ids, 0)].add(jnp.where(s.bias_ids >= 0, s.bias_values, 0.0))
     logits = jax.lax.cond(s.constrained, lambda x: _apply_bitmask(x, s.bitmask), lambda x: x, logits)
     return logits.at[rows, jnp.maximum(banned, 0)].min(jnp.where(banned >= 0, -jnp.inf, jnp.inf))
@@ -225,14 +233,14 @@ def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
 
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
     """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
-    the argmaxes by the native CPU kernel (same tokens; for steps whose matmuls run natively).
+    the argmaxes and penalties by the native CPU kernels (same tokens; for steps whose matmuls run natively).
 
     Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
     are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
     raw = logits
     asked = s.penalized | s.constrained | jnp.any(s.bias_ids >= 0) | jnp.any(s.banned >= 0)
-    tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s), s, native), lambda x: _pick(x, s, native),
-                          logits)
+    tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s, native), s, native),
+                          lambda x: _pick(x, s, native), logits)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)

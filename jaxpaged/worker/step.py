@@ -250,7 +250,8 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
     # Each branch verifies whole: a step whose rows ask for no processing reads the logits as they are (a processed
     # copy of [S, K + 1, V], or a cond passing them through, would copy them in every verifying step).
     with jax.named_scope("verify"):
-        v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm))), verify, raw)
+        v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm, native))), verify,
+                         raw)
 
     def with_logprobs(raw):
         logp = jax.nn.log_softmax(raw, axis=-1)  # [S, K + 1, V]

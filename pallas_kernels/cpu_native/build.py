@@ -64,6 +64,8 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
     Kernel("norm", ("norm.cc",), ("JaxpagedRmsNorm", "JaxpagedAddRound"), what="bfloat16 RMSNorm and residual adds"),
     Kernel("rope", ("rope.cc",), ("JaxpagedRope",), what="bfloat16 rotary embedding"),
     Kernel("argmax", ("argmax.cc",), ("JaxpagedArgmax",), what="the sampler's argmax"),
+    Kernel("penalties", ("penalties.cc",), ("JaxpagedPenalties",),
+           what="the sampler's repetition, frequency and presence penalties"),
     Kernel("qmatmul", ("qmatmul.cc",), ("JaxpagedQMatmul", "JaxpagedQMatmulGlu", "JaxpagedQMatmul3"),
            what="matmuls that read int8 / GGUF-quantized weights (VNNI where the CPU has it)"),
 )}

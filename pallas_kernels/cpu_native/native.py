@@ -1,7 +1,7 @@
 """The native CPU kernels' Python entry points (XLA FFI custom calls; build.py builds each kernel's library on first
 use): ragged paged attention and its pool writes (paged_attention.cc), a bf16 matmul that reads a stacked layer
-weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc) and
-the sampler's argmax (argmax.cc).
+weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc), and
+the sampler's argmax (argmax.cc) and penalties (penalties.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None,
@@ -296,6 +296,28 @@ def argmax_native(x: jax.Array) -> jax.Array:
     return _ffi_call("JaxpagedArgmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
 
 
+def penalties_native(logits: jax.Array, seen: jax.Array, output_start: jax.Array, pending: jax.Array,
+                     presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """Repetition, frequency and presence penalties on logits [S, V] float32, by penalties.cc, visiting only each
+    row's seen tokens: seen [S, L] int32 (prompt then output, -1 = padding), output_start [S] int32 (index in seen
+    of the first output token), pending [S] int32 (an output token not in seen, -1 = none), presence / frequency /
+    repetition [S] float32. The same bits as `jaxpaged.worker.sampler._penalize`'s XLA version (penalties.cc says
+    what each penalty does)."""
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be [S, V] float32, got {logits.dtype}{list(logits.shape)}")
+    s = logits.shape[0]
+    seen = _int32("seen", seen, 2)
+    if seen.shape[0] != s:
+        raise ValueError(f"seen must have {s} rows (the logits'), got shape {seen.shape}")
+    per_row = [_int32("output_start", output_start, 1), _int32("pending", pending, 1)]
+    per_row += [jnp.asarray(x, jnp.float32) for x in (presence, frequency, repetition)]
+    for name, x in zip(("output_start", "pending", "presence", "frequency", "repetition"), per_row, strict=True):
+        if x.shape != (s,):
+            raise ValueError(f"{name} must be [{s}], got shape {x.shape}")
+    call = _ffi_call("JaxpagedPenalties", jax.ShapeDtypeStruct(logits.shape, jnp.float32))
+    return call(logits, seen, *per_row)
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -317,4 +339,5 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
-           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native"]
+           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native",
+           "penalties_native"]

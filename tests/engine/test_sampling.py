@@ -227,3 +227,52 @@ def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
         argmax_native(logits.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="x must be .S, V. float32"):
         argmax_native(logits[0])
+
+
+@pytest.mark.skipif("not native_kernels()", reason="the native CPU kernels could not be built")
+def test_native_penalties_are_xla_s_bits_and_refuse_bad_input():
+    """penalties.cc gives the XLA penalties' bits: every row's mix of repeats in prompt and output, a pending token
+    (new or already seen), padding, ids past the vocabulary (ignored, as XLA's scatter drops them), rows without
+    penalties, negative and zero penalties, logits of either sign, zero and -inf; each kernel argument's shape is
+    checked by name."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.worker import sampler
+    from pallas_kernels.cpu_native import available, penalties_native
+
+    if not available("penalties"):
+        pytest.skip("the native penalties kernel could not be built")
+    rng = np.random.default_rng(5)
+    rows, vocab, max_len = 24, 700, 96
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
+    logits[:, :50] = 0.0
+    logits[:, 50:60] = -np.inf
+    s = sampler.SamplingMetadata.padding(rows, vocab, max_len)
+    for r in range(rows):
+        n = int(rng.integers(0, max_len + 1))
+        s.seen_tokens[r, :n] = rng.integers(0, 80 if r % 2 else vocab, n)  # odd rows: many repeats
+        if r % 5 == 3 and n:
+            s.seen_tokens[r, rng.integers(0, n)] = vocab + 7  # past the vocabulary
+        s.output_start[r] = rng.integers(0, n + 1)
+        s.pending_tokens[r] = -1 if r % 3 == 0 else rng.integers(0, 80)
+    s.presence_penalty[:] = rng.uniform(-2, 2, rows)
+    s.frequency_penalty[:] = rng.uniform(-2, 2, rows)
+    s.repetition_penalty[:] = rng.uniform(0.5, 2.0, rows)
+    s.presence_penalty[::4], s.frequency_penalty[::4], s.repetition_penalty[::4] = 0.0, 0.0, 1.0  # no penalties
+    s.repetition_penalty[1::4] = 1.0  # only presence and frequency
+    s.presence_penalty[2::4] = s.frequency_penalty[2::4] = 0.0  # only repetition
+    xla, native = (np.asarray(jax.jit(lambda x, s, n=n: sampler._penalize(x, s, n))(jnp.asarray(logits), s))
+                   for n in (False, True))
+    np.testing.assert_array_equal(native.view(np.int32), xla.view(np.int32))
+    changed = (xla != logits).any(axis=-1)
+    assert not changed[::4].any() and changed[1::4].any() and changed[2::4].any()
+    args = (jnp.asarray(logits), s.seen_tokens, s.output_start, s.pending_tokens, s.presence_penalty,
+            s.frequency_penalty, s.repetition_penalty)
+    for i, bad, message in ((0, logits.astype(np.float16), "logits must be .S, V. float32"),
+                            (1, s.seen_tokens[:3], "seen must have 24 rows"),
+                            (1, s.seen_tokens.astype(np.float32), "seen must be int32"),
+                            (2, s.output_start[:3], "output_start must be .24."),
+                            (6, s.repetition_penalty[None], "repetition must be .24.")):
+        with pytest.raises(ValueError, match=message):
+            penalties_native(*args[:i], jnp.asarray(bad), *args[i + 1:])

@@ -126,7 +126,19 @@ def test_invalid_specs_are_value_errors_naming_the_field(spec, field):
 
 # ---- penalties, logit_bias, bad_words ----------------------------------------------------------------------------
 
-def test_repetition_penalty_matches_transformers():
+def _native_penalties() -> bool:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available("penalties")
+
+
+# XLA's penalties, and the native CPU kernel's (the engine's in steps whose matmuls run natively)
+PENALTY_PATHS = pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    "not _native_penalties()", reason="the native CPU kernels could not be built"))])
+
+
+@PENALTY_PATHS
+def test_repetition_penalty_matches_transformers(native):
     import jax.numpy as jnp
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
@@ -144,13 +156,14 @@ def test_repetition_penalty_matches_transformers():
         sm.output_start[i] = 2
         sm.repetition_penalty[i] = p
     sm.penalized = np.array(True)
-    got = np.asarray(sampler.process_logits(jnp.asarray(logits), sm))
+    got = np.asarray(sampler.process_logits(jnp.asarray(logits), sm, native))
     for i, (ids, p) in enumerate(zip(seqs, penalties, strict=True)):
         want = RepetitionPenaltyLogitsProcessor(p)(torch.tensor([ids]), torch.tensor(logits[i:i + 1]))
         np.testing.assert_allclose(got[i], want.numpy()[0], rtol=1e-6)
 
 
-def test_presence_and_frequency_penalties_count_generated_tokens_only():
+@PENALTY_PATHS
+def test_presence_and_frequency_penalties_count_generated_tokens_only(native):
     import jax.numpy as jnp
 
     from jaxpaged.worker import sampler
@@ -161,14 +174,15 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     sm.seen_tokens[0, :6] = [4, 4, 1, 1, 1, 2]  # prompt [4, 4], output [1, 1, 1, 2]
     sm.output_start[0] = 2
     sm.presence_penalty[0], sm.frequency_penalty[0], sm.penalized = 0.5, 0.25, np.array(True)
-    got = np.asarray(sampler.process_logits(jnp.asarray(logits), sm))[0]
+    got = np.asarray(sampler.process_logits(jnp.asarray(logits), sm, native))[0]
     want = np.zeros(vocab)
     want[1] = -0.5 - 3 * 0.25
     want[2] = -0.5 - 0.25
     np.testing.assert_allclose(got, want)
 
 
-def test_penalties_count_the_pending_token_as_the_host_would():
+@PENALTY_PATHS
+def test_penalties_count_the_pending_token_as_the_host_would(native):
     """Under asynchronous scheduling a row's last token is still on its way to the host when the next step is laid
     out: the step passes it as pending_tokens, and the penalties are those of the history with it appended."""
     import jax.numpy as jnp
@@ -192,7 +206,7 @@ def test_penalties_count_the_pending_token_as_the_host_would():
         sm.frequency_penalty[:] = 0.25
         sm.repetition_penalty[:] = 1.5
         sm.penalized = np.array(True)
-        return np.asarray(sampler.process_logits(logits, sm))
+        return np.asarray(sampler.process_logits(logits, sm, native))
 
     np.testing.assert_allclose(penalized(True), penalized(False))
     assert not np.allclose(penalized(False), np.asarray(logits))

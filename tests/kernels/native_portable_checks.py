@@ -20,7 +20,7 @@ import numpy as np
 def check_status() -> None:
     from pallas_kernels import cpu_native
 
-    for name in ("attention", "norm", "rope", "argmax"):
+    for name in ("attention", "norm", "rope", "argmax", "penalties"):
         assert cpu_native.available(name), (name, cpu_native.unavailable_reason(name))
     reason = cpu_native.unavailable_reason("matmul")
     assert not cpu_native.available("matmul") and "AVX512BF16" in reason, reason
@@ -84,9 +84,11 @@ def check_pool_writes() -> None:
 
 
 def check_norm_rope_argmax() -> None:
-    """norm.cc, rope.cc and argmax.cc's portable paths against the models' pure-JAX functions compiled by XLA."""
+    """norm.cc, rope.cc, argmax.cc and penalties.cc's portable paths against the models' and the sampler's pure-JAX
+    functions compiled by XLA."""
     from jaxpaged.models.norm import rms_norm
     from jaxpaged.models.rope import rope
+    from jaxpaged.worker import sampler
     from pallas_kernels import cpu_native
 
     rng = np.random.default_rng(6)
@@ -121,6 +123,13 @@ def check_norm_rope_argmax() -> None:
     got = np.asarray(cpu_native.argmax_native(jnp.asarray(logits)))
     want = np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=-1)
     np.testing.assert_array_equal(got, want)
+    s = sampler.SamplingMetadata.padding(5, 3001, 40)
+    s.seen_tokens[:, :30] = rng.integers(0, 60, (5, 30))
+    s.output_start[:], s.pending_tokens[:] = [0, 10, 20, 30, 5], [-1, 3, 59, -1, 2]
+    s.presence_penalty[:], s.frequency_penalty[:], s.repetition_penalty[:] = 0.5, -0.3, [1.0, 1.3, 0.8, 2.0, 1.1]
+    logits = jnp.asarray(rng.standard_normal((5, 3001)).astype(np.float32))
+    want, got = (np.asarray(jax.jit(lambda x, s, n=n: sampler._penalize(x, s, n))(logits, s)) for n in (False, True))
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
 def engine() -> dict:
