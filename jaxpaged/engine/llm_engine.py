@@ -377,6 +377,7 @@ class Engine:
         """Queues the step's swaps, copies and the step itself on the device; None when nothing runs. late: its
         bitmasks are laid out all ones and filled in by `_sample_late`."""
         t0 = time.perf_counter()
+        self.runner.apply_diffs(out)  # whatever happens to the step below: the scheduler hands each diff over once
         self._add_forked(out.forked)
         num_failed = len(failed)
         with self._device_guard(out, failed):

@@ -241,28 +241,31 @@ class InputBatch:
 
     # ---- the diffs ----------------------------------------------------------------------------------------------
 
-    def apply(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int]) -> np.ndarray:
-        """The scheduler's diffs: rows of sequences that left go; the step's new sequences get rows (their table from
-        `tables`, the block manager's seq_id -> table, and their seed from `seed_of`); changed tables are copied.
-        Returns the step's rows, [n] int32 (`build` takes them)."""
+    def apply_diffs(self, out: SchedulerOutput) -> None:
+        """The scheduler's diffs, once for every SchedulerOutput, whether or not its step runs (the scheduler hands
+        each diff over once: a step whose requests all failed must not take them along): rows of sequences that left
+        go; the changed tables of sequences that hold rows are copied (a sequence without a row gets its table when
+        it gets one, `rows`)."""
         for seq_id in out.removed:
             self.remove(seq_id)
-        row_of = self.row_of
-        last_seqs, last_rows = self._last_step
-        if not out.removed and out.seqs == last_seqs:  # the same sequences as the step before (identity): same rows
-            rows = last_rows
-        else:
-            found = [row_of.get(seq.seq_id, -1) for seq in out.seqs]  # one pass over the step's sequences
-            if -1 in found:
-                for i, seq in enumerate(out.seqs):
-                    if found[i] == -1:
-                        found[i] = self.add(seq, tables[seq.seq_id], seed_of(seq))
-            rows = np.array(found, np.int32)
-            self._last_step = (list(out.seqs), rows)
         for seq_id, table in out.changed_tables.items():
-            row = row_of.get(seq_id)
+            row = self.row_of.get(seq_id)
             if row is not None:
                 self._set_table(row, table)
+
+    def rows(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int]) -> np.ndarray:
+        """The step's rows, [n] int32 (`build` takes them), after `apply_diffs`: the step's new sequences get rows
+        (their table from `tables`, the block manager's seq_id -> table, and their seed from `seed_of`)."""
+        last_seqs, last_rows = self._last_step
+        if out.seqs == last_seqs:  # the same sequences as the step before (identity), no row freed since: same rows
+            return last_rows
+        found = [self.row_of.get(seq.seq_id, -1) for seq in out.seqs]  # one pass over the step's sequences
+        if -1 in found:
+            for i, seq in enumerate(out.seqs):
+                if found[i] == -1:
+                    found[i] = self.add(seq, tables[seq.seq_id], seed_of(seq))
+        rows = np.array(found, np.int32)
+        self._last_step = (list(out.seqs), rows)
         return rows
 
     def add(self, seq: Sequence, table: list[int], seed: int) -> int:
@@ -308,6 +311,11 @@ class InputBatch:
             self._histories.pop(row, None)
             self.inflight[row] = -1
             self._free_rows.append(row)
+            self._last_step = ([], np.zeros(0, np.int32))  # a row may now hold another sequence
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
 
     def _set_table(self, row: int, table: list[int]) -> None:
         n = len(table)

@@ -1,7 +1,8 @@
 """The device side of the engine: the model's state, the KV pool, the compiled steps, the persistent input batch,
 and each step's dispatch and result.
 
-    runner.prepare(sched_out, tables, seed_of)-> (StepInputs, StepRows)   the persistent rows updated, one buffer
+    runner.apply_diffs(sched_out)                                       the persistent rows updated by its diffs
+    runner.prepare(sched_out, tables, seed_of)-> (StepInputs, StepRows)   the step's rows, one buffer
     runner.dispatch(inputs)                   -> StepHandle               queued on the device, nothing waited for
     runner.fetch(handle)                      -> StepResult               the sampled tokens on the host (blocks)
 
@@ -441,14 +442,20 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------------------------
 
+    def apply_diffs(self, out: SchedulerOutput) -> None:
+        """The scheduler's diffs (rows of sequences that left, changed block tables) applied to the persistent
+        batch: once for every SchedulerOutput, before `prepare` and even when its step does not run."""
+        self.input_batch.apply_diffs(out)
+
     def prepare(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int],
                 bitmasks: dict[int, np.ndarray] | None = None) -> tuple[StepInputs, StepRows]:
-        """The persistent batch updated by the scheduler's diffs, and the step's inputs laid out from it.
+        """The step's inputs laid out from the persistent batch (`apply_diffs` has applied the step's diffs): its
+        new sequences get rows.
 
         tables: the block manager's seq_id -> block table (read for sequences that get a row); seed_of: the 63-bit
         seed of a sequence that gets a row; bitmasks: seq_id -> [ceil(V / 32)] int32 allowed tokens (structured
         output, bad words), only for the sequences that have one."""
-        step_rows = self.input_batch.apply(out, tables, seed_of)
+        step_rows = self.input_batch.rows(out, tables, seed_of)
         layout = self.layout(out)
         inputs, rows = self.input_batch.build(out, layout, step_rows)
         if bitmasks:

@@ -127,3 +127,26 @@ def test_a_bad_word_of_two_tokens_is_banned_right_after_its_first_token(pair):
     want = fused.generate([PROMPTS[0]], banned, use_tqdm=False)[0].outputs[0]
     assert got[0].token_ids == got[1].token_ids == want.token_ids != free
     assert word not in want.text
+
+
+def test_a_step_whose_requests_all_fail_still_frees_the_rows_of_finished_ones(pair):
+    """The scheduler hands each diff over once (rows of sequences that left, changed tables): a step that does not
+    run because its only request's grammar failed must still free the row of the plain request that finished the
+    step before. It did not (the row leaked; once every row had leaked, every request failed with "no free row").
+    The plain request finishes after 1..14 tokens, so one of them finishes just before the grammar fails."""
+    for late in pair:
+        engine = late.engine
+        batch = engine.runner.input_batch
+        failing = SamplingParams(max_tokens=30, temperature=0,
+                                 structured_outputs=so(grammar=f'start: "abcdefghij" x\nx: /{EMPTY}/'))
+        errors = []
+        for k in range(1, 15):
+            engine.add_request(f"bad{k}", [5, 6, 7], failing)
+            engine.add_request(f"plain{k}", [5, 6, 8], SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+            while engine.has_unfinished_requests():
+                errors += [out.error for out in engine.step() if out.error is not None]
+            # every row still held belongs to a sequence whose removal the next step hands over
+            assert set(batch.row_of) <= set(engine.scheduler._removed), (k, batch.row_of)
+            assert batch.num_free_rows == batch.max_rows - len(batch.row_of)
+        assert len(errors) == 14 and all(e.startswith("GrammarError: ") for e in errors), errors
+        assert engine.stats()["num_used"] == 0
