@@ -23,10 +23,17 @@ import resource
 import struct
 import sys
 import threading
+import time
 
 # Compact JSON (no free whitespace between tokens): a weak model otherwise fills its budget with blanks.
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_ERROR_CHARS = 300
+# The CPU time one token mask may take. The engine computes a step's masks on its own thread, so a slow one stalls
+# every request: an ambiguous grammar's Earley items grow with its output, 0.7 s a mask after 150 tokens of
+# `s: s s | s s s | "a" | "b"`. Ordinary grammars (a JSON schema of 60 fields, regexes, a Lark expression grammar)
+# took at most 1.3 ms a mask over SmolLM2's 49k tokens and 4.2 ms over Gemma 3's 262k (AMD EPYC Zen 4). A mask over
+# the limit fails its request (its first one, computed before the request is queued: a 400).
+MAX_MASK_CPU_S = 0.05
 
 
 def short_error(text: str) -> str:
@@ -66,15 +73,25 @@ def compile_spec(kind: str, spec: str) -> str:
 
 
 def check_matcher(tokenizer, grammar: str) -> None:
-    """Compiles the grammar against the tokenizer and computes its first mask, as the engine's first step will."""
+    """Compiles the grammar against the tokenizer and computes its first mask, as the engine's first step will, in at
+    most MAX_MASK_CPU_S of CPU time."""
     from llguidance import LLMatcher
 
     matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
     if matcher.is_error():
         raise ValueError(short_error(matcher.get_error()))
+    start = time.thread_time()
     matcher.compute_bitmask()
     if matcher.is_error():
         raise ValueError(f"no first token can be computed ({short_error(matcher.get_error())})")
+    check_mask_time(time.thread_time() - start, "its first token mask")
+
+
+def check_mask_time(seconds: float, what: str) -> None:
+    """ValueError when a token mask took more than MAX_MASK_CPU_S of CPU time."""
+    if seconds > MAX_MASK_CPU_S:
+        raise ValueError(f"{what} took {seconds * 1e3:.1f} ms of CPU time, over the limit of "
+                         f"{MAX_MASK_CPU_S * 1e3:.0f} ms (the grammar is too ambiguous or too large)")
 
 
 class Worker:

@@ -830,6 +830,9 @@ class Engine:
         """Ends a request with an error. unwritten: a step allocated slots its K/V never reached, so the blocks it
         alone holds must not stay in the prefix cache."""
         self._forget(req.request_id)
+        so = req.params.structured_outputs
+        if isinstance(error, GrammarError) and so is not None:
+            self.grammars.evict(so.kind, so.spec)
         for seq in req.seqs:
             if not seq.finished:
                 if unwritten:

@@ -17,12 +17,13 @@ import collections
 import copy
 import functools
 import threading
+import time
 
 import numpy as np
 
 from jaxpaged import client_json
 from jaxpaged.engine import grammar_guard
-from jaxpaged.engine.grammar_worker import parser_limits, short_error
+from jaxpaged.engine.grammar_worker import check_mask_time, parser_limits, short_error
 
 MAX_CACHED_GRAMMARS = 256
 
@@ -126,6 +127,12 @@ class GrammarCache:
                 self._templates.popitem(last=False)
         return template
 
+    def evict(self, kind: str, spec: str) -> None:
+        """Drops the template of a grammar that failed while generating: the lexer states its matchers built (shared
+        with the template; up to ~75 MiB when a regex hits llguidance's limit) go with it."""
+        with self._lock:
+            self._templates.pop((kind, spec), None)
+
     def matcher(self, kind: str, spec: str):
         """A new matcher at the grammar's start. Raises ValueError naming the field if the grammar is invalid."""
         return self.prepare(kind, spec).deep_copy()
@@ -133,11 +140,17 @@ class GrammarCache:
 
 def fill_bitmask(matcher, out: np.ndarray) -> None:
     """The tokens `matcher` allows next, into out [ceil(V / 32)] int32 (contiguous). GrammarError if the grammar
-    cannot go on (e.g. it allows no token the tokenizer has, or hit a parser limit)."""
+    cannot go on (e.g. it allows no token the tokenizer has, or hit a parser limit), or if the mask took more than
+    `grammar_worker.MAX_MASK_CPU_S` of this thread's CPU time (wall time would count the other threads' turns)."""
+    start = time.thread_time()
     matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
     if matcher.is_error():
         raise GrammarError(f"structured output: the grammar failed while generating: "
                            f"{short_error(matcher.get_error())}")
+    try:
+        check_mask_time(time.thread_time() - start, "a token mask")
+    except ValueError as e:
+        raise GrammarError(f"structured output: {e}") from None
 
 
 def advance(matcher, token: int) -> None:

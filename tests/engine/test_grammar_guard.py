@@ -198,3 +198,47 @@ def test_a_grammar_that_fails_while_generating_fails_its_own_request_with_a_shor
     assert all(o.error is None for o in outs["good"]) and outs["good"][-1].finished
     assert sum(len(d.token_ids) for o in outs["good"] for d in o.deltas) == 30
     assert engine.stats()["num_used"] == 0  # the failed request's blocks are back too
+    # and its grammar's template left the cache (the lexer states its matchers built, up to ~75 MiB, with it)
+    compiles = engine.grammars.compiles
+    engine.grammars.matcher("grammar", midway)
+    assert engine.grammars.compiles == compiles + 1
+
+
+def test_a_token_mask_over_the_cpu_limit_fails_its_own_request_and_the_rest_go_on(llm, monkeypatch):
+    """The engine computes a step's masks on its own thread: one that takes more than MAX_MASK_CPU_S would stall
+    every request (an ambiguous grammar's masks grow with its output), so it fails its request. The limit is set
+    below any mask's time here; the plain request beside it keeps its tokens."""
+    from jaxpaged.engine import grammar_worker
+
+    engine = llm.engine
+    fine = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate([[5, 6, 8]], fine, use_tqdm=False)[0].outputs[0].token_ids
+    monkeypatch.setattr(grammar_worker, "MAX_MASK_CPU_S", -1.0)
+    engine.add_request("slow", [5, 6, 7], SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(
+        regex="[ab]+")))
+    engine.add_request("good", [5, 6, 8], fine)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    error = outs["slow"][-1].error
+    assert error is not None and error.startswith("GrammarError: structured output: a token mask took"), error
+    assert "over the limit of -1000 ms" in error
+    assert [t for o in outs["good"] for d in o.deltas for t in d.token_ids] == alone
+    assert engine.stats()["num_used"] == 0
+
+
+def test_a_first_token_mask_over_the_cpu_limit_is_refused(monkeypatch):
+    """The worker computes a grammar's first mask before the request is queued: over the limit, a ValueError (the
+    server's 400) instead of a stalled step."""
+    from llguidance import LLTokenizer
+
+    from jaxpaged.engine import grammar_worker
+    from jaxpaged.engine.structured_output import grammar, tokenizer_json
+
+    tokenizer = LLTokenizer(tokenizer_json(make_tiny_tokenizer()), n_vocab=TINY_VOCAB, eos_token=[EOS_ID])
+    g = grammar("regex", "[ab]+")
+    grammar_worker.check_matcher(tokenizer, g)
+    monkeypatch.setattr(grammar_worker, "MAX_MASK_CPU_S", -1.0)
+    with pytest.raises(ValueError, match="^its first token mask took .* ms of CPU time, over the limit of -1000 ms"):
+        grammar_worker.check_matcher(tokenizer, g)
