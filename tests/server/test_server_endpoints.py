@@ -191,7 +191,7 @@ def test_pool_is_bounded_and_max_cells_is_checked(server):
     view = pool(server, max_cells=5)
     d = view["device"]
     assert len(d["state"]) <= 5 and d["downsampled"] and d["blocks_per_cell"] * len(d["state"]) >= d["num_blocks"]
-    for bad in ("0", "4097", "x", "-1", "1.5"):
+    for bad in ("0", "4097", "x", "-1", "1.5", "9" * 4301, "0" * 10 + "5"):
         assert_400(call(server, "GET", f"/pool?max_cells={bad}"), "max_cells")
 
 

@@ -378,7 +378,8 @@ async def version(request: web.Request) -> web.Response:
 
 async def pool(request: web.Request) -> web.Response:
     raw = request.query.get("max_cells", str(MAX_CELLS))
-    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_CELLS):
+    # (a digit string past Python's 4300-digit int() limit raised: a 500)
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= len(str(MAX_CELLS)) and 1 <= int(raw) <= MAX_CELLS):
         raise OpenAIError(f"max_cells={raw[:20]!r} must be an integer in [1, {MAX_CELLS}]", param="max_cells")
     try:
         view = await request.app[ENGINE].pool_view(int(raw))
