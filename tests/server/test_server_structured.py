@@ -219,3 +219,45 @@ def test_tool_call_parsers():
         '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "parameters": {}}')
     assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("a", {"x": 1}), ("b", {})]
     assert Llama3JsonToolParser().extract("hello") == ("hello", [])
+
+
+def _tool_with_defs(name: str, city: dict) -> dict:
+    """A function whose parameters use `$defs` and local references, as pydantic's model_json_schema() writes them."""
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "$defs": {"City": city}, "type": "object", "additionalProperties": False, "required": ["city"],
+        "properties": {"city": {"$ref": "#/$defs/City"}, "next": {"$ref": "#"},
+                       "note": {"const": {"$ref": "#/not/a/reference"}}}}}}
+
+
+DEFS_TOOLS = [_tool_with_defs("by_name", {"type": "object", "required": ["name"], "additionalProperties": False,
+                                          "properties": {"name": {"type": "string", "maxLength": 12}}}),
+              _tool_with_defs("by_zip", {"type": "object", "required": ["zip"], "additionalProperties": False,
+                                         "properties": {"zip": {"type": "integer"}}})]
+
+
+def test_required_tool_choice_keeps_each_functions_own_references():
+    """tool_choice "required" nests every function's parameters in one array schema: a function's "#/$defs/City"
+    must still mean its own City (two functions here have different ones), "#" its own root, and a `const` holding
+    a "$ref" key stays data. It was resolved against the array schema: a 400 for pydantic-style parameters."""
+    from jaxpaged.engine.structured_output import grammar
+    from jaxpaged.entrypoints.openai.tool_parsers import required_schema
+
+    schema = required_schema(DEFS_TOOLS)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    valid = jsonschema.Draft202012Validator(schema).is_valid
+    call = {"name": "by_name", "parameters": {"city": {"name": "Paris"}, "next": {"city": {"name": "Lyon"}}}}
+    assert valid([call]) and valid([{"name": "by_zip", "parameters": {"city": {"zip": 75001}}}])
+    assert not valid([{"name": "by_name", "parameters": {"city": {"zip": 75001}}}])
+    assert not valid([{"name": "by_zip", "parameters": {"city": {"zip": 1}, "next": {"city": {"name": "x"}}}}])
+    assert schema["$defs"]["tool0"]["properties"]["note"] == {"const": {"$ref": "#/not/a/reference"}}
+    grammar("json", json.dumps(schema))  # llguidance resolves them too
+
+
+def test_required_tool_choice_with_defs_gives_calls_valid_for_their_own_function(client):
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=DEFS_TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=3, max_tokens=300, n=2)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in DEFS_TOOLS}
+    calls = [call for c in out.choices if c.finish_reason == "tool_calls" for call in c.message.tool_calls]
+    assert calls, [c.finish_reason for c in out.choices]
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])

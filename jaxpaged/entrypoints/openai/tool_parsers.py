@@ -91,12 +91,29 @@ def parameters_schema(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
 
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def _rebased(schema, base: str):
+    """The schema with each local `$ref` ("#" and a JSON pointer into the schema) pointing into `base`, the place the
+    schema now has in a larger one."""
+    if isinstance(schema, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else v if k in _DATA_KEYWORDS else _rebased(v, base)) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    return schema
+
+
 def required_schema(tools: list[dict]) -> dict:
-    """tool_choice "required": a non-empty JSON array of {"name", "parameters"} calls of the given functions."""
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+    """tool_choice "required": a non-empty JSON array of {"name", "parameters"} calls of the given functions. Each
+    function's parameters schema sits in the array schema's `$defs` (tool0, tool1, ...) with its local references
+    rebased there, so "#/$defs/City", as pydantic writes it, still means the function's own."""
+    defs = {f"tool{i}": _rebased(parameters_schema(t["function"]), f"#/$defs/tool{i}") for i, t in enumerate(tools)}
+    return {"type": "array", "minItems": 1, "$defs": defs, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                          "parameters": parameters_schema(t["function"])},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+                                          "parameters": {"$ref": f"#/$defs/tool{i}"}},
+         "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]}}
 
 
 def calls_from_required(text: str) -> list[ToolCall]:
