@@ -296,18 +296,23 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
         self.counters["aborted_requests"] += 1
 
-    def stop_sequences(self, request_id: str, indices: list[int]) -> None:
+    def stop_sequences(self, request_id: str, indices: list[int]) -> EngineOutput | None:
         """The output processor found a stop string: those sequences (sample indices) end now, as "stop". The
-        request's remaining output is the output processor's; the engine gives no more for them."""
+        request's remaining output is the output processor's; the engine gives no more for them. Returns, when this
+        ended the request (a finished request, not an aborted one), its final output without tokens: each sequence's
+        finish reason, for the caller's metrics."""
         req = self.requests.get(request_id)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             if seq.sample_index in indices and not seq.finished:
                 self.scheduler.finish(seq, "stop")
-        if req.finished:
-            self._forget(request_id)
-            self.counters["finished_requests"] += 1
+        if not req.finished:
+            return None
+        self._forget(request_id)
+        self.counters["finished_requests"] += 1
+        return EngineOutput(request_id, [SeqDelta(s.sample_index, [], finish_reason=s.finish_reason) for s in req.seqs],
+                            True)
 
     def _forget(self, request_id: str) -> Request | None:
         req = self.requests.pop(request_id, None)

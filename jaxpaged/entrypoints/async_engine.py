@@ -148,12 +148,11 @@ class RequestStream:
                 raise item
             out = self._state.update(item)  # the output processing: text, stop strings, log-probs
             stopped = self._state.take_stopped()
+            if stopped:  # a stop string ended them before the engine did: it stops them now (finished, not aborted)
+                self._engine._stop_sequences(self.request_id, stopped)
             if self._state.finished:
                 self.finished = True
-                # a stop string may have ended it before the engine did: the engine drops it now
-                self._engine._forget(self.request_id, abort=not item.finished)
-            elif stopped:
-                self._engine._stop_sequences(self.request_id, stopped)
+                self._engine._forget(self.request_id, abort=not (item.finished or stopped))
             if out is not None:
                 return out
 
@@ -445,7 +444,9 @@ class AsyncEngine:
                     deliveries.append((cmd.request_id, cmd.error))
                 continue
             if isinstance(cmd, _StopSequences):
-                self.engine.stop_sequences(cmd.request_id, cmd.indices)
+                out = self.engine.stop_sequences(cmd.request_id, cmd.indices)
+                if out is not None:  # the request ended here: its metrics (its reader has its final output)
+                    self._observe(out, time.monotonic())
                 continue
             added = []
             if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it

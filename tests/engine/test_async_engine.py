@@ -223,6 +223,33 @@ def test_leaving_the_stream_early_aborts_the_request(aengine):
     assert aengine.stats()["num_used"] == 0
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_request_ended_by_a_stop_string_counts_as_finished_not_aborted(engine, n):
+    """The output processor finds stop strings, a step or two after the engine ran past them: the engine is told to
+    stop those sequences (finished, reason "stop"). It was told to abort the request, which /stats and /metrics then
+    counted as aborted, not finished."""
+    text = engine.tokenizer.decode(offline(engine, [5, 6, 7], GREEDY))  # (before a loop thread owns the engine)
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(n=n, temperature=0, max_tokens=8, ignore_eos=True, stop=[text[3:5]])
+
+    async def run():
+        return [out async for out in aengine.generate(f"stop{n}", [5, 6, 7], params)][-1]
+
+    def success(reason):
+        return aengine.metrics.finished.labels(finish_reason=reason)._value.get()
+
+    try:
+        before, stops = aengine.stats(), success("stop")
+        final = asyncio.run(run())
+        assert [(c.text, c.finish_reason, c.stop_reason) for c in final.outputs] == [(text[:3], "stop", text[3:5])] * n
+        assert wait_for(lambda: aengine.stats()["finished_requests"] == before["finished_requests"] + 1)
+        after = aengine.stats()
+        assert after["aborted_requests"] == before["aborted_requests"] and after["num_used"] == 0
+        assert success("stop") == stops + n
+    finally:
+        aengine.close()
+
+
 def test_the_idle_loop_sleeps(aengine):
     async def run():
         return [o async for o in aengine.generate("x", [3, 4], GREEDY)]
