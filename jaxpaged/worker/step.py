@@ -306,10 +306,14 @@ def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live:
         m = tokens.shape[1]
         block = tables[rows[:, None], jnp.minimum(pos // bs, width - 1)]  # [S, m]
         on = live[:, None]
+        # Near max_model_len the loop runs past the table (its proposals there are never verified): those positions
+        # write nothing and read the table's positions only. (Clamped into the last block, a self-draft's writes
+        # overwrote the target's K/V of a block earlier.)
+        inside = pos < width * bs
         md = AttentionMetadata(
             positions=jnp.where(on, pos, -1).reshape(-1),
-            slot_mapping=jnp.where(on & write, block * bs + pos % bs, 0).reshape(-1),
-            block_tables=tables, context_lens=jnp.where(live, pos[:, -1] + 1, 0),
+            slot_mapping=jnp.where(on & write & inside, block * bs + pos % bs, 0).reshape(-1),
+            block_tables=tables, context_lens=jnp.where(live, jnp.minimum(pos[:, -1] + 1, width * bs), 0),
             query_start_loc=jnp.arange(s + 1, dtype=jnp.int32) * m,
             logits_indices=(rows * m + m - 1).astype(jnp.int32),
             tile_size=1, decode_blocks=s * width if m == 1 else None)

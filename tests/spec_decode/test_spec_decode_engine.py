@@ -80,6 +80,22 @@ def test_seeded_sampling_with_n2_and_logprobs_is_that_of_plain_decoding(plain, s
             assert c.cumulative_logprob == pytest.approx(d.cumulative_logprob, abs=1e-4)
 
 
+@pytest.mark.parametrize("spec", ["weak_draft", "full_draft"])
+def test_a_self_draft_that_runs_up_to_max_model_len_leaves_the_targets_kv_alone(plain, spec):
+    """Near max_model_len (64 here) the draft loop proposes past the block table; those positions write nothing. They
+    were written into the table's last block, which a self-draft shares with the target: the target's K/V a block
+    earlier was overwritten, and the next verification read it (other tokens, other log-probs)."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 50, 58, seed=20)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    got, _, outs = generate(params, SPECS[spec], prompts=prompts)
+    want, _, plain_outs = reference(plain, "to_max_model_len", params, prompts=prompts)
+    assert got == want and all(c[1] == "length" for o in got for c in o)
+    for o, w in zip(outs, plain_outs, strict=True):  # float32: a verified token's sums are ordered differently
+        for step, want_step in zip(o.outputs[0].logprobs, w.outputs[0].logprobs, strict=True):
+            assert step.keys() == want_step.keys()
+            assert all(abs(step[t] - want_step[t]) < 1e-4 for t in step), (step, want_step)
+
+
 def test_stop_ids_and_max_tokens_cut_a_verified_run(plain):
     """A stop id or max_tokens inside a run of accepted tokens ends the sequence there; the rest is dropped."""
     sp = SamplingParams(temperature=1.0, seed=3, max_tokens=13, stop_token_ids=[10, 11, 12, 13], n=3)
