@@ -386,7 +386,7 @@ class Engine:
         self._add_forked(out.forked)
         num_failed = len(failed)
         with self._device_guard(out, failed):
-            self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
+            self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.cpu_blocks_freed)
             self.runner.copy_blocks(out.blocks_to_copy)
         if not out.seqs or len(failed) > num_failed:
             return None
@@ -849,7 +849,10 @@ class Engine:
                   for seq in req.seqs]
         return EngineOutput(req.request_id, deltas, True, error=message)
 
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], freed: list[int]) -> None:
+        # The host copies of ended sequences go first: a block freed since the last step may be a swap-out's target.
+        for h in freed:
+            self._host_pool.pop(h, None)
         # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
         # already be the target of this step's swap-out.
         # A host block holds each pool's K and V of one block (the target's, and a draft model's): [L, BS, Hkv, D].

@@ -110,3 +110,25 @@ def test_swapping_gives_the_same_outputs_and_shows_swaps():
     assert s["num_used"] == 0 and s["num_cpu_used"] == 0
     llm.engine.block_manager.check_invariants()
     llm.engine.scheduler.check_invariants()
+
+
+def test_a_request_that_ends_while_swapped_out_leaves_no_host_copy_behind():
+    """The engine keeps a swapped-out block's K/V on the host until it is swapped back in. A request aborted while
+    swapped out freed its host blocks in the block manager, but the engine kept their arrays (until a later swap-out
+    reused the block id): the freed host blocks now reach the engine with the step's diffs."""
+    llm = make_llm(max_num_seqs=6, num_blocks=14, max_model_len=64, swap_space=0.01, preemption_mode="swap",
+                   enable_prefix_caching=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(random_prompts(6, 8, 20, seed=6)):
+        engine.add_request(f"r{i}", p, params)
+    while not engine.scheduler.swapped:
+        engine.step()
+    victim = engine.scheduler.swapped[0]
+    held = len(engine.block_manager.cpu_tables[victim.seq_id])
+    assert len(engine._host_pool) >= held > 0
+    engine.abort_request(victim.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine._host_pool == {}
+    assert llm.stats()["num_cpu_used"] == 0
