@@ -187,8 +187,12 @@ def test_tool_choice_none_and_auto_give_plain_content(client):
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "fn", "function": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": TOOLS + [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]},
+     "tools.2.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
-      "tool_choice": "required"}, "tools"),
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "nope"}}}}}], "tool_choice": "required"}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

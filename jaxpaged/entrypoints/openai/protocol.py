@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jaxpaged import client_json
 from jaxpaged.engine.grammar_guard import GrammarBusyError
@@ -268,6 +268,15 @@ class FunctionDefinition(_Body):
     description: str | None = None
     parameters: dict | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, v: dict | None) -> dict | None:
+        """A call's arguments are a JSON object (as OpenAI requires of the schema): a schema of another type made
+        calls whose arguments were a bare string or number."""
+        if v is not None and "type" in v and v["type"] != "object":
+            raise ValueError(f'must be a JSON schema of type "object", got type {str(v["type"])[:40]!r}')
+        return v
 
 
 class Tool(_Body):
