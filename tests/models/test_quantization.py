@@ -212,6 +212,29 @@ def test_checkpoint_stores_quantized_weights_as_they_are(tmp_path):
         save_checkpoint(LoadedModel(config, families.param_state(config, params), None, "mem"), str(tmp_path / "x"))
 
 
+def test_loading_a_path_with_int8_quantizes_the_weights_as_from_params_does(tmp_path):
+    """LLM(path, quantization="int8", dtype="bfloat16") quantizes the weights the file holds (float32 here), as
+    LLM.from_params does the same weights: the same codes and scales, tokens and log-probs. It loaded them rounded to
+    bfloat16 first, then quantized them: other codes, other log-probs."""
+    from jaxpaged.loader import LoadedModel, save_checkpoint
+    from jaxpaged.models import families
+
+    config = tiny_config(hidden=64, layers=2, heads=6, kv_heads=2, head_dim=64, vocab_size=256)
+    params = random_params(config, seed=4)  # float32
+    save_checkpoint(LoadedModel(config, families.param_state(config, params), None, "mem"), str(tmp_path / "ck"))
+    options = dict(dtype="bfloat16", quantization="int8", max_model_len=128, block_size=8, num_blocks=64,
+                   precompile=False, show_progress=False)
+    loaded = LLM(str(tmp_path / "ck"), **options)
+    given = LLM.from_params(config, params, None, **options)
+    for name in ("wq", "w_down"):
+        got, want = (nnx.to_pure_dict(x.engine.runner.params)["layers"][name] for x in (loaded, given))
+        np.testing.assert_array_equal(np.asarray(got.codes), np.asarray(want.codes))
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    prompts = random_prompts(4, 5, 30, vocab=256, seed=3)
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in greedy(loaded, prompts)] == \
+        [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in greedy(given, prompts)]
+
+
 # ---- where the dequantization happens ------------------------------------------------------------------------------
 
 
