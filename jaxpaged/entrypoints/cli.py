@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import sys
@@ -34,8 +35,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         kind = f.type.split("|")[0].strip()
         # "int | str" (a size such as 2GiB) reads as a string; EngineConfig parses it; a dict is JSON
         parse = {"int": int, "float": float, "str": str, "dict": _json_object}[kind if "str" not in f.type else "str"]
+        if choices is not None and None in choices:  # the help lists None: `--quantization none` (or None) gives it
+            parse = functools.partial(_none_or, parse)
         group.add_argument(flag, type=parse, default=f.default, choices=choices,
                            help=help if f.default is None else f"{help} (default: {f.default})")
+
+
+def _none_or(parse, text: str):
+    return None if text.strip().lower() == "none" else parse(text)
 
 
 def _json_object(text: str) -> dict:

@@ -201,6 +201,9 @@ def test_every_engine_option_is_a_flag():
     assert (config.num_blocks, config.enable_prefix_caching, config.max_num_seqs, config.seed) == (40, False, 3, 7)
     assert config.kv_cache_memory == "2GiB" and not config.precompile
     assert EngineConfig(**engine_options(p.parse_args([]))) == EngineConfig()
+    # an option whose choices hold None (its help lists it) takes it as "none" or "None"
+    for text, want in (("none", None), ("None", None), ("int8", "int8")):
+        assert p.parse_args(["--quantization", text]).quantization == want
 
 
 def test_the_server_bounds_prefill_while_decoding_by_default_and_the_flag_overrides_it():
