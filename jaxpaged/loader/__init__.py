@@ -30,7 +30,7 @@ from jaxpaged.loader.checkpoint import (
     CONFIG_NAME,
     PARAMS_DIR,
     is_checkpoint,
-    is_quantized_checkpoint,
+    quantized_formats,
     read_checkpoint,
     read_checkpoint_sharded,
     write_checkpoint,
@@ -103,7 +103,7 @@ def check_quantization_source(path: str | None, quantization: str | None) -> Non
     path = path or default_model_path()
     from jaxpaged.loader.gguf_file import is_gguf_file
 
-    if os.path.isfile(path) and is_gguf_file(path) or os.path.isdir(path) and is_quantized_checkpoint(path):
+    if os.path.isfile(path) and is_gguf_file(path) or os.path.isdir(path) and quantized_formats(path) - {"int8"}:
         return
     raise ValueError(f"quantization='gguf' keeps the quantized tensors of a GGUF file, and {path!r} is not one (nor a "
                      "checkpoint saved from one); use quantization='int8' to quantize this model, or None")

@@ -131,6 +131,16 @@ def is_quantized_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, QUANTIZATION_NAME))
 
 
+def quantized_formats(directory: str) -> set[str]:
+    """The formats of a checkpoint's quantized weights ("int8", "q4_k", ...), read from quantization.json alone."""
+    from jaxpaged.models.quant import FORMATS
+
+    if not is_quantized_checkpoint(directory):
+        return set()
+    with open(os.path.join(directory, QUANTIZATION_NAME)) as f:
+        return {FORMATS[(m["bits"], m["scale_mode"])] for m in json.load(f).values()}
+
+
 def read_checkpoint_sharded(directory: str, dtype, mesh) -> tuple[ModelConfig, dict] | None:
     """(config, params as a nested dict of jax.Arrays already split over `mesh`): Orbax reads each device's shard
     of each tensor straight into it (in `dtype`), so no device ever holds a whole split tensor. None when the model's

@@ -363,7 +363,19 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' keeps the quantized tensors of a GGUF file"):
         LLM(model=str(tmp_path), quantization="gguf")
+    # a checkpoint whose quantized weights are all int8 holds no GGUF tensor: refused from its quantization.json,
+    # before its weights load (it was refused after)
+    from jaxpaged.loader import LoadedModel, save_checkpoint
+    from jaxpaged.models import families
+
     config = tiny_config()
+    params = random_params(config)
+    params["layers"]["wq"] = quant.quantize_int8(params["layers"]["wq"])
+    monkeypatch.undo()
+    save_checkpoint(LoadedModel(config, families.param_state(config, params), None, "mem"), str(tmp_path / "ck"))
+    monkeypatch.setattr(loader, "load_model", boom)
+    with pytest.raises(ValueError, match="quantization='gguf' keeps the quantized tensors of a GGUF file"):
+        LLM(model=str(tmp_path / "ck"), quantization="gguf")
     with pytest.raises(ValueError, match="quantization='gguf'"):
         tiny_llm(config, random_params(config), quantization="gguf")
 
