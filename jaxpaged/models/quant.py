@@ -150,7 +150,8 @@ def check_method(quantization) -> None:
 def quantize_int8(w, table: bool = False) -> QuantizedWeight:
     """Symmetric int8 per output channel of a full-width w: a matrix [*lead, K, N] (x @ w) or a table [N, K] (its rows
     are the channels). s = max|w| / 127 per channel, q = round(w / s) in [-127, 127], stored as u = q + 128 (plain
-    layout); dequantized, q * s. numpy or jax arrays (float32 math either way)."""
+    layout); dequantized, q * s. numpy or jax arrays (float32 math either way, the same bits: s is max|w| times
+    float32(1 / 127), as XLA computes a division by a constant)."""
     xp = _xp(w)
     dense_shape, compute_dtype = tuple(w.shape), str(np.dtype(w.dtype))
     if xp is jnp and w.ndim == 3:  # a stacked device array: one layer at a time (float32 temporaries of one layer)
@@ -161,7 +162,7 @@ def quantize_int8(w, table: bool = False) -> QuantizedWeight:
     if not table:
         w = xp.swapaxes(w, -1, -2)  # [*lead, N, K]
     amax = xp.max(xp.abs(w), axis=-1)  # [*lead, N]
-    s = amax / xp.float32(127.0)
+    s = amax * xp.float32(1.0 / 127.0)
     inv = xp.where(s > 0, xp.float32(1.0) / xp.where(s > 0, s, 1), 0).astype(xp.float32)
     q = xp.clip(xp.rint(w * inv[..., None]), -127, 127)
     k = w.shape[-1]

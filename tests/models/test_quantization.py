@@ -49,6 +49,11 @@ def test_int8_rounds_each_weight_to_its_channels_grid():
     assert codes.min() >= 1 and codes.max() <= 255  # q + 128, q in [-127, 127]
     table = quant.quantize_int8(w[0].T, table=True)  # [N, K]: a scale per row
     np.testing.assert_allclose(np.asarray(table.scales), np.abs(w[0]).max(axis=0) / 127, rtol=1e-6)
+    # numpy arrays (checkpoints, tests) and device arrays (the engine) quantize to the same bits; a plain division
+    # by 127 gave scales 1 ulp apart on some channels, where XLA multiplies by the reciprocal
+    on_device = quant.quantize_int8(jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(on_device.scales), np.asarray(qw.scales))
+    np.testing.assert_array_equal(np.asarray(on_device.codes), np.asarray(qw.codes))
 
 
 @pytest.mark.parametrize("layout", ["plain", "panels"])
