@@ -43,7 +43,9 @@ _COUNTERS = {
                       "Prompt tokens run through the model (prefix-cache hits excluded, recomputation included)."),
     "generation_tokens": ("jaxpaged_generation_tokens", "Tokens generated."),
     "finished_requests": ("jaxpaged_requests_finished", "Requests that finished (stop or length)."),
-    "aborted_requests": ("jaxpaged_requests_aborted", "Requests aborted (client gone, shutdown, error)."),
+    "aborted_requests": ("jaxpaged_requests_aborted", "Requests aborted (client gone, shutdown)."),
+    "failed_requests": ("jaxpaged_requests_failed", "Requests that failed inside the engine (their grammar, their "
+                                                    "rows or step), the others going on."),
     "steps": ("jaxpaged_engine_steps", "Engine steps run."),
     "cow_copies": ("jaxpaged_kv_cow_copies", "Copy-on-write block copies."),
     "swapped_out_blocks": ("jaxpaged_kv_swapped_out_blocks", "Blocks swapped out to host memory."),

@@ -307,6 +307,7 @@ def test_a_failing_device_step_fails_its_requests_but_not_the_loop(engine, aengi
         return real_dispatch(inputs, rows)
 
     monkeypatch.setattr(engine.runner, "dispatch", flaky_dispatch)
+    failed_before = aengine.stats()["failed_requests"]
 
     async def run():
         with pytest.raises(EngineStepError, match="device fell over"):
@@ -318,6 +319,12 @@ def test_a_failing_device_step_fails_its_requests_but_not_the_loop(engine, aengi
     assert last.finished and aengine.is_running
     assert last.outputs[0].token_ids == offline_tokens(engine, [3, 4])
     assert wait_for(lambda: aengine.stats()["num_used"] == 0)
+    # /metrics counts it as failed (not as aborted)
+    from prometheus_client import generate_latest
+
+    failed = aengine.stats()["failed_requests"]
+    assert failed == failed_before + 1
+    assert f"jaxpaged_requests_failed_total {float(failed)}" in generate_latest(aengine.metrics.registry).decode()
 
 
 def test_one_bad_row_fails_only_its_request(engine, aengine, monkeypatch):
