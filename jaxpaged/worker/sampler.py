@@ -181,7 +181,10 @@ def _penalize(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> j
     rep = s.repetition_penalty[:, None]
     # times the reciprocal, as XLA rewrites a division by a broadcast anyway (and the native kernel does)
     logits = jnp.where(anywhere, jnp.where(logits > 0, logits * (1.0 / rep), logits * rep), logits)
-    return logits - s.frequency_penalty[:, None] * counts - s.presence_penalty[:, None] * (counts > 0)
+    # only generated tokens lose anything (subtracting a zero would turn a -0.0 logit into +0.0 where the native
+    # kernel, which visits only seen tokens, leaves it)
+    lose = s.frequency_penalty[:, None] * counts + s.presence_penalty[:, None]
+    return jnp.where(counts > 0, logits - lose, logits)
 
 
 def _apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:

@@ -11,9 +11,9 @@
 //     repetition    [S]     float32   Hugging Face's repetition penalty (1 = off)
 //     out           [S, V]  float32   the logits penalized, bit for bit as jaxpaged.worker.sampler's XLA version:
 //                                     a token seen anywhere (prompt, output, pending) is multiplied by
-//                                     1 / `repetition` where positive and by `repetition` otherwise, then every token loses
-//                                     frequency * count + presence * (count > 0), count = its output occurrences;
-//                                     ids outside [0, V) are ignored
+//                                     1 / `repetition` where positive and by `repetition` otherwise, then a token
+//                                     generated count > 0 times loses frequency * count + presence; ids outside
+//                                     [0, V) are ignored
 //
 // Why: XLA builds each row's token counts as dense [S, V] arrays (scatters into zeros, then several passes over
 // them), so the cost grows with the vocabulary though a row touches at most L of its V logits. Here each row is
@@ -69,8 +69,7 @@ struct ParallelPenalties {
     counts[t] = 0;
     float x = row[t];
     x = x > 0.0f ? x * (1.0f / rep) : x * rep;
-    x = x - freq * c;
-    x = x - pres * (c > 0.0f ? 1.0f : 0.0f);
+    if (c > 0.0f) x = x - (freq * c + pres);
     row[t] = x;
   }
 

@@ -233,8 +233,8 @@ def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
 def test_native_penalties_are_xla_s_bits_and_refuse_bad_input():
     """penalties.cc gives the XLA penalties' bits: every row's mix of repeats in prompt and output, a pending token
     (new or already seen), padding, ids past the vocabulary (ignored, as XLA's scatter drops them), rows without
-    penalties, negative and zero penalties, logits of either sign, zero and -inf; each kernel argument's shape is
-    checked by name."""
+    penalties, negative and zero penalties, logits of either sign, +0.0, -0.0 and -inf; each kernel argument's shape
+    is checked by name."""
     import jax
     import jax.numpy as jnp
 
@@ -248,6 +248,7 @@ def test_native_penalties_are_xla_s_bits_and_refuse_bad_input():
     logits = rng.standard_normal((rows, vocab)).astype(np.float32) * 4
     logits[:, :50] = 0.0
     logits[:, 50:60] = -np.inf
+    logits[:, 60:70] = -0.0  # kept as -0.0 where no generated token loses anything
     s = sampler.SamplingMetadata.padding(rows, vocab, max_len)
     for r in range(rows):
         n = int(rng.integers(0, max_len + 1))
