@@ -29,10 +29,9 @@ import time
 JSON_OPTIONS = {"whitespace_flexible": False}
 MAX_ERROR_CHARS = 300
 # The CPU time one token mask may take. The engine computes a step's masks on its own thread, so a slow one stalls
-# every request: an ambiguous grammar's Earley items grow with its output, 0.7 s a mask after 150 tokens of
-# `s: s s | s s s | "a" | "b"`. Ordinary grammars (a JSON schema of 60 fields, regexes, a Lark expression grammar)
-# took at most 1.3 ms a mask over SmolLM2's 49k tokens and 4.2 ms over Gemma 3's 262k (AMD EPYC Zen 4). A mask over
-# the limit fails its request (its first one, computed before the request is queued: a 400).
+# every request: an ambiguous grammar's masks grow with its output (Earley items), where ordinary grammars' stay
+# far below this (benchmarks/grammar_masks.py; docs/benchmarks.md). A mask over the limit fails its request (its
+# first one, computed before the request is queued: a 400).
 MAX_MASK_CPU_S = 0.05
 
 
