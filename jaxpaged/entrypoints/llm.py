@@ -59,11 +59,8 @@ def load_engine(model: str | None = None, config: EngineConfig | None = None,
 
     check_quantization_source(model, config.quantization)
     t0 = time.perf_counter()
-    # int8 quantizes the weights as loaded: at float32, as from_model / from_params quantize float32 weights (loaded
-    # in a 16-bit dtype, they were rounded twice: other codes than the same weights give there); the engine then
-    # casts what stays full width to the dtype.
-    loaded = load_model(model, dtype="float32" if config.quantization == "int8" else config.model_dtype,
-                        tensor_parallel_size=config.tensor_parallel_size, quantization=config.quantization)
+    loaded = load_model(model, dtype=config.model_dtype, tensor_parallel_size=config.tensor_parallel_size,
+                        quantization=config.quantization)
     load_s = time.perf_counter() - t0
     engine = Engine(loaded.config, loaded.params, loaded.tokenizer, config)
     engine.startup_times["load_s"] = load_s

@@ -132,9 +132,11 @@ def load_model(path: str | None = None, dtype: str = "float32", cache_dir: str |
     With tensor_parallel_size > 1, a checkpoint whose heads split evenly is restored straight into the mesh's
     shardings (device arrays); every other source gives host arrays that the engine places shard by shard.
     quantization="gguf" keeps a GGUF file's quantized matrices as they are (`gguf_quant`); a checkpoint's quantized
-    weights are kept for "gguf" / "int8" and dequantized for None. Raises FileNotFoundError / ValueError naming the
-    path and what is wrong with it."""
-    np_dtype = numpy_dtype(dtype)
+    weights are kept for "gguf" / "int8" and dequantized for None. With "int8" the weights come at float32 whatever
+    `dtype`: the engine quantizes them, as from_model / from_params quantize float32 weights, then casts the rest
+    (rounded to a 16-bit dtype first, they were rounded twice: other codes than the same weights give there). Raises
+    FileNotFoundError / ValueError naming the path and what is wrong with it."""
+    np_dtype = numpy_dtype("float32" if quantization == "int8" else dtype)
     check_quantization_source(path, quantization)
     path = path or default_model_path()
     if not os.path.exists(path):
