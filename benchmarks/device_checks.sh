@@ -23,8 +23,17 @@
 # then call the device tool with carry [".whl"] and the command `bash benchmarks/device_checks.sh 1` (then 2).
 set -u
 cd "$(dirname "$0")/.."
-OUT_DIR=${OUT:-benchmarks/results/device}
+STAGE=${1:-1}
+# The device tool brings back at most 8 files from $OUT: there the logs gather in a folder of their own and $OUT
+# gets one archive of it, rewritten after each part (so a run cut off by its limit still returns what it did).
+OUT_DIR=${OUT:+/tmp/device_checks}
+OUT_DIR=${OUT_DIR:-benchmarks/results/device}
 mkdir -p "$OUT_DIR"
+pack() {
+  if [ -n "${OUT:-}" ]; then
+    tar czf /tmp/stage.tar.gz -C "$OUT_DIR" . && mv /tmp/stage.tar.gz "$OUT/stage$STAGE.tar.gz"
+  fi
+}
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -39,9 +48,9 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND with a time limit, its ou
   timeout "$limit" "$@" > "$OUT_DIR/$name.log" 2>&1
   echo "   exit $? after ${SECONDS} s in all"
   tail -n 25 "$OUT_DIR/$name.log"
+  pack
 }
 
-STAGE=${1:-1}
 GPU_TPUT="python3 benchmarks/gpu_throughput.py --lazy-compile --log-compiles"
 NO_PREALLOC="XLA_PYTHON_CLIENT_PREALLOCATE=false"  # pytest workers share the card (the throughput rows do not)
 if [ "$STAGE" = 1 ]; then
@@ -89,4 +98,5 @@ else
   grep -E " (FAILED|ERROR) " "$OUT_DIR/kernels.log" | head -n 20
 fi
 grep -hE " (FAILED|ERROR) " "$OUT_DIR"/new_kernels.log 2>/dev/null | head -n 20
+pack
 echo "done in ${SECONDS} s"

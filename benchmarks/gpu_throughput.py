@@ -61,7 +61,7 @@ SHAPES = {
                       num_kv_heads=8, head_dim=128, rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=8.0),
                       max_position_embeddings=8192, eos_token_ids=(128001,)),
     "smoke": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_ids=(1,)),
+                         num_kv_heads=2, head_dim=16, max_position_embeddings=2048, eos_token_ids=(500,)),
 }
 WORKLOADS = {"P": ((128, 1024), 128), "D": ((64, 256), 512)}  # prompt length range, new tokens
 FORMATS = {"bf16": {}, "fp8kv": {"kv_cache_dtype": "fp8"}, "int8": {"quantization": "int8"},
@@ -167,12 +167,17 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     from jaxpaged.models.llama import LlamaForCausalLM
 
     row = f"{config_name(config)} {name} {fmt}"
+    grammar = "regex" in SAMPLING[args.sampling]
+    if grammar:  # a grammar's EOS is the tokenizer's: the model's must be one of its ids
+        from tests.tiny_hf import EOS_ID
+
+        config = dataclasses.replace(config, eos_token_ids=(EOS_ID,))
     t0 = time.perf_counter()
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16)
     print(f"[{row}] random weights made in {time.perf_counter() - t0:.1f} s", flush=True)
     t0 = time.perf_counter()
     tokenizer = None
-    if "regex" in SAMPLING[args.sampling]:  # a grammar needs a tokenizer
+    if grammar:  # a grammar needs a tokenizer
         from tests.tiny_hf import make_tiny_tokenizer
 
         tokenizer = make_tiny_tokenizer()
@@ -272,7 +277,9 @@ def busiest_device_line(events: list[dict]) -> list[dict]:
 
 
 def config_name(config: ModelConfig) -> str:
-    return next((k for k, v in SHAPES.items() if v == config), "?")
+    """SHAPES' name of a config (its EOS ids aside: a grammar's row gives the model the tokenizer's)."""
+    return next((k for k, v in SHAPES.items() if dataclasses.replace(v, eos_token_ids=config.eos_token_ids) == config),
+                "?")
 
 
 def run_hf(config: ModelConfig, name: str, prompts: list[list[int]], new: int, args, device: str) -> list[Run]:
