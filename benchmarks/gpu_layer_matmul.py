@@ -9,9 +9,10 @@ weight of --layers layers in a `fori_loop` whose layer index is traced, as the e
   * XLA sliced  the stacked weight indexed by the loop's layer: what the engine ran before the kernel (XLA GPU
                 copies the slice to a buffer of its own first: benchmarks/gpu_step_hlo.py);
   * kernel      the Pallas kernel on the stack and the layer, its tiles `gpu_qmatmul.tiles(M)`, and each of --tiles;
-  * int8 kernel the per-channel int8 kernel (`qmatmul_gpu(channel=True)`: x in bf16) on the stack's codes (--int8);
+  * int8 kernel the per-channel int8 kernel (`qmatmul_gpu(channel=True)`: x in bf16) on the stack's codes (--int8):
+                the engine's int8 decode steps on CUDA;
   * int8 w8a8 kernel  the same weights times x quantized to int8 per block of 32, on the int8 tensor cores
-                (pallas_kernels/gpu_w8a8.py: the engine's int8 decode steps on CUDA; --int8), at its tiles and at
+                (pallas_kernels/gpu_w8a8.py, which the engine does not run; --int8), at its tiles and at
                 each of --tiles' tm, tn and warps. Its error against XLA own includes the activations' rounding.
 Each is timed as the median of --samples samples of --reps calls (common.time_call). Reported per product: us,
 TFLOP/s, the weight bytes over the time (GB/s) and as a share of a measured copy bandwidth, and the largest

@@ -112,9 +112,9 @@ def model_flops(config: ModelConfig, prompts: list[int], new: int) -> float:
 NOMINAL_TB_S = {"H200": 4.8, "H100": 3.35}  # HBM bandwidth (SXM), NVIDIA's data sheets
 WEIGHT_BYTES = {"bf16": 2, "fp8kv": 2, "int8": 1, "fp8kv+int8": 1}  # per parameter of the layer matmuls and head
 KV_BYTES = {"bf16": 2, "fp8kv": 1, "int8": 2, "fp8kv+int8": 1}  # per K or V element
-# the matmuls' operations a second against bf16's: int8 weights multiply int8 activations on the int8 tensor cores in
-# decode steps (pallas_kernels/gpu_w8a8.py), at twice bf16's dense rate on an H100 / H200 (NVIDIA's data sheets)
-MATMUL_SPEEDUP = {"bf16": 1, "fp8kv": 1, "int8": 2, "fp8kv+int8": 2}
+# the matmuls' operations a second against bf16's: the engine's int8 weights multiply in bf16 (x times u - 128,
+# pallas_kernels/gpu_qmatmul.py's column scales), at bf16's rate
+MATMUL_SPEEDUP = {"bf16": 1, "fp8kv": 1, "int8": 1, "fp8kv+int8": 1}
 
 
 def decode_floor(config: ModelConfig, fmt: str, card: str, seqs: int, context: float) -> dict:

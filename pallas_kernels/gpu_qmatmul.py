@@ -226,8 +226,8 @@ def qmatmul_gpu(x: jax.Array, codes: jax.Array, scales: jax.Array, layer: jax.Ar
     splits (None: `default_splits`). scale_load: "broadcast" or "gather", how a step's block scales reach its codes
     (`_qmatmul_kernel`'s load_scales). channel: int8 per output channel (bits 8), scales [L, N] float32, w = s *
     (u - 128): the kernel multiplies x by u - 128 (exact in x's dtype) and each column's sum by its scale, as XLA's
-    int8 GEMM does (`quant._signed_channel_matmul`); the engine multiplies int8 weights by `gpu_w8a8.py` instead,
-    and this weight-only form stays as its baseline (`benchmarks/gpu_layer_matmul.py --int8`). interpret=True runs
+    int8 GEMM does (`quant._signed_channel_matmul`): the engine's int8 decode steps on CUDA (faster than
+    `gpu_w8a8.py`'s int8 tensor cores on an H200, `benchmarks/gpu_layer_matmul.py --int8`). interpret=True runs
     Pallas' interpreter (any backend, CPU included).
     """
     if bits not in (4, 8):

@@ -1,13 +1,17 @@
 """x @ W^T with int8 weights (per output channel) and int8 activations (per block of 32), on the int8 tensor cores of
-GPUs: a Pallas kernel on the Triton backend.
+GPUs: a Pallas kernel on the Triton backend. The engine does not run it: on an H200 (2026-11-27,
+benchmarks/results/device_h200_20261127_2230/) it was 1.1-1.8x slower than gpu_qmatmul.py's weight-only int8
+(`channel=True`, bf16 tensor cores) at each of Llama-3-8B's decode products, at its own tiles and three others, and
+two of its product tests failed there with bf16 inputs (rows off by one activation code's worth, cause not known);
+it stays as a way of benchmarks/gpu_layer_matmul.py --int8.
 
-Why: at a decode batch of 256 sequences an H100's or H200's layer matmuls are bound by their FLOPs, not by reading
-their weights (benchmarks/gpu_throughput.py --floors), so int8 weights multiplied in bf16 (gpu_qmatmul.py's
-`channel=True`) save little there. The int8 tensor cores do twice bf16's operations a second. The activations are
-quantized as the native CPU kernel quantizes them (`pallas_kernels.cpu_native.quantized.quantize_activations`, the
-Q8_0 scheme of llama.cpp): per block of 32 values, d = max|x| / 127, q = round-half-even(x * (1 / d)), all in
-float32 and to the bit (`div127`); so a GPU's products are the CPU kernel's numbers, up to the order of the float32
-sum.
+Why it was written: at a decode batch of 256 sequences an H100's or H200's layer matmuls are bound by their FLOPs,
+not by reading their weights (benchmarks/gpu_throughput.py --floors), so int8 weights multiplied in bf16
+(gpu_qmatmul.py's `channel=True`) save little there. The int8 tensor cores do twice bf16's operations a second. The
+activations are quantized as the native CPU kernel quantizes them
+(`pallas_kernels.cpu_native.quantized.quantize_activations`, the Q8_0 scheme of llama.cpp): per block of 32 values,
+d = max|x| / 127, q = round-half-even(x * (1 / d)), all in float32 and to the bit (`div127`); so a GPU's products
+are the CPU kernel's numbers, up to the order of the float32 sum.
 
 This module knows nothing of the engine: raw arrays and static shapes.
 
@@ -24,7 +28,7 @@ to whole tiles; split s's partial sums at rows s * Mp + m). Grid (Mp / tm, Np / 
 walks its share of the B blocks: loads xq [tm, 32], xd [tm] and the codes [tn, 32] (masked past M, N and K), makes
 the codes signed (u - 128), multiplies on the int8 tensor cores into int32 (exact: 32 products of at most 127 x 127),
 and adds that times xd to its float32 [tm, tn] accumulator; the column scales multiply the sum at the end.
-Tiles: tm, tn and the warps of `gpu_qmatmul.tiles(M)`, K steps of one block. Reasoned, not tuned: no GPU has run it.
+Tiles: tm, tn and the warps of `gpu_qmatmul.tiles(M)`, K steps of one block. Reasoned, not tuned.
 """
 
 from __future__ import annotations

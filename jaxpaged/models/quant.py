@@ -287,8 +287,8 @@ def gpu_layer_kernel(max_rows: int):
     """While tracing inside this block, products of an x with at most max_rows rows and a stacked weight run, on
     CUDA, a Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its
     GEMM: a 16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
-    pallas_kernels/gpu_w8a8.py (x in int8 per block of 32, as the native CPU kernel; the block formats take
-    pallas_kernels/gpu_qmatmul.py at every size). 0: never. The caller traces for a CUDA GPU; under a
+    pallas_kernels/gpu_qmatmul.py's column-scale form (`_channel_kernel_matmul`; the block formats take that kernel
+    at every size). 0: never. The caller traces for a CUDA GPU; under a
     tensor-parallel mesh (`partitioned_products`) the kernels run on each device's shard."""
     token = _GPU_ROWS.set(max_rows)
     try:
@@ -405,7 +405,8 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     the dot, where `_dense_matmul`'s nibble interleave makes it write the weight at full width), and the other block
     products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
     which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
-    channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the W8A8 kernel;
+    channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the same Triton kernel
+    with column scales (`_channel_kernel_matmul`);
     everywhere else `_dense_matmul`. Inside `partitioned_products` with a mesh, only the branches that are XLA's
     dot. Every branch but the kernels' multiplies the layer's codes[layer], scales[layer]."""
     def at_layer(fn):
@@ -448,11 +449,12 @@ def _kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: Qua
 
 def _channel_kernel_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, layer) -> jax.Array:
     """int8 per channel on CUDA in `gpu_layer_kernel`'s steps: the Pallas Triton kernel on the stacked codes (or one
-    matrix's, layer 0) with x quantized to int8 per block of 32, on the int8 tensor cores: the native CPU kernel's
-    numbers (pallas_kernels/gpu_w8a8.py says why: these steps are bound by their FLOPs)."""
-    from pallas_kernels.gpu_w8a8 import w8a8_matmul_gpu
+    matrix's, layer 0), x times u - 128 in x's dtype and each column's sum times its scale: `_signed_channel_matmul`'s
+    numbers up to the float32 sum's order. (The W8A8 kernel, pallas_kernels/gpu_w8a8.py, was slower than this one at
+    each of Llama-3-8B's decode products on an H200: docs/quantization.md.)"""
+    from pallas_kernels.gpu_qmatmul import qmatmul_gpu
 
-    return w8a8_matmul_gpu(x, codes, scales, layer)
+    return qmatmul_gpu(x, codes, scales, layer, bits=8, pair=False, channel=True)
 
 
 def _dense_matmul(x: jax.Array, codes: jax.Array, scales: jax.Array, *, qw: QuantizedWeight) -> jax.Array:

@@ -234,8 +234,9 @@ def test_the_benchmark_says_it_needs_a_gpu_and_exits_0():
 @pytest.mark.parametrize("k, m", [(96, 1), (570, 9), (64, 300)])
 def test_int8_per_channel_is_x_times_the_layer_scaled_per_column(k, m, dtype):
     """x @ (u - 128) with each column's sum times its scale: the float32 weights' product up to float32 sums (the
-    codes are exact in bf16), and `_signed_channel_matmul`'s (the CUDA branch it replaces) up to their order. Other
-    layers' scales are NaN: only LAYER is read."""
+    codes are exact in bf16), and `_signed_channel_matmul`'s (the CUDA branch it replaces) up to their order, that
+    one's float32 dot at full precision (on an H200 its default TF32 missed by up to 1e-2). Other layers' scales are
+    NaN: only LAYER is read."""
     qw = layered_weight("int8", k, 200, seed=k + m)
     x = jnp.asarray(np.random.default_rng(m).standard_normal((m, qw.k)), dtype)
     got = np.asarray(run(8, False, channel=True)(x, qw.codes, qw.scales, LAYER))
@@ -243,7 +244,8 @@ def test_int8_per_channel_is_x_times_the_layer_scaled_per_column(k, m, dtype):
     xs = np.asarray(x, np.float64)
     scale = np.abs(xs) @ np.abs(w32) + 1e-30
     np.testing.assert_array_less(np.abs(got - xs @ w32), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
-    xla = np.asarray(quant._signed_channel_matmul(x, qw.codes[LAYER], qw.scales[LAYER]))
+    with jax.default_matmul_precision("highest"):  # as the kernel's float32 dots (XLA GPU's default is TF32)
+        xla = np.asarray(quant._signed_channel_matmul(x, qw.codes[LAYER], qw.scales[LAYER]))
     np.testing.assert_array_less(np.abs(got - xla), 8 * np.finfo(np.float32).eps * np.sqrt(qw.k) * scale)
 
 
@@ -268,6 +270,44 @@ def test_on_cuda_int8_reads_the_stack_in_place_within_the_row_limit():
     for rows, limit in [(16, 8), (8, 0)]:
         outside = _layer_loop_module(qw, "cuda", rows=rows, kernel_rows=limit)
         assert not any(f"@{t}(" in outside for t in TRITON_CALL_TARGETS) and "dynamic_slice" in outside
+
+
+def test_an_int8_engine_on_the_cuda_path_gives_the_xla_paths_tokens(monkeypatch):
+    """quantization="int8" with the steps' products on quant's CUDA branch (this kernel with column scales in the
+    decode-sized steps, interpreted here; XLA's int8 GEMM in the others) against the same engine on XLA's
+    dequantize-then-dot branch: the same greedy tokens, log-probs within float32 summation order's reach."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.engine import quant_setup
+    from jaxpaged.worker import model_runner
+    from tests.tiny import random_params, random_prompts, tiny_config, tiny_llm
+
+    config = tiny_config(hidden=64, heads=4, kv_heads=2, head_dim=16, layers=2)
+    params = random_params(config, seed=3)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 12, seed=5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+
+    def run_engine():
+        llm = tiny_llm(config, params, attention_backend="reference", quantization="int8")
+        return [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    monkeypatch.setattr(quant_setup, "native_quantized", lambda: False)  # the plain layout, as on a GPU
+    xla = run_engine()
+    calls, kernel_fn = [], gpu_qmatmul.qmatmul_gpu
+
+    def interpreted(*args, **kwargs):
+        calls.append(args[0].shape)
+        assert kwargs["channel"]
+        return kernel_fn(*args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(model_runner, "gpu_layer_matmul_rows", lambda mesh: 64)
+    monkeypatch.setattr(gpu_qmatmul, "qmatmul_gpu", interpreted)
+    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default, **kw: cuda(*args))
+    cuda = run_engine()
+    assert calls, "the steps were not traced with the kernel"
+    for a, b in zip(xla, cuda, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
+                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=2e-3)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_k"])
