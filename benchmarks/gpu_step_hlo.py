@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -41,13 +42,14 @@ SKIP = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
 def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fmt: str = "bf16",
-                        split_sampler: bool = True, tp: int = 1) -> str:
+                        split_sampler: bool = True, tp: int = 1, gpu_loop: str = "kernel") -> str:
     """The compiled HLO of a decode step of `seqs` sequences at `model`'s shapes (random weights, nothing allocated:
     ShapeDtypeStructs on the target device), the GPU layer matmul on up to kernel_rows rows. fmt: one of
     gpu_throughput.FORMATS (fp8kv: a float8_e4m3fn pool with per-layer scales 1.0 and rotated keys, as the engine
     builds it; int8: the weights quantized per channel, `jaxpaged.quantize`). split_sampler: the sampler left out of
     the step, as the engine runs it on a GPU (jaxpaged.worker.step). tp > 1: split over a mesh of tp such GPUs as
-    the engine splits it (`jaxpaged.parallel.tensor_parallel`; the step's kernel rows as the engine sets them)."""
+    the engine splits it (`jaxpaged.parallel.tensor_parallel`; the step's kernel rows as the engine sets them).
+    gpu_loop: `jaxpaged.worker.step.gpu_layer_loop`'s way, with the compiler options the engine gives it on a GPU."""
     from flax import nnx
 
     from jaxpaged.models.llama import LlamaForCausalLM
@@ -102,23 +104,30 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fm
     extras = tuple(sds(shape, e.dtype) for e, shape in zip(EXTRAS, extra_shapes(seqs, config.vocab_size, max_len),
                                                              strict=True))
     if mesh is None:
-        step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows, split_sampler=split_sampler)
+        step = jit_step(graphdef, treedef, attn, None, seqs, gpu_rows=kernel_rows, split_sampler=split_sampler,
+                        gpu_loop=gpu_loop)
     else:
         step = jit_step(graphdef, treedef, attn, pool_sharding, seqs, mesh=mesh,
                         leaf_shardings=tuple(x.sharding for x in leaves), gpu_rows=kernel_rows,
-                        split_sampler=split_sampler)
+                        split_sampler=split_sampler, gpu_loop=gpu_loop)
     with jax.default_matmul_precision(step_matmul_precision(leaves)):
         lowered = step.lower(leaves, pool, sds((seqs,), jnp.int32), sds((layout.size,), jnp.int32), extras, (), (),
                              layout)
-    return lowered.compile().as_text()
+    # (step_compiler_options reads the default backend, the CPU here: the GPU's option for an unrolled loop given)
+    options = {"xla_gpu_dot_merger_threshold_mb": "0"} if gpu_loop == "unrolled" else {}
+    return lowered.compile(options).as_text()
 
 
 def layer_loop_ops(hlo: str, pool_dims: str) -> list[dict]:
-    """The ops of the while loop whose carry holds the pool (the layer loop): name, op, kind, output type and its
-    size in MB (for the pool's in-place K/V writes that is the whole pool, of which they write a few rows)."""
+    """The ops of the while loop whose carry holds the pool (the layer loop), or with the loop unrolled the step's
+    entry computation (every layer's ops): name, op, kind, output type and its size in MB (for the pool's in-place
+    K/V writes that is the whole pool, of which they write a few rows)."""
     comps = computations(hlo)
-    loop = next(line for lines in comps.values() for line in lines if " while(" in line and pool_dims in line)
-    body = re.search(r"body=%([\w.\-]+)", loop).group(1)
+    loop = next((line for lines in comps.values() for line in lines if " while(" in line and pool_dims in line), None)
+    if loop is None:
+        body = re.search(r"^ENTRY %(\S+) ", hlo, re.M).group(1)
+    else:
+        body = re.search(r"body=%([\w.\-]+)", loop).group(1)
     rows = []
     for line in comps[body]:
         m = re.match(r"\s*(?:ROOT )?%(\S+) = (\([^=]*\)|\S+) ([\w\-$]+)\(", line)
@@ -171,26 +180,38 @@ def main() -> None:
         layer_mb /= args.tp  # one device's share
         if "int8" in fmt:
             layer_mb /= 2  # one byte a weight (and a scale per column)
-        # the layer matmul by XLA and by the kernel; and the engine before the split sampler (its conditionals)
-        for kernel, split in ((0, True), (GPU_LAYER_MATMUL_ROWS, True), (GPU_LAYER_MATMUL_ROWS, False)):
-            hlo = compile_decode_step(model, args.seqs, kernel, args.target, fmt, split_sampler=split, tp=args.tp)
+        # the layer matmul by XLA and by the kernel; the layers unrolled (XLA's GEMMs on static slices); and the
+        # engine before the split sampler (its conditionals)
+        variants = ((0, True, "kernel", "layer matmul XLA"),
+                    (GPU_LAYER_MATMUL_ROWS, True, "kernel", "layer matmul kernel"),
+                    (GPU_LAYER_MATMUL_ROWS, True, "unrolled", "layers unrolled"),
+                    (GPU_LAYER_MATMUL_ROWS, False, "kernel", "layer matmul kernel, sampler fused"))
+        for kernel, split, loop, label in variants:
+            t0 = time.perf_counter()
+            hlo = compile_decode_step(model, args.seqs, kernel, args.target, fmt, split_sampler=split, tp=args.tp,
+                                      gpu_loop=loop)
+            compile_s = time.perf_counter() - t0
             rows = layer_loop_ops(hlo, pool_dims)
+            per = config.num_layers if loop == "unrolled" else 1  # the entry computation holds every layer
             copies = weight_copies(rows, pool_dims, args.seqs)
-            name = f"{model} {fmt} layer matmul {'kernel' if kernel else 'XLA'}" + ("" if split else ", sampler fused")
+            name = f"{model} {fmt} {label}"
             bodies[name] = rows
-            summary.append({"step": name, "ops": len(rows), "weight_mb": layer_mb,
-                            "copied_mb": sum(r["output_mb"] for r in copies), "copies": len(copies),
-                            "triton_calls": sum("triton" in r["what"] for r in rows),
-                            "conditionals": hlo.count(" conditional(")})
-            print(f"\n{name}: the layer loop's body ({len(rows)} ops, once per layer)")
+            summary.append({"step": name, "ops": len(rows) / per, "weight_mb": layer_mb,
+                            "copied_mb": sum(r["output_mb"] for r in copies) / per, "copies": len(copies) / per,
+                            "triton_calls": sum("triton" in r["what"] for r in rows) / per,
+                            "conditionals": hlo.count(" conditional("), "compile_s": compile_s})
+            print(f"\n{name}: " + (f"the step's ops ({len(rows)}, every layer's)" if per > 1 else
+                                    f"the layer loop's body ({len(rows)} ops, once per layer)"))
             print_table(rows, [("op", "op", ""), ("kind", "kind", ""), ("what", "what", ""),
                                ("output", "output", ""), ("output_mb", "output MB", ".1f")])
     print(f"\n{args.target}{f' x {args.tp} (tensor parallel, per device)' if args.tp > 1 else ''}, decode step of "
           f"{args.seqs} sequences: weight copies per layer (each read and written before the GEMM reads the weight "
           "again)")
-    print_table(summary, [("step", "step", ""), ("ops", "ops a layer", "d"), ("triton_calls", "Triton calls", "d"),
-                          ("weight_mb", "layer weights MB", ".0f"), ("copies", "weight copies", "d"),
-                          ("copied_mb", "MB copied", ".0f"), ("conditionals", "conditionals in the step", "d")])
+    print_table(summary, [("step", "step", ""), ("ops", "ops a layer", ".0f"),
+                          ("triton_calls", "Triton calls", ".0f"), ("weight_mb", "layer weights MB", ".0f"),
+                          ("copies", "weight copies", ".1f"), ("copied_mb", "MB copied", ".0f"),
+                          ("conditionals", "conditionals in the step", "d"),
+                          ("compile_s", "compile s (here, deviceless)", ".1f")])
     out = args.out or os.path.join(RESULTS_DIR, "gpu_step_hlo.json" if args.tp == 1 else
                                    f"gpu_step_hlo_tp{args.tp}.json")
     write_json(out, {"target": args.target, "tp": args.tp, "seqs": args.seqs, "jax": jax.__version__,

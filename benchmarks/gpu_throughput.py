@@ -23,13 +23,14 @@ of `--formats` is a jaxpaged row of its own, `bf16` (the default), `fp8kv` (kv_c
 
     PYTHONPATH=. python benchmarks/gpu_throughput.py --models 8b --workloads D --formats bf16 fp8kv+int8 --no-hf
 
-A/B rows against the engine's earlier ways: `--xla-layer-matmul` (XLA's GEMM of the sliced layer, which copies
-the layer's weights first) and `--fused-sampler` (the sampler inside the step, whose conditionals make the host wait
-for the device: jaxpaged.worker.step). `--sampling top_p` samples as a chat client does (temperature 1, top-p 0.95),
-so every step runs the split sampler; `--sampling regex` adds a grammar to every request (a bitmask each step, filled
-in after the step's dispatch: late bitmasks), and `--sync-masks` lays the bitmasks out before each step instead, the
-loop synchronous (the engine before late bitmasks: their A/B). Each row also prints a decode step's host time by part
-(the engine's timers).
+A/B rows against the engine's earlier ways: `--xla-layer-matmul` (XLA's GEMM of the sliced layer, which copies the
+layer's weights first), `--unrolled-layers` (decode-sized steps with their layer loop unrolled, so that XLA's GEMMs
+read each layer's weights in place: `jaxpaged.worker.step.gpu_layer_loop`'s other way) and `--fused-sampler` (the
+sampler inside the step, whose conditionals make the host wait for the device: jaxpaged.worker.step). `--sampling
+top_p` samples as a chat client does (temperature 1, top-p 0.95), so every step runs the split sampler; `--sampling
+regex` adds a grammar to every request (a bitmask each step, filled in after the step's dispatch: late bitmasks),
+and `--sync-masks` lays the bitmasks out before each step instead, the loop synchronous (the engine before late
+bitmasks: their A/B). Each row also prints a decode step's host time by part (the engine's timers).
 
 Without a GPU or TPU it says so and exits (unless --smoke).
 """
@@ -207,7 +208,8 @@ def run_ours(config: ModelConfig, name: str, prompts: list[list[int]], new: int,
     gc.collect()  # the pool and weights go before the next row's model is made (its KV budget reads free memory)
     jax.clear_caches()
     system = " ".join(["jaxpaged" if fmt == "bf16" else f"jaxpaged {fmt}"]
-                      + ["(XLA layer matmul)"] * args.xla_layer_matmul + ["(fused sampler)"] * args.fused_sampler
+                      + ["(XLA layer matmul)"] * args.xla_layer_matmul + ["(unrolled layers)"] * args.unrolled_layers
+                      + ["(fused sampler)"] * args.fused_sampler
                       + [args.sampling] * (args.sampling != "greedy") + ["(synchronous masks)"] * args.sync_masks)
     return Run(config_name(config), name, system, seconds, sum(map(len, prompts)), output_tokens,
                model_flops(config, list(map(len, prompts)), new) / seconds / 1e12, compile_s, step_ms, device_ms,
@@ -359,6 +361,9 @@ def main() -> None:
     ap.add_argument("--xla-layer-matmul", action="store_true",
                     help="layer matmuls by XLA's GEMM of the sliced layer instead of pallas_kernels/gpu_matmul.py "
                          "(the engine before it: an A/B of the kernel)")
+    ap.add_argument("--unrolled-layers", action="store_true",
+                    help="decode-sized steps with their layer loop unrolled and XLA's GEMMs on static slices of the "
+                         "stacked weights instead of the kernel (jaxpaged.worker.step.gpu_layer_loop; an A/B)")
     ap.add_argument("--fused-sampler", action="store_true",
                     help="the sampler inside the step, as on CPU, instead of split from it (jaxpaged.worker.step: "
                          "the engine before the split, whose sampler's conditionals make the host wait; an A/B)")
@@ -391,6 +396,8 @@ def main() -> None:
 
     if args.xla_layer_matmul:
         model_runner.gpu_layer_matmul_rows = lambda mesh: 0
+    if args.unrolled_layers:
+        model_runner.gpu_layer_loop = lambda: "unrolled"
     if args.fused_sampler:
         model_runner.split_sampler_here = lambda multihost: False
     device = jax.devices()[0]

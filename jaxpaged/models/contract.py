@@ -24,6 +24,8 @@ a model step by step.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from typing import Protocol
 
@@ -69,3 +71,32 @@ def check_model(model) -> None:
                         f"missing: {', '.join(missing)}")
     if not callable(getattr(model, "logits", None)):
         raise TypeError(f"{type(model).__name__} has no logits(hidden) method (the final norm and LM head)")
+
+
+_UNROLL_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_unrolled_layer_rows", default=0)
+
+
+@contextlib.contextmanager
+def unrolled_layers(max_rows: int):
+    """While tracing inside this block, `layer_loop`s of steps of at most max_rows tokens are unrolled. 0: never."""
+    token = _UNROLL_ROWS.set(max_rows)
+    try:
+        yield
+    finally:
+        _UNROLL_ROWS.reset(token)
+
+
+def unrolled(rows: int) -> bool:
+    """Whether the step being traced, of `rows` tokens, unrolls its `layer_loop`s."""
+    return rows <= _UNROLL_ROWS.get()
+
+
+def layer_loop(num: int, body, carry, rows: int):
+    """`jax.lax.fori_loop(0, num, body, carry)` over a model's layers (or groups of them), for a step of `rows`
+    tokens; unrolled inside `unrolled_layers(max_rows)` when rows <= max_rows. Unrolled, each layer's index is a
+    constant, so its weights are static slices of their stacks, which XLA GPU's GEMM fusions read in place (a
+    dynamic-slice in a while loop is copied out first: benchmarks/gpu_step_hlo.py); the cost is a compile that
+    grows with depth."""
+    if unrolled(rows):
+        return jax.lax.fori_loop(0, num, body, carry, unroll=True)
+    return jax.lax.fori_loop(0, num, body, carry)

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.contract import layer_loop
 from jaxpaged.models.llama import lm_head, rope_inv_freq
 from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
 from jaxpaged.models.quant import COLUMNS, ROWS, embedding_rows
@@ -284,7 +285,7 @@ class Gemma3ForCausalLM(nnx.Module):
 
         carry = (embed({"embed": self.embed[...]}, token_ids, c), kv_pool)
         if num_groups:
-            carry = jax.lax.fori_loop(0, num_groups, group, carry)
+            carry = layer_loop(num_groups, group, carry, token_ids.shape[0])
         for i in range(num_groups * period, num_layers):
             carry = run_layer(i, i % period, *carry)
         return carry

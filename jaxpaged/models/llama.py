@@ -12,9 +12,10 @@ The decoder layers are one `LlamaDecoderLayer` built under `nnx.vmap`, so each o
 leading layer axis (`layers/wq` [L, H, Hq*D], ...; the state's layout is `jaxpaged.loader.layout`'s). They run in a
 `fori_loop` that calls the stacked module with the layer index i and carries the pool: the layer reads its matrices
 through `layer_matmul` and its norm weights through `layer_rms_norm` (both can read a stacked weight in place: see
-jaxpaged/models/matmul.py and norm.py), its other vectors as slices; compile time does not grow with depth, and
-the pool stays updated in place (returning it from a `scan` or stacking per-layer outputs would copy the whole pool
-every step, see shared/PALLAS_NOTES.md).
+jaxpaged/models/matmul.py and norm.py), its other vectors as slices; compile time does not grow with depth (unless
+the step asks `contract.layer_loop` to unroll: a GPU's decode steps may), and the pool stays updated in place
+(returning it from a `scan` or stacking per-layer outputs would copy the whole pool every step, see
+shared/PALLAS_NOTES.md).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.contract import layer_loop
 from jaxpaged.models.matmul import head_matmul, layer_glu, layer_matmul, layer_matmul3
 from jaxpaged.models.norm import layer_add_rms_norm, layer_rms_norm, residual_add, rms_norm
 from jaxpaged.models.quant import ROWS, embedding_rows, is_quantized
@@ -183,7 +185,7 @@ class LlamaForCausalLM(nnx.Module):
             h, kv_pool = carry
             return self.layers(h, kv_pool, i, md, attn, cos, sin)
 
-        return jax.lax.fori_loop(0, num_layers or self.config.num_layers, layer_step, (h, kv_pool))
+        return layer_loop(num_layers or self.config.num_layers, layer_step, (h, kv_pool), token_ids.shape[0])
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [S, H] (only the rows that need logits) -> logits [S, V] float32."""

@@ -39,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.models.contract import unrolled
 from jaxpaged.models.quant import COLUMNS, gpu_kernel_rows, is_quantized, on_shards, qglu, qmatmul, qmatmul3
 
 _NATIVE_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_native_matmul_rows", default=0)
@@ -102,7 +103,8 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array | int, split: str 
         from pallas_kernels.cpu_native import matmul_native
 
         return matmul_native(x, w, layer, rows=_live_rows(x))
-    if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= gpu_kernel_rows() and w.dtype == x.dtype:
+    if w.ndim == 3 and x.ndim == 2 and x.shape[0] <= gpu_kernel_rows() and w.dtype == x.dtype \
+            and not unrolled(x.shape[0]):  # unrolled, XLA's GEMM reads the layer's static slice in place
         from pallas_kernels.gpu_matmul import layer_matmul_gpu
 
         y = on_shards(layer_matmul_gpu, x, w, layer, split)

@@ -50,6 +50,7 @@ from jaxpaged.worker.step import (
     Unsampled,
     VerifiedOutput,
     batch_buckets,
+    gpu_layer_loop,
     gpu_layer_matmul_rows,
     jit_sample_rows,
     jit_step,
@@ -220,8 +221,10 @@ class ModelRunner:
         self.split_sampler = split_sampler_here(self.multihost)
         native_rows = native_matmul_rows(mesh)
         static = (graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh, leaf_shardings,
-                  native_rows, draft_layers, draft_spec, gpu_layer_matmul_rows(mesh), self.split_sampler)
+                  native_rows, draft_layers, draft_spec, gpu_layer_matmul_rows(mesh), self.split_sampler,
+                  gpu_layer_loop())
         self._step_fn = jit_step(*static)
+        self._gpu_loop = static[-1]
         self._sample_fn = jit_sample_rows(self.max_rows, native_rows > 0, mesh)
         self._samplers: dict[int, object] = {}  # S -> the compiled sampler of split steps of S rows
         # a split step's sampler not queued yet: (its handle, its Unsampled output, its EXTRAS, want_logprobs)
@@ -412,7 +415,7 @@ class ModelRunner:
 
     def _shared_executable(self, layout: StepLayout):
         """This layout's executable: compiled before by a runner of equal key (`_SHARED_EXECUTABLES`), else now."""
-        options = step_compiler_options(self.params)
+        options = step_compiler_options(self.params, self._gpu_loop)
         shared = None
         if self._shared_key is not None:
             shared = (self._shared_key, layout.key, quant.NATIVE_MODE, tuple(sorted(options.items())),

@@ -39,6 +39,7 @@ from jax.experimental.layout import Format
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.models.contract import unrolled_layers
 from jaxpaged.models.matmul import native_matmul
 from jaxpaged.models.quant import gpu_layer_kernel, partitioned_products
 from jaxpaged.worker import sampler
@@ -142,11 +143,14 @@ class DraftSpec:
     attn: AttentionBackend
 
 
-def _step(*args, gpu_layer_rows: int = 0, **kwargs):
-    """`_step_body`, its layer matmuls of at most gpu_layer_rows rows by the Pallas GPU kernel that reads a stacked
-    weight in place (`gpu_layer_matmul_rows`); with a tensor-parallel mesh, kernels on each device's shard
+def _step(*args, gpu_layer_rows: int = 0, gpu_loop: str = "kernel", **kwargs):
+    """`_step_body`, its layer matmuls of at most gpu_layer_rows rows by the Pallas GPU kernels that read a stacked
+    weight in place (`gpu_layer_matmul_rows`); with gpu_loop "unrolled" (`gpu_layer_loop`) those steps unroll their
+    layer loop instead and XLA's GEMMs read the 16-bit weights' static slices in place (int8 keeps its kernel: XLA
+    rewrites its codes before the GEMM either way); with a tensor-parallel mesh, kernels on each device's shard
     (`partitioned_products`)."""
-    with gpu_layer_kernel(gpu_layer_rows), partitioned_products(kwargs.get("mesh")):
+    unroll_rows = gpu_layer_rows if gpu_loop == "unrolled" else 0
+    with gpu_layer_kernel(gpu_layer_rows), unrolled_layers(unroll_rows), partitioned_products(kwargs.get("mesh")):
         return _step_body(*args, **kwargs)
 
 
@@ -365,13 +369,24 @@ def gpu_layer_matmul_rows(mesh: Mesh | None = None) -> int:
     return GPU_LAYER_MATMUL_ROWS
 
 
+def gpu_layer_loop() -> str:
+    """How a CUDA GPU's decode-sized steps (`gpu_layer_matmul_rows`) read each layer's weights from their stacks:
+    "kernel", the layer loop an XLA while loop whose matmuls are Pallas kernels reading the stack in place
+    (pallas_kernels/gpu_matmul.py), or "unrolled", the loop unrolled so that XLA's own GEMMs read static slices in
+    place (`jaxpaged.models.contract.layer_loop`; XLA's GEMM of a weight of its own ran 1.5-3x faster than the kernel
+    on an H200, docs/benchmarks.md, at a compile that grows with depth). "kernel" until a card has timed the other
+    end to end (`benchmarks/gpu_throughput.py --unrolled-layers`)."""
+    return "kernel"
+
+
 def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Format | NamedSharding | None,
              max_rows: int, mesh: Mesh | None = None, leaf_shardings=None, native_rows: int = 0,
-             draft_layers: int = 0, draft: DraftSpec | None = None, gpu_rows: int = 0, split_sampler: bool = False):
+             draft_layers: int = 0, draft: DraftSpec | None = None, gpu_rows: int = 0, split_sampler: bool = False,
+             gpu_loop: str = "kernel"):
     """The jitted step (`_step`) of the model `graphdef` with state structure `treedef` (both from `nnx.split` at
     load) and the attention backend `attn`, `layout` static; bfloat16 layer matmuls of at most native_rows rows by
-    the native CPU kernel (`native_matmul_rows`); split_sampler: the sampler left to `sample_rows` (module
-    docstring).
+    the native CPU kernel (`native_matmul_rows`); steps of at most gpu_rows tokens read stacked weights in place as
+    gpu_loop says (`gpu_layer_loop`); split_sampler: the sampler left to `sample_rows` (module docstring).
 
     The pool is donated. With a pool format, the pool comes in and goes out in it, and the other arguments and
     outputs live on its device. With a tensor-parallel mesh, the parameters keep their shardings, the pool its
@@ -379,7 +394,7 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     """
     step = functools.partial(_step, treedef=treedef, graphdef=graphdef, attn=attn, max_rows=max_rows, mesh=mesh,
                              native_matmul_rows=native_rows, draft_layers=draft_layers, draft=draft,
-                             gpu_layer_rows=gpu_rows, split_sampler=split_sampler)
+                             gpu_layer_rows=gpu_rows, gpu_loop=gpu_loop, split_sampler=split_sampler)
     if mesh is not None:  # (a draft model is refused under tensor parallelism: its args are empty)
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),
@@ -395,14 +410,19 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
                    out_shardings=(device, device, pool, draft_pool))
 
 
-def step_compiler_options(params) -> dict[str, str]:
-    """XLA options for compiling the step: on CPU with 16-bit parameters, no while-loop invariant code motion.
+def step_compiler_options(params, gpu_loop: str = "kernel") -> dict[str, str]:
+    """XLA options for compiling the step: on CPU with 16-bit parameters, no while-loop invariant code motion; on a
+    GPU with an unrolled layer loop (`gpu_layer_loop`), no merging of dots that share an input.
 
     XLA CPU slices a layer's weights out of the stacked [L, ...] arrays in float32 (it has no 16-bit dynamic-slice),
     and the invariant-code-motion pass hoists that conversion out of the layer loop: every step then converts every
     stacked weight to float32 and back (a bfloat16 decode step of 64 sequences: 346 ms instead of 153 ms,
-    benchmarks/step_anatomy.py). Without the pass the conversion stays fused with the slice of one layer. Options are
-    per executable: nothing process-wide changes."""
+    benchmarks/step_anatomy.py). Without the pass the conversion stays fused with the slice of one layer.
+    XLA GPU's dot merger turns x @ gate and x @ up (or q, k, v) into one GEMM of the weights concatenated, a copy of
+    them each step; unrolled, each GEMM would read its static slice in place (benchmarks/gpu_step_hlo.py).
+    Options are per executable: nothing process-wide changes."""
+    if jax.default_backend() == "gpu" and gpu_loop == "unrolled":
+        return {"xla_gpu_dot_merger_threshold_mb": "0"}
     sixteen_bit = any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
                       for x in jax.tree.leaves(params))
     if jax.default_backend() != "cpu" or not sixteen_bit:
