@@ -71,14 +71,18 @@ if [ "$STAGE" = 1 ]; then
 else
   # 2a. issue #30's row: fp8 KV + int8 weights (now gpu_qmatmul.py's weight-only kernel), against stage 1's 8b bf16
   part fp8kv_int8 140 $GPU_TPUT --rows 8b:D:fp8kv+int8 --out "$OUT_DIR/gpu_throughput_fp8kv_int8.json"
-  # 2b. a grammar on every request (a regex's bitmask each step): late bitmasks (computed while the step's model
+  # 2b. what XLA's own GEMMs make of int8 weights stored signed (bf16 activations; int8 per-row activations on the
+  #     int8 tensor cores) against bf16's and the kernels', at Llama-3-8B's MLP products: the way to #30's 1.3x?
+  part int8_matmul 70 python3 benchmarks/gpu_layer_matmul.py --rows 256 --shapes "8b gate/up" "8b down" --int8 \
+    --budget-s 45 --out "$OUT_DIR/gpu_layer_matmul_int8.json"
+  # 2c. a grammar on every request (a regex's bitmask each step): late bitmasks (computed while the step's model
   #     runs) against the synchronous loop they replace
   part grammar 70 $GPU_TPUT --rows 1b:D:bf16 --sampling regex --out "$OUT_DIR/gpu_throughput_grammar.json"
   part grammar_sync 70 $GPU_TPUT --rows 1b:D:bf16 --sampling regex --sync-masks \
     --out "$OUT_DIR/gpu_throughput_grammar_sync.json"
-  # 2c. the prefill-heavy workload (#29: >= 50% of the card's bf16 peak; 44% of the data sheet's on 2026-11-27)
+  # 2d. the prefill-heavy workload (#29: >= 50% of the card's bf16 peak; 44% of the data sheet's on 2026-11-27)
   part prefill 110 $GPU_TPUT --rows 8b:P:bf16 --out "$OUT_DIR/gpu_throughput_prefill.json"
-  # 2d. correctness on the card (passed on an H200 twice on 2026-11-27, so last): the paged attention kernel (bf16
+  # 2e. correctness on the card (passed on an H200 twice on 2026-11-27, so last): the paged attention kernel (bf16
   #     and fp8 pools), the quantized matmuls' fusion, the engine's step shapes
   part kernels 90 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider \
     tests/kernels/test_kernel_gpu.py tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py \

@@ -23,8 +23,9 @@ M and N padded to whole tiles (sliced off outside), split s's partial sums at ro
 Grid (Mp / tm, Np / tn, S), the M tile fastest, so the programs that share an N tile (one stretch of the weight) run
 together and the later ones read it from L2. One program walks its share of K in steps of tk: x [tm, tk] and
 w [tk, tn] (rows past K, columns past N and rows past M masked: never read), acc += x @ w.
-Tiles and K splits: `gpu_qmatmul.tiles` and `gpu_qmatmul.default_splits` (memory-bound decode batches: small M
-tiles, many N tiles, K split where the grid is small). Reasoned, not tuned: no GPU has timed it yet.
+Tiles and K splits: `layer_tiles` (`gpu_qmatmul.tiles`, but 128 x 128 tiles for wide products of more than 128
+rows) and `gpu_qmatmul.default_splits` (K split where the grid is small). Timed on an H200 at Llama-3-8B's decode
+products of 256 rows (docs/benchmarks.md, "End to end on a GPU"), not tuned beyond that.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ from pallas_kernels.gpu_qmatmul import (
     store_partial,
     tiles,
 )
+
+
+WIDE_N = 8192  # output columns from which products of more than 128 rows take 128 x 128 tiles
+
+
+def layer_tiles(m: int, n: int) -> tuple[int, int, int, int]:
+    """(tm, tn, tk, num_warps) for an [M, K] @ [K, N] product: `gpu_qmatmul.tiles(M)`, except 128 x 128 tiles and 8
+    warps for more than 128 rows and N >= WIDE_N. On an H200 at 256 rows (benchmarks/gpu_layer_matmul.py, 8 layers a
+    call): Llama-3-8B's gate/up (N 14336) 69 us a product against 90 with tiles(M); its down, q/o and k/v (N 4096,
+    4096, 1024) within 7% of tiles(M) (down 1% faster, q/o and k/v 6-7% slower), so they keep it."""
+    if m > 128 and n >= WIDE_N:
+        return 128, 128, 64, 8
+    return tiles(m)
 
 
 def _matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, m: int, n: int, k: int, tm: int, tn: int, tk: int,
@@ -70,7 +84,7 @@ def layer_matmul_gpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, 
                      tile: tuple[int, int, int, int] | None = None, num_splits: int | None = None,
                      num_stages: int = 3) -> jax.Array:
     """x [M, K] @ w[layer] [K, N] -> [M, N] float32 (module docstring). tile: (tm, tn, tk, num_warps) instead of
-    `gpu_qmatmul.tiles(M)` (powers of two, each >= 16); num_splits: K splits (None: `default_splits`).
+    `layer_tiles(M, N)` (powers of two, each >= 16); num_splits: K splits (None: `default_splits`).
     interpret=True runs Pallas' interpreter (any backend, CPU included)."""
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
@@ -82,7 +96,7 @@ def layer_matmul_gpu(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, 
         raise ValueError(f"w ({w.dtype}) and x ({x.dtype}) must have one dtype")
     num_layers, k, n = w.shape
     m = x.shape[0]
-    tm, tn, tk, num_warps = tile or tiles(m)
+    tm, tn, tk, num_warps = tile or layer_tiles(m, n)
     if min(tm, tn, tk) < MIN_DOT_DIM or any(v & (v - 1) for v in (tm, tn, tk)):
         raise ValueError(f"tile={tile}: tm, tn, tk must be powers of two >= {MIN_DOT_DIM}")
     mp, np_ = pl.cdiv(m, tm) * tm, pl.cdiv(n, tn) * tn

@@ -49,6 +49,20 @@ def test_kernel_is_x_times_the_layer(dtype, m):
     check(got, xla(x, w, 2), dtype)
 
 
+def test_wide_products_of_many_rows_take_the_large_tiles_and_the_same_numbers():
+    """`layer_tiles`: 128 x 128 tiles from 129 rows at N >= WIDE_N (what an H200 timed faster at Llama-3-8B's gate/up),
+    `tiles(M)` elsewhere; the product at that default tile equals XLA's."""
+    from pallas_kernels.gpu_qmatmul import tiles
+
+    assert gpu_matmul.layer_tiles(256, gpu_matmul.WIDE_N) == (128, 128, 64, 8)
+    assert gpu_matmul.layer_tiles(128, 14336) == tiles(128) and gpu_matmul.layer_tiles(256, 4096) == tiles(256)
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((2, 64, gpu_matmul.WIDE_N)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((130, 64)), jnp.bfloat16)
+    got = jax.jit(functools.partial(gpu_matmul.layer_matmul_gpu, interpret=INTERPRET))(x, w, jnp.int32(1))
+    check(got, xla(x, w, 1), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("splits", [2, 3])
 def test_k_split_over_programs_sums_to_the_product(splits):
     rng = np.random.default_rng(splits)
@@ -172,8 +186,8 @@ def test_an_engine_whose_steps_run_the_kernel_gives_the_same_tokens(monkeypatch)
 
 def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
     """Each way the benchmark times (XLA on weights of their own, XLA on the sliced stack, the kernel at its tiles and
-    at another, the int8 kernel) gives XLA's product, here in the interpreter: a benchmark of wrong products would
-    pick tiles for nothing."""
+    at another, the int8 kernels, XLA's int8 GEMMs on signed weights of their own) gives XLA's product, here in the
+    interpreter: a benchmark of wrong products would pick tiles for nothing."""
     from tests import ROOT
 
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
@@ -189,10 +203,12 @@ def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
     x = jnp.asarray(np.random.default_rng(4).standard_normal((16, 64)), jnp.bfloat16)
     fns = bench.ways([(16, 32, 32, 4)], int8=True)
     assert set(fns) == {"XLA own", "XLA sliced", "kernel", "kernel 16,32,32,4", "int8 kernel", "int8 w8a8 kernel",
-                        "int8 w8a8 kernel 16,32,4"}
+                        "int8 w8a8 kernel 16,32,4", "int8 XLA own", "int8 XLA w8a8 own"}
     want = np.asarray(sum(jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(3)))
+    q8 = quant.quantize_int8(w)
+    own8 = [((q8.codes[i].astype(jnp.int32) - 128).astype(jnp.int8)[:, :64], q8.scales[i]) for i in range(3)]
     for way, fn in fns.items():
-        got = np.asarray(fn(x, quant.quantize_int8(w) if way.startswith("int8") else w, own))
+        got = np.asarray(fn(x, own8 if way.startswith("int8 XLA") else q8 if way.startswith("int8") else w, own))
         tol = 2e-2 if way.startswith("int8") else 1e-5
         np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), err_msg=way)
 
