@@ -47,7 +47,6 @@ from pallas_kernels.gpu_qmatmul import (
     tiles,
 )
 
-
 WIDE_N = 8192  # output columns from which products of more than 128 rows take 128 x 128 tiles
 
 
