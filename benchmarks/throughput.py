@@ -13,6 +13,8 @@ Prints a table with the CPU's model and flags and writes benchmarks/results/thro
     python benchmarks/throughput.py --num-prompts 4 --new-tokens 8 --out /tmp/smoke.json   # a smoke run
     python benchmarks/throughput.py --penalties --skip-hf    # every request with presence, frequency and
                                                              # repetition penalties (HF has no presence/frequency)
+    python benchmarks/throughput.py --top-p 0.95 --skip-hf   # every request sampled at temperature 1, top-p 0.95
+                                                             # (seeded; the token checks then only say it ran)
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
               block_size=args.block_size, kv_cache_memory=args.kv_cache_memory, dtype=dtype,
               enable_prefix_caching=False)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True, **sampling(args))
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": args.new_tokens, "ignore_eos": True, **sampling(args)})
     utilizations = []
     engine = llm.engine
     step = engine.step
@@ -165,12 +167,18 @@ def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: Pe
 
 
 def sampling(args) -> dict:
-    """The sampling parameters every request adds to greedy decoding: the penalties with --penalties."""
-    return dict(PENALTIES) if args.penalties else {}
+    """The sampling parameters every request adds to greedy decoding: the penalties with --penalties; temperature
+    1, top-p and a seed with --top-p."""
+    out = dict(PENALTIES) if args.penalties else {}
+    if args.top_p is not None:
+        out.update(temperature=1.0, top_p=args.top_p, seed=0)
+    return out
 
 
 def run_vllm(args, prompts, dtype: str, model_dir: str) -> dict:
-    r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv, sampling=sampling(args))
+    # (vLLM 0.32's CPU worker fails on a seeded request, 'CPU Generator does not use offset': its rows draw unseeded)
+    fields = {k: v for k, v in sampling(args).items() if k != "seed"}
+    r = vllm_cpu.run_workload(prompts, args.new_tokens, dtype, model_dir, args.vllm_venv, sampling=fields)
     preloads = " + ".join(os.path.basename(p).split(".")[0] for p in r["run_env"]["LD_PRELOAD"].split(":") if p)
     r["system"] = (f"vLLM {r['vllm_version']} CPU (threads bound {r['run_env']['VLLM_CPU_OMP_THREADS_BIND']}, "
                    f"preloaded: {preloads or 'nothing'})")
@@ -215,10 +223,14 @@ def main():
     ap.add_argument("--vllm-venv", default=vllm_cpu.default_venv(), help="default: %(default)s")
     ap.add_argument("--penalties", action="store_true",
                     help=f"every request also with {PENALTIES} (jaxpaged and vLLM; HF has no presence/frequency)")
+    ap.add_argument("--top-p", type=float, default=None,
+                    help="every request sampled at temperature 1 with this top-p, seeded (jaxpaged and vLLM)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
     if args.penalties and not args.skip_hf:
         ap.error("--penalties needs --skip-hf: transformers' generate has no presence or frequency penalty")
+    if args.top_p is not None and not args.skip_hf:
+        ap.error("--top-p needs --skip-hf: its HF rows are greedy")
     use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/runtime/tcmalloc.py)
     enable_compilation_cache(default_directory())  # as they do: a rerun's start-up reads its compiled steps
 
@@ -279,8 +291,9 @@ def main():
     flags = " ".join(cpu["flags"]) + (f" (no {' '.join(cpu['flags_absent'])})" if cpu["flags_absent"] else "")
     print(f"\nCPU: {cpu['model_name']}, {cpu['cores']} cores; {flags}")
     print(f"workload: {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
-          f"{prompt_tokens} in all), {args.new_tokens} new tokens each, greedy"
-          f"{' with ' + str(sampling(args)) if args.penalties else ''}, EOS ignored, prefix caching off, all at once")
+          f"{prompt_tokens} in all), {args.new_tokens} new tokens each, "
+          f"{'sampled' if args.top_p is not None else 'greedy'}"
+          f"{' with ' + str(sampling(args)) if sampling(args) else ''}, EOS ignored, prefix caching off, all at once")
     print(f"{'system':<78} {'dtype':<9} {'tok/s':>7} {'wall s':>7} {'peak GiB':>8} {'KV util':>7}  greedy = jaxpaged")
     for r in rows:
         util = f"{r['kv_utilization_mean']:.1%}" if r.get("kv_utilization_mean") is not None else "-"
@@ -309,7 +322,8 @@ def main():
         r.pop("token_ids", None)
     payload = {
         "workload": {"num_prompts": len(prompts), "prompt_len_range": [THROUGHPUT_MIN_LEN, THROUGHPUT_MAX_LEN],
-                     "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "seed": 0, "greedy": True,
+                     "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "seed": 0,
+                     "greedy": args.top_p is None,
                      "ignore_eos": True, "prefix_caching": False, "submission": "all at once",
                      "sampling": sampling(args)},
         "cpu": cpu, "rows": rows, "ratios": ratios, "vllm_cpu": vllm_state, "notes": notes,

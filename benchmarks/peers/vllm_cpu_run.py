@@ -79,8 +79,8 @@ def main():
     t0 = time.perf_counter()
     llm = LLM(**engine_args)
     startup = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
-                            **spec.get("sampling", {}))
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "min_tokens": max_tokens,
+                               "ignore_eos": True, **spec.get("sampling", {})})
     requests = [{"prompt_token_ids": p} for p in prompts]
     rss.reset()
     t0 = time.perf_counter()

@@ -122,13 +122,28 @@ def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
 
 
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
-    """Masks (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor. logits [S, V] float32."""
+    """Masks (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor. logits [S, V] float32.
+
+    The kept tokens are those at or above a threshold value per row: the value of the last token of the top-k and
+    top-p prefix of the row sorted in descending order (the nucleus is the smallest prefix whose mass reaches p, the
+    first token always), raised to the min-p floor. On a CPU, XLA's sort of the vocabulary costs ~10 ms a row (16
+    rows of SmolLM2's 49152 tokens: 8x the step), so there the threshold is searched for instead
+    (`_threshold_by_search`); elsewhere the rows are sorted (`_threshold_by_sort`: a GPU's radix sort). The two differ
+    only where a prefix's mass is within float32 rounding of p (their sums run in other orders)."""
+    vocab = logits.shape[-1]
+    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
+    threshold = jax.lax.platform_dependent(logits, k, top_p, cpu=_threshold_by_search, default=_threshold_by_sort)
+    # min-p: tokens whose probability is below min_p times the top token's.
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
+    threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, floor), threshold)
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+def _threshold_by_sort(logits: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_filter`'s top-k / top-p threshold [S, 1] from the rows sorted: logits [S, V], k [S] in [1, V], top_p [S]."""
     vocab = logits.shape[-1]
     sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]  # [S, V] descending
-    # top-k: the k-th largest value is the threshold; k <= 0 disables.
-    k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
     kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [S, 1]
-    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p (the first token always).
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # top_p == 1 keeps everything exactly: rounding in the cumulative sum must not drop a row's tail tokens just
@@ -137,11 +152,39 @@ def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Ar
     keep_sorted = in_nucleus & (jnp.arange(vocab)[None, :] < k[:, None])
     num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
     threshold = jnp.take_along_axis(sorted_logits, (num_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(threshold, kth)
-    # min-p: tokens whose probability is below min_p times the top token's.
-    floor = sorted_logits[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
-    threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, floor), threshold)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    return jnp.maximum(threshold, kth)
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> int32 keys in the floats' order (a float's bits, the negative ones' magnitude bits flipped)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _threshold_by_search(logits: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """`_threshold_by_sort`'s threshold without a sort: a bisection over the float32 keys (`_sortable`) for the
+    smallest key t at which fewer than k tokens lie above t and their mass is below p (both hold from the row's
+    maximum up, so the first key that passes is the last kept token's). 32 halvings of the key range, each a pass
+    over the row; the threshold is then the smallest logit at or above t."""
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = _sortable(logits)  # [S, V]
+    everything = top_p >= 1.0  # as `_threshold_by_sort`: no rounding of the mass drops a tail token
+
+    def search(count: bool):
+        def halve(_, bounds):
+            lo, hi = bounds  # [S]: the answer lies in [lo, hi]
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+            above = keys > mid[:, None]
+            passes = (jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < top_p) | everything
+            if count:
+                passes &= jnp.sum(above, axis=-1) < k
+            return jnp.where(passes, lo, mid + 1), jnp.where(passes, mid, hi)
+
+        return lambda: jax.lax.fori_loop(0, 32, halve, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)))[1]
+
+    # (counting the tokens above costs a second pass over the rows: only when a row asks for top-k)
+    t = jax.lax.cond(jnp.any(k < logits.shape[-1]), search(True), search(False))
+    return jnp.min(jnp.where(keys >= t[:, None], logits, jnp.inf), axis=-1, keepdims=True)
 
 
 def _scale_and_filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,

@@ -158,6 +158,38 @@ def native_kernels() -> bool:
     return cpu_native.available("argmax")
 
 
+def test_the_searched_top_k_top_p_threshold_is_the_sorted_ones():
+    """The CPU's bisection for the filter's threshold (`_threshold_by_search`) against the sort other platforms run
+    (`_threshold_by_sort`) and a numpy rendering of the definition: rows with ties (logits on a 0.25 grid), banned
+    tokens (-inf), peaked and flat rows, top-k from 1 to the vocabulary and top-p from 1e-6 to 1. Random rows put no
+    prefix's mass within float32 rounding of p, where the two may part."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.worker.sampler import _filter, _threshold_by_search, _threshold_by_sort
+
+    rng = np.random.default_rng(0)
+    rows, vocab = 96, 300
+    logits = np.round(rng.standard_normal((rows, vocab)) * rng.choice([0.3, 2.0, 8.0], (rows, 1)) * 4) / 4
+    logits[rng.random((rows, vocab)) < 0.1] = -np.inf
+    logits = logits.astype(np.float32)
+    k = rng.choice([1, 2, 7, 50, vocab], rows).astype(np.int32)
+    top_p = rng.choice([1e-6, 0.3, 0.9, 0.95, 0.999, 1.0], rows).astype(np.float32)
+    args = (jnp.asarray(logits), jnp.asarray(k), jnp.asarray(top_p))
+    searched = np.asarray(jax.jit(_threshold_by_search)(*args))[:, 0]
+    np.testing.assert_array_equal(searched, np.asarray(jax.jit(_threshold_by_sort)(*args))[:, 0])
+    for row, (x, kk, p) in enumerate(zip(logits, k, top_p, strict=True)):  # the definition, in float64
+        order = np.sort(x)[::-1]
+        probs = np.exp(order.astype(np.float64) - order[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        keep = max(int(np.sum(((before < p) | (p >= 1.0)) & (np.arange(vocab) < kk))), 1)
+        assert searched[row] == order[keep - 1], row
+    # the filter keeps every token at or above the threshold, and only those
+    kept = np.asarray(jax.jit(_filter)(*args, jnp.zeros(rows, jnp.float32))) > -np.inf
+    np.testing.assert_array_equal(kept, (logits >= searched[:, None]) & (logits > -np.inf))
+
+
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
     "not native_kernels()", reason="the native CPU kernels could not be built"))], ids=["xla", "native"])
 def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows(native):
