@@ -284,12 +284,12 @@ _GPU_ROWS: contextvars.ContextVar[int] = contextvars.ContextVar("jaxpaged_gpu_la
 
 @contextlib.contextmanager
 def gpu_layer_kernel(max_rows: int):
-    """While tracing inside this block, products of an x with at most max_rows rows and a stacked weight run, on
-    CUDA, a Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its
-    GEMM: a 16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
-    pallas_kernels/gpu_qmatmul.py's column-scale form (`_channel_kernel_matmul`; the block formats take that kernel
-    at every size). 0: never. The caller traces for a CUDA GPU; under a
-    tensor-parallel mesh (`partitioned_products`) the kernels run on each device's shard."""
+    """While tracing inside this block, products of an x with at most max_rows rows and a stacked weight run, on CUDA, a
+    Pallas kernel that reads the layer in place in the stack, where XLA copies the layer's slice before its GEMM: a
+    16-bit weight of x's dtype by pallas_kernels/gpu_matmul.py (`matmul.layer_matmul`), int8 per channel by
+    pallas_kernels/gpu_qmatmul.py's column-scale form (`_channel_kernel_matmul`; the block formats take that kernel at
+    every size). 0: never. The caller traces for a CUDA GPU; under a tensor-parallel mesh (`partitioned_products`) the
+    kernels run on each device's shard."""
     token = _GPU_ROWS.set(max_rows)
     try:
         yield
@@ -400,15 +400,15 @@ def _plain_matmul(x: jax.Array, qw: QuantizedWeight, codes: jax.Array, scales: j
     """x [M, K] @ one plain-layout matrix -> [M, N] float32; codes and scales are qw's whole arrays, of which `layer`
     (None: they are one matrix) is multiplied: on CUDA the block formats by the Pallas Triton kernel
     (pallas_kernels/gpu_qmatmul.py), which takes the stacked codes and the layer and dequantizes tile by tile in
-    registers (XLA GPU writes their weight at full width before its GEMM, and a dynamic-slice of the stack may copy
-    the layer); on TPU the 4-bit formats up to NIBBLE_MAX_ROWS rows by `_nibble_matmul` (which XLA TPU fuses into
-    the dot, where `_dense_matmul`'s nibble interleave makes it write the weight at full width), and the other block
-    products (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py),
-    which dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per
-    channel by `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the same Triton kernel
-    with column scales (`_channel_kernel_matmul`);
-    everywhere else `_dense_matmul`. Inside `partitioned_products` with a mesh, only the branches that are XLA's
-    dot. Every branch but the kernels' multiplies the layer's codes[layer], scales[layer]."""
+    registers (XLA GPU writes their weight at full width before its GEMM, and a dynamic-slice of the stack may copy the
+    layer); on TPU the 4-bit formats up to NIBBLE_MAX_ROWS rows by `_nibble_matmul` (which XLA TPU fuses into the dot,
+    where `_dense_matmul`'s nibble interleave makes it write the weight at full width), and the other block products
+    (Q8_0 at every row count, 4 bits above) by the Pallas Mosaic kernel (pallas_kernels/tpu_qmatmul.py), which
+    dequantizes tile by tile in VMEM where XLA TPU writes their weight at full width; on CUDA int8 per channel by
+    `_signed_channel_matmul` (its GEMM reads int8), or in `gpu_layer_kernel`'s steps the same Triton kernel with column
+    scales (`_channel_kernel_matmul`); everywhere else `_dense_matmul`. Inside `partitioned_products` with a mesh, only
+    the branches that are XLA's dot. Every branch but the kernels' multiplies the layer's codes[layer],
+    scales[layer]."""
     def at_layer(fn):
         if layer is None:
             return fn
