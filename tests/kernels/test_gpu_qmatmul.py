@@ -301,7 +301,8 @@ def test_an_int8_engine_on_the_cuda_path_gives_the_xla_paths_tokens(monkeypatch)
 
     monkeypatch.setattr(model_runner, "gpu_layer_matmul_rows", lambda mesh: 64)
     monkeypatch.setattr(gpu_qmatmul, "qmatmul_gpu", interpreted)
-    monkeypatch.setattr(jax.lax, "platform_dependent", lambda *args, cuda, default, **kw: cuda(*args))
+    monkeypatch.setattr(jax.lax, "platform_dependent",  # every platform-dependent branch as on CUDA
+                        lambda *args, default, **branches: branches.get("cuda", default)(*args))
     cuda = run_engine()
     assert calls, "the steps were not traced with the kernel"
     for a, b in zip(xla, cuda, strict=True):
