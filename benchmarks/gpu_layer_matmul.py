@@ -56,6 +56,12 @@ SHAPES = {"1b q": (2048, 2048), "1b k/v": (2048, 512), "1b gate/up": (2048, 8192
 ROWS = (256, 128, 64)
 
 
+def signed_layers(q8, k: int) -> list:
+    """A stacked int8 `QuantizedWeight` as each layer's own signed codes [N, K] int8 and column scales [N]."""
+    return [((q8.codes[i].astype(jnp.int32) - 128).astype(jnp.int8)[:, :k], q8.scales[i])
+            for i in range(q8.codes.shape[0])]
+
+
 def w8a8_per_row(x: jax.Array, q: jax.Array, scales: jax.Array) -> jax.Array:
     """x [M, K] quantized to int8 per row (d = max|x| / 127), times q [N, K] int8 on XLA's int8 dot into int32, times
     d and each column's scale -> [M, N] float32."""
@@ -121,8 +127,7 @@ def main():
             stack = jax.random.normal(jax.random.key(m), (args.layers, k, n), jnp.bfloat16) * 0.02
             own = [stack[i] + 0 for i in range(args.layers)]  # arrays of their own
             q8 = quantize_int8(stack) if args.int8 else None
-            own8 = [((q8.codes[i].astype(jnp.int32) - 128).astype(jnp.int8)[:, :k], q8.scales[i])
-                    for i in range(args.layers)] if args.int8 else None  # signed, each layer's own
+            own8 = signed_layers(q8, k) if args.int8 else None
             x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
             fns = ways(tile_variants, args.int8)
             want = fns["XLA own"](x, stack, own)

@@ -57,7 +57,7 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fm
     from jaxpaged.worker.attention import KVPool, PagedAttention, gpu_splits
     from jaxpaged.worker.input_batch import EXTRAS, StepLayout, extra_shapes
     from jaxpaged.worker.kv_quant import KVScales
-    from jaxpaged.worker.step import jit_step, step_matmul_precision
+    from jaxpaged.worker.step import UNROLLED_GPU_OPTIONS, jit_step, step_matmul_precision
     from pallas_kernels.attention import paged_attention
     from pallas_kernels.gpu import SUPPORTED_HEAD_DIMS
     from pallas_kernels.validation import KERNEL_DTYPES
@@ -114,7 +114,7 @@ def compile_decode_step(model: str, seqs: int, kernel_rows: int, target: str, fm
         lowered = step.lower(leaves, pool, sds((seqs,), jnp.int32), sds((layout.size,), jnp.int32), extras, (), (),
                              layout)
     # (step_compiler_options reads the default backend, the CPU here: the GPU's option for an unrolled loop given)
-    options = {"xla_gpu_dot_merger_threshold_mb": "0"} if gpu_loop == "unrolled" else {}
+    options = dict(UNROLLED_GPU_OPTIONS) if gpu_loop == "unrolled" else {}
     return lowered.compile(options).as_text()
 
 

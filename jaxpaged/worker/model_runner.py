@@ -220,11 +220,11 @@ class ModelRunner:
         # (jaxpaged.worker.step's docstring says why); elsewhere it is part of the step.
         self.split_sampler = split_sampler_here(self.multihost)
         native_rows = native_matmul_rows(mesh)
+        self._gpu_loop = gpu_layer_loop()
         static = (graphdef, self._treedef, attn, self.pool_format, self.max_rows, mesh, leaf_shardings,
                   native_rows, draft_layers, draft_spec, gpu_layer_matmul_rows(mesh), self.split_sampler,
-                  gpu_layer_loop())
+                  self._gpu_loop)
         self._step_fn = jit_step(*static)
-        self._gpu_loop = static[-1]
         self._sample_fn = jit_sample_rows(self.max_rows, native_rows > 0, mesh)
         self._samplers: dict[int, object] = {}  # S -> the compiled sampler of split steps of S rows
         # a split step's sampler not queued yet: (its handle, its Unsampled output, its EXTRAS, want_logprobs)

@@ -410,6 +410,10 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
                    out_shardings=(device, device, pool, draft_pool))
 
 
+# XLA GPU's options for a step whose layer loop is unrolled (`step_compiler_options` says why)
+UNROLLED_GPU_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": "0"}
+
+
 def step_compiler_options(params, gpu_loop: str = "kernel") -> dict[str, str]:
     """XLA options for compiling the step: on CPU with 16-bit parameters, no while-loop invariant code motion; on a
     GPU with an unrolled layer loop (`gpu_layer_loop`), no merging of dots that share an input.
@@ -422,7 +426,7 @@ def step_compiler_options(params, gpu_loop: str = "kernel") -> dict[str, str]:
     them each step; unrolled, each GEMM would read its static slice in place (benchmarks/gpu_step_hlo.py).
     Options are per executable: nothing process-wide changes."""
     if jax.default_backend() == "gpu" and gpu_loop == "unrolled":
-        return {"xla_gpu_dot_merger_threshold_mb": "0"}
+        return dict(UNROLLED_GPU_OPTIONS)
     sixteen_bit = any(jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
                       for x in jax.tree.leaves(params))
     if jax.default_backend() != "cpu" or not sixteen_bit:

@@ -206,7 +206,7 @@ def test_the_benchmarks_ways_compute_the_same_products(monkeypatch):
                         "int8 w8a8 kernel 16,32,4", "int8 XLA own", "int8 XLA w8a8 own"}
     want = np.asarray(sum(jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(3)))
     q8 = quant.quantize_int8(w)
-    own8 = [((q8.codes[i].astype(jnp.int32) - 128).astype(jnp.int8)[:, :64], q8.scales[i]) for i in range(3)]
+    own8 = bench.signed_layers(q8, 64)
     for way, fn in fns.items():
         got = np.asarray(fn(x, own8 if way.startswith("int8 XLA") else q8 if way.startswith("int8") else w, own))
         tol = 2e-2 if way.startswith("int8") else 1e-5
