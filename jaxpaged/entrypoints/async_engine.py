@@ -152,6 +152,7 @@ class RequestStream:
                 self._engine._stop_sequences(self.request_id, stopped)
             if self._state.finished:
                 self.finished = True
+                self._engine._count_finished(self._state)
                 self._engine._forget(self.request_id, abort=not (item.finished or stopped))
             if out is not None:
                 return out
@@ -530,10 +531,14 @@ class AsyncEngine:
             self._token_times.pop(out.request_id, None)
             self._arrivals.pop(out.request_id, None)
             self.metrics.e2e_latency.observe(now - arrival)
-            for d in out.deltas:
-                self.metrics.finished.labels(finish_reason=d.finish_reason or "unknown").inc()
         else:
             self._token_times[out.request_id] = (now, tokens)
+
+    def _count_finished(self, state: RequestState) -> None:
+        """On the reader's side, once its output is final: each sequence's finish reason as the caller got it. (The
+        engine's may differ: it can run to max_tokens, "length", before the reader finds a stop string, "stop".)"""
+        for seq in state.seqs.values():
+            self.metrics.finished.labels(finish_reason=seq.finish_reason or "unknown").inc()
 
     def _take_snapshot(self) -> dict:
         return self.engine.stats()

@@ -223,17 +223,24 @@ def test_leaving_the_stream_early_aborts_the_request(aengine):
     assert aengine.stats()["num_used"] == 0
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_a_request_ended_by_a_stop_string_counts_as_finished_not_aborted(engine, n):
+@pytest.mark.parametrize("n,reader_lags", [(1, False), (2, False), (2, True)])
+def test_a_request_ended_by_a_stop_string_counts_as_finished_not_aborted(engine, n, reader_lags):
     """The output processor finds stop strings, a step or two after the engine ran past them: the engine is told to
     stop those sequences (finished, reason "stop"). It was told to abort the request, which /stats and /metrics then
-    counted as aborted, not finished."""
+    counted as aborted, not finished. A reader that lags finds the stop string only after the engine ran to
+    max_tokens: the engine's reason is "length", the caller's "stop"; /metrics counts the caller's (it counted the
+    engine's, and a clean-clone CI under load saw it)."""
     text = engine.tokenizer.decode(offline(engine, [5, 6, 7], GREEDY))  # (before a loop thread owns the engine)
     aengine = AsyncEngine(engine)
     params = SamplingParams(n=n, temperature=0, max_tokens=8, ignore_eos=True, stop=[text[3:5]])
 
     async def run():
-        return [out async for out in aengine.generate(f"stop{n}", [5, 6, 7], params)][-1]
+        stream = aengine.generate(f"stop{n}{reader_lags}", [5, 6, 7], params)
+        outs = [await anext(stream)]
+        if reader_lags:  # the engine finishes the request (max_tokens) before the reader reads on
+            done = before["finished_requests"] + 1
+            assert await asyncio.to_thread(wait_for, lambda: aengine.stats()["finished_requests"] == done)
+        return (outs + [out async for out in stream])[-1]
 
     def success(reason):
         return aengine.metrics.finished.labels(finish_reason=reason)._value.get()
