@@ -1,6 +1,7 @@
 """The sampler's top-k / top-p threshold on CPU: the rows sorted (`sampler._threshold_by_sort`, what GPUs and TPUs
-run: XLA's sort of the vocabulary) beside the bisection the engine runs on a CPU (`sampler._threshold_by_search`),
-in one run, on the same logits, with their thresholds compared.
+run: XLA's sort of the vocabulary) beside the ways the engine runs on a CPU, XLA's bisection
+(`sampler._threshold_by_search`) and the native kernel's radix select (`cpu_native.top_p_threshold_native`, in steps
+whose matmuls run natively), in one run, on the same logits, with their thresholds compared.
 
 Rows S of a decode step, logits [S, V] at SmolLM2's vocabulary (49152) and Gemma 3's (262144), standard normal times
 --scale (at 3, the nucleus of p = 0.95 holds thousands of tokens: the float32 sums then part at a row's boundary
@@ -51,7 +52,13 @@ def main() -> None:
     import numpy as np
 
     from jaxpaged.worker import sampler
+    from pallas_kernels import cpu_native
 
+    ways = {"sort": sampler._threshold_by_sort, "search": sampler._threshold_by_search}
+    if cpu_native.available("top_p"):
+        ways["native"] = lambda x, k, p: cpu_native.top_p_threshold_native(x, k, p)[:, None]
+    else:
+        print(f"(no native kernel: {cpu_native.unavailable_reason('top_p')})")
     rng = np.random.default_rng(0)
     rows = []
     for vocab in args.vocab:
@@ -61,27 +68,27 @@ def main() -> None:
             top_p = jnp.full((s,), args.top_p, jnp.float32)
             row = {"rows": s, "vocab": vocab}
             results = {}
-            for name, fn in (("sort", sampler._threshold_by_sort), ("search", sampler._threshold_by_search)):
+            for name, fn in ways.items():
                 fn = jax.jit(fn)
                 results[name] = np.asarray(fn(logits, k, top_p))
                 row[f"{name}_ms"] = 1e3 * time_call(fn, (logits, k, top_p), warmup=1, samples=args.samples,
                                                     reps=args.reps)
-            row["speedup"] = row["sort_ms"] / row["search_ms"]
             exact = exact_thresholds(np.asarray(logits), np.asarray(k), args.top_p)
-            for name in ("sort", "search"):  # rows whose threshold is the float64 definition's
+            for name in ways:  # rows whose threshold is the float64 definition's; rows that differ from the sort's
                 row[f"{name}_exact"] = int(np.sum(results[name][:, 0] == exact))
-            row["differ"] = int(np.sum(results["sort"] != results["search"]))
-            row["kept_mean"] = float(np.mean(np.sum(np.asarray(logits) >= results["search"], axis=-1)))
+                row[f"{name}_differ"] = int(np.sum(results["sort"] != results[name]))
+            row["kept_mean"] = float(np.mean(np.sum(np.asarray(logits) >= results["sort"], axis=-1)))
             rows.append(row)
             print(row, flush=True)
 
     cpu = cpu_name()
     print(f"\nCPU: {cpu}, {os.cpu_count()} cores; top-p {args.top_p}"
           f"{f', top-k {args.top_k}' if args.top_k > 0 else ''}, logits N(0, {args.scale}^2)")
-    print_table(rows, [("vocab", "V", "d"), ("rows", "rows", "d"), ("sort_ms", "sort ms", ".2f"),
-                       ("search_ms", "search ms", ".2f"), ("speedup", "sort / search", ".1f"),
-                       ("differ", "rows that differ", "d"), ("sort_exact", "sort = float64", "d"),
-                       ("search_exact", "search = float64", "d"), ("kept_mean", "tokens kept", ".0f")])
+    columns = [("vocab", "V", "d"), ("rows", "rows", "d")]
+    columns += [(f"{name}_ms", f"{name} ms", ".2f") for name in ways]
+    columns += [(f"{name}_differ", f"{name} != sort", "d") for name in ways if name != "sort"]
+    columns += [(f"{name}_exact", f"{name} = float64", "d") for name in ways]
+    print_table(rows, columns + [("kept_mean", "tokens kept", ".0f")])
     write_json(args.out, {"cpu": cpu, "command": "python benchmarks/top_p.py", "top_p": args.top_p,
                           "top_k": args.top_k, "scale": args.scale, "rows": rows})
 

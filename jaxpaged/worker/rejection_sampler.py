@@ -72,7 +72,8 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
     temperature [S] float32 (<= 0: greedy), top_k [S] int32 (<= 0: off), top_p [S] float32 (1: off),
     min_p [S] float32 (0: off), seed_lo, seed_hi [S] uint32 (the request's seed halves), step [S] int32 (the index
       of the row's first token being sampled: position j samples token step + j)
-    native: argmaxes by the native CPU kernel (same results; for steps whose matmuls run natively)."""
+    native: argmaxes and top-k / top-p thresholds by the native CPU kernels (same results; for steps whose matmuls
+      run natively)."""
     num_rows, width, vocab = target_logits.shape  # width = k + 1
     k = width - 1
     if draft_tokens.shape != (num_rows, k):
@@ -94,7 +95,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
 
     def filtered():  # [S (k + 1), V] the sampled rows' p as logits (greedy rows: their logits unscaled)
         return _scale_and_filter(flat, per_position(temperature), per_position(top_k), per_position(top_p),
-                                 per_position(min_p))
+                                 per_position(min_p), native)
 
     if draft_probs is None or k == 0:  # (with no proposals at all, q plays no part)
         def draw(_):  # the token the plain sampler would draw at every position

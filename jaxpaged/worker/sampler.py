@@ -121,18 +121,29 @@ def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
-def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array) -> jax.Array:
+def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+            native: bool = False) -> jax.Array:
     """Masks (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor. logits [S, V] float32.
 
     The kept tokens are those at or above a threshold value per row: the value of the last token of the top-k and
     top-p prefix of the row sorted in descending order (the nucleus is the smallest prefix whose mass reaches p, the
     first token always), raised to the min-p floor. On a CPU, XLA's sort of the vocabulary costs ~10 ms a row (16
     rows of SmolLM2's 49152 tokens: 8x the step), so there the threshold is searched for instead
-    (`_threshold_by_search`); elsewhere the rows are sorted (`_threshold_by_sort`: a GPU's radix sort). The two differ
-    only where a prefix's mass is within float32 rounding of p (their sums run in other orders)."""
+    (`_threshold_by_search`), or with `native` (a step whose matmuls run natively on CPU) found by the native kernel's
+    radix select (`pallas_kernels.cpu_native.top_p_threshold_native`); elsewhere the rows are sorted
+    (`_threshold_by_sort`: a GPU's radix sort). They differ only where a prefix's mass is within float32 rounding of
+    p (their sums run in other orders)."""
     vocab = logits.shape[-1]
     k = jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
-    threshold = jax.lax.platform_dependent(logits, k, top_p, cpu=_threshold_by_search, default=_threshold_by_sort)
+    threshold = None
+    if native:
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available("top_p"):
+            threshold = cpu_native.top_p_threshold_native(logits, k, top_p)[:, None]
+    if threshold is None:
+        threshold = jax.lax.platform_dependent(logits, k, top_p, cpu=_threshold_by_search,
+                                               default=_threshold_by_sort)
     # min-p: tokens whose probability is below min_p times the top token's.
     floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p, 1e-30))[:, None]
     threshold = jnp.where(min_p[:, None] > 0, jnp.maximum(threshold, floor), threshold)
@@ -188,14 +199,14 @@ def _threshold_by_search(logits: jax.Array, k: jax.Array, top_p: jax.Array) -> j
 
 
 def _scale_and_filter(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                      min_p: jax.Array) -> jax.Array:
+                      min_p: jax.Array, native: bool = False) -> jax.Array:
     """The sampled rows' distribution as logits: divided by the temperature (greedy rows, temperature <= 0, left as
     they are), then top-k / top-p / min-p, which are skipped when no sampled row asks for them. logits [N, V]
     float32, the parameters [N]."""
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     needs_filter = jnp.any(~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0)))
-    return jax.lax.cond(needs_filter, lambda x: _filter(x, top_k, top_p, min_p), lambda x: x, scaled)
+    return jax.lax.cond(needs_filter, lambda x: _filter(x, top_k, top_p, min_p, native), lambda x: x, scaled)
 
 
 def _penalize(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> jax.Array:
@@ -260,7 +271,7 @@ def _pick(logits: jax.Array, s: SamplingMetadata, native: bool) -> jax.Array:
     greedy = s.temperature <= 0.0
 
     def draw(x):
-        scaled = _scale_and_filter(x, s.temperature, s.top_k, s.top_p, s.min_p)
+        scaled = _scale_and_filter(x, s.temperature, s.top_k, s.top_p, s.min_p, native)
         keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
         return _argmax(scaled + _gumbel(keys, x.shape[-1]), native)
 

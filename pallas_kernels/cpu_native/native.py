@@ -1,7 +1,7 @@
 """The native CPU kernels' Python entry points (XLA FFI custom calls; build.py builds each kernel's library on first
 use): ragged paged attention and its pool writes (paged_attention.cc), a bf16 matmul that reads a stacked layer
 weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc), and
-the sampler's argmax (argmax.cc) and penalties (penalties.cc).
+the sampler's argmax (argmax.cc), penalties (penalties.cc) and top-k / top-p threshold (top_p.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None,
@@ -318,6 +318,20 @@ def penalties_native(logits: jax.Array, seen: jax.Array, output_start: jax.Array
     return call(logits, seen, *per_row)
 
 
+def top_p_threshold_native(logits: jax.Array, k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Each row's top-k / top-p threshold of logits [S, V] float32 -> [S] float32, by top_p.cc: the sampler keeps
+    the tokens at or above it. k [S] int32 in [1, V]; top_p [S] float32 in (0, 1] (>= 1: no top-p). The value
+    `jaxpaged.worker.sampler._threshold_by_sort` finds by sorting the row, except where a prefix's mass is within
+    rounding of top_p (summed here in float64)."""
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be [S, V] float32, got {logits.dtype}{list(logits.shape)}")
+    s = logits.shape[0]
+    k, top_p = _int32("k", k, 1), jnp.asarray(top_p, jnp.float32)
+    if k.shape != (s,) or top_p.shape != (s,):
+        raise ValueError(f"k and top_p must be [{s}], got shapes {k.shape} and {top_p.shape}")
+    return _ffi_call("JaxpagedTopPThreshold", jax.ShapeDtypeStruct((s,), jnp.float32))(logits, k, top_p)
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -340,4 +354,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
            "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native",
-           "penalties_native"]
+           "penalties_native", "top_p_threshold_native"]

@@ -158,15 +158,29 @@ def native_kernels() -> bool:
     return cpu_native.available("argmax")
 
 
-def test_the_searched_top_k_top_p_threshold_is_the_sorted_ones():
-    """The CPU's bisection for the filter's threshold (`_threshold_by_search`) against the sort other platforms run
-    (`_threshold_by_sort`) and a numpy rendering of the definition: rows with ties (logits on a 0.25 grid), banned
-    tokens (-inf), peaked and flat rows, top-k from 1 to the vocabulary and top-p from 1e-6 to 1. Random rows put no
-    prefix's mass within float32 rounding of p, where the two may part."""
+def native_top_p(logits, k, top_p):
+    from pallas_kernels import cpu_native
+
+    return cpu_native.top_p_threshold_native(logits, k, top_p)[:, None]
+
+
+@pytest.mark.parametrize("way", ["search", pytest.param("native", marks=pytest.mark.skipif(
+    "not native_kernels()", reason="the native CPU kernels could not be built"))])
+def test_the_searched_top_k_top_p_threshold_is_the_sorted_ones(way):
+    """The CPU's ways to the filter's threshold, XLA's bisection (`_threshold_by_search`) and the native kernel's
+    radix select, against the sort other platforms run (`_threshold_by_sort`) and a numpy rendering of the
+    definition: rows with ties (logits on a 0.25 grid), banned tokens (-inf), peaked and flat rows, top-k from 1 to
+    the vocabulary and top-p from 1e-6 to 1. Random rows put no prefix's mass within float32 rounding of p, where
+    they may part."""
+    import functools
+
     import jax
     import jax.numpy as jnp
 
     from jaxpaged.worker.sampler import _filter, _threshold_by_search, _threshold_by_sort
+
+    _threshold_by_search = native_top_p if way == "native" else _threshold_by_search  # noqa: N806 (the way tested)
+    _filter = functools.partial(_filter, native=way == "native")
 
     rng = np.random.default_rng(0)
     rows, vocab = 96, 300
@@ -188,6 +202,46 @@ def test_the_searched_top_k_top_p_threshold_is_the_sorted_ones():
     # the filter keeps every token at or above the threshold, and only those
     kept = np.asarray(jax.jit(_filter)(*args, jnp.zeros(rows, jnp.float32))) > -np.inf
     np.testing.assert_array_equal(kept, (logits >= searched[:, None]) & (logits > -np.inf))
+
+
+@pytest.mark.skipif("not native_kernels()", reason="the native CPU kernels could not be built")
+def test_the_native_top_p_threshold_at_a_real_vocabulary_and_its_bad_input():
+    """At SmolLM2's vocabulary (the kernel's vector path, its float32 partial sums flushed every 1024 tokens) the
+    native threshold equals the float64 definition at least as often as XLA's sort does, and differs from the sort
+    only in a row or two (where a prefix's mass is within rounding of p); rows that filter nothing keep every token;
+    the wrapper names what it cannot take."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.worker.sampler import _threshold_by_sort
+    from pallas_kernels.cpu_native import top_p_threshold_native
+
+    rng = np.random.default_rng(3)
+    rows, vocab = 12, 49152
+    logits = (rng.standard_normal((rows, vocab)) * 3).astype(np.float32)
+    k = np.full(rows, vocab, np.int32)
+    k[:3] = [1, 40, 1000]
+    top_p = np.full(rows, 0.95, np.float32)
+    top_p[3:6] = [0.5, 0.99, 1.0]
+    args = (jnp.asarray(logits), jnp.asarray(k), jnp.asarray(top_p))
+    native = np.asarray(jax.jit(top_p_threshold_native)(*args))
+    sort = np.asarray(jax.jit(_threshold_by_sort)(*args))[:, 0]
+    exact = np.empty(rows, np.float32)
+    for row, (x, kk, p) in enumerate(zip(logits, k, top_p, strict=True)):
+        order = np.sort(x)[::-1]
+        probs = np.exp(order.astype(np.float64) - order[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        exact[row] = order[max(int(np.sum(((before < p) | (p >= 1.0)) & (np.arange(vocab) < kk))), 1) - 1]
+    assert np.sum(native == exact) >= np.sum(sort == exact) and np.sum(native != sort) <= 2
+    np.testing.assert_array_equal(native[:3], np.sort(logits[:3], axis=-1)[np.arange(3), vocab - k[:3]])  # top-k
+    assert native[5] == logits[5].min()  # top-p 1, no top-k: every token kept
+    for bad, match in ((args[0].astype(jnp.bfloat16), "logits must be .S, V. float32"),
+                       (args[0][0], "logits must be .S, V. float32")):
+        with pytest.raises(ValueError, match=match):
+            top_p_threshold_native(bad, *args[1:])
+    with pytest.raises(ValueError, match="k and top_p must be .12."):
+        top_p_threshold_native(args[0], args[1][:5], args[2])
 
 
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
@@ -252,6 +306,13 @@ def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
     xla, native = (np.asarray(jax.jit(functools.partial(sampler.sample, native=n))(logits, s).tokens)
                    for n in (False, True))
     np.testing.assert_array_equal(native, xla)
+    # with top-p and top-k: the native threshold too (the same tokens as XLA's bisection)
+    s.top_p[:], s.top_k[:] = [1.0, 0.9, 1.0, 0.5, 1.0, 1.0], [0, 0, 0, 0, 5, 0]
+    filtered = [np.asarray(jax.jit(functools.partial(sampler.sample, native=n))(logits, s).tokens)
+                for n in (False, True)]
+    np.testing.assert_array_equal(filtered[1], filtered[0])
+    top5 = np.argsort(-np.asarray(logits)[4])[:5]
+    assert filtered[1][4] in top5
     greedy = s.temperature == 0.0
     np.testing.assert_array_equal(native[greedy], np.argmax(np.asarray(logits), axis=-1)[greedy])
     assert (native[~greedy] != np.argmax(np.asarray(logits), axis=-1)[~greedy]).any()  # the seeded rows did draw
