@@ -19,7 +19,7 @@ normalize(max(0, p - q)); when every proposal is accepted, the bonus token is a 
 Each emitted token is then distributed exactly as p given the tokens before it.
 
 Randomness comes from (seed, token index), never from the batch: position j of a row uses the key the plain sampler
-would use for that row's token step + j (`sampler._row_keys`), and its Gumbel noise (`sampler._gumbel`) for draws.
+would use for that row's token step + j (`sampler._row_keys`), and its Gumbel noise for draws (`sampler._draw`).
 So a row with no proposals emits exactly the token `sampler.sample` would, and a seeded row gives the same tokens
 alone or in any batch.
 
@@ -45,7 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.worker.sampler import _argmax, _gumbel, _row_keys, _scale_and_filter
+from jaxpaged.worker.sampler import _argmax, _draw, _row_keys, _scale_and_filter
 
 _ACCEPT_STREAM = 0x5EC0DE  # folded into a position's key for its acceptance uniform (its Gumbel noise uses the key)
 
@@ -100,7 +100,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
     if draft_probs is None or k == 0:  # (with no proposals at all, q plays no part)
         def draw(_):  # the token the plain sampler would draw at every position
             keys = _row_keys(per_position(seed_lo), per_position(seed_hi), steps)
-            return _argmax(filtered() + _gumbel(keys, vocab), native).reshape(num_rows, width)
+            return _draw(filtered(), keys, native).reshape(num_rows, width)
 
         sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda _: jnp.zeros((num_rows, width), jnp.int32), None)
         target = jnp.where(greedy[:, None], target_argmax, sampled)  # [S, k + 1]
@@ -131,8 +131,7 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
         residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, row_p)
         corrected = accepted < num_draft
         choice = jnp.where(corrected[:, None], jnp.log(residual), row_logits)
-        noise = _gumbel(jnp.take_along_axis(keys, accepted[:, None], axis=1)[:, 0], vocab)  # [S, V]
-        return accepted, _argmax(choice + noise, native)
+        return accepted, _draw(choice, jnp.take_along_axis(keys, accepted[:, None], axis=1)[:, 0], native)
 
     def nothing_sampled(_):
         return jnp.zeros(num_rows, jnp.int32), jnp.zeros(num_rows, jnp.int32)

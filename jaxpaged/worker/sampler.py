@@ -121,6 +121,20 @@ def _gumbel(keys: jax.Array, vocab: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
 
 
+def _draw(x: jax.Array, keys: jax.Array, native: bool = False) -> jax.Array:
+    """One token per row drawn from softmax(x) by the Gumbel-max trick: argmax(x + `_gumbel` noise of the row's key).
+    x [N, V] float32, keys [N] -> [N] int32. With `native` (a step whose matmuls run natively on CPU) the native
+    kernel draws the same noise, bit for bit, and its argmax in one pass without writing the noise
+    (`pallas_kernels.cpu_native.gumbel_argmax_native`); only for JAX's default keys (threefry2x32, partitionable
+    bits), whose bits it reproduces."""
+    if native and str(jax.random.key_impl(keys)) == "threefry2x32" and jax.config.jax_threefry_partitionable:
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available("gumbel"):
+            return cpu_native.gumbel_argmax_native(x, jax.random.key_data(keys))
+    return _argmax(x + _gumbel(keys, x.shape[-1]), native)
+
+
 def _filter(logits: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
             native: bool = False) -> jax.Array:
     """Masks (to -inf) tokens outside top-k, the top-p nucleus and the min-p floor. logits [S, V] float32.
@@ -272,8 +286,7 @@ def _pick(logits: jax.Array, s: SamplingMetadata, native: bool) -> jax.Array:
 
     def draw(x):
         scaled = _scale_and_filter(x, s.temperature, s.top_k, s.top_p, s.min_p, native)
-        keys = _row_keys(s.seed_lo, s.seed_hi, s.step)
-        return _argmax(scaled + _gumbel(keys, x.shape[-1]), native)
+        return _draw(scaled, _row_keys(s.seed_lo, s.seed_hi, s.step), native)
 
     sampled = jax.lax.cond(jnp.any(~greedy), draw, lambda x: jnp.zeros(x.shape[0], jnp.int32), logits)
     return jnp.where(greedy, _argmax(logits, native), sampled).astype(jnp.int32)

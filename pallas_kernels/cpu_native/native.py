@@ -1,7 +1,8 @@
 """The native CPU kernels' Python entry points (XLA FFI custom calls; build.py builds each kernel's library on first
 use): ragged paged attention and its pool writes (paged_attention.cc), a bf16 matmul that reads a stacked layer
 weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc), and
-the sampler's argmax (argmax.cc), penalties (penalties.cc) and top-k / top-p threshold (top_p.cc).
+the sampler's argmax (argmax.cc), penalties (penalties.cc), top-k / top-p threshold (top_p.cc) and Gumbel-max draw
+(gumbel.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None,
@@ -332,6 +333,19 @@ def top_p_threshold_native(logits: jax.Array, k: jax.Array, top_p: jax.Array) ->
     return _ffi_call("JaxpagedTopPThreshold", jax.ShapeDtypeStruct((s,), jnp.float32))(logits, k, top_p)
 
 
+def gumbel_argmax_native(x: jax.Array, keys: jax.Array) -> jax.Array:
+    """One token per row of x [S, V] float32 (logits, scaled and filtered) drawn with Gumbel noise, by gumbel.cc:
+    argmax(x + jax.random.gumbel(key, (V,))) for each row's threefry2x32 key, keys [S, 2] uint32 (the keys' data).
+    The uniform draws are JAX's bit for bit (partitionable threefry, JAX's default); the logarithms are within ~1 ulp
+    of XLA's, so a token differs from XLA's draw only where two candidates tie within float32 rounding."""
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"x must be [S, V] float32, got {x.dtype}{list(x.shape)}")
+    if keys.shape != (x.shape[0], 2) or keys.dtype != jnp.uint32:
+        raise ValueError(f"keys must be [{x.shape[0]}, 2] uint32 (threefry2x32 key data), got "
+                         f"{keys.dtype}{list(keys.shape)}")
+    return _ffi_call("JaxpagedGumbelArgmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x, keys)
+
+
 def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
     """The CPU attention: the native kernel for every batch whose pool dtype it takes, else the pure-JAX reference.
 
@@ -354,4 +368,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
            "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native",
-           "penalties_native", "top_p_threshold_native"]
+           "penalties_native", "top_p_threshold_native", "gumbel_argmax_native"]

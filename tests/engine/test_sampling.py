@@ -244,6 +244,49 @@ def test_the_native_top_p_threshold_at_a_real_vocabulary_and_its_bad_input():
         top_p_threshold_native(args[0], args[1][:5], args[2])
 
 
+@pytest.mark.skipif("not native_kernels()", reason="the native CPU kernels could not be built")
+def test_the_native_gumbel_draw_is_xla_s_noise_bit_for_bit_and_refuses_bad_input():
+    """The native Gumbel-max draw adds the noise jax.random.gumbel draws from each row's key, bit for bit: with x the
+    negated XLA noise every sum is exactly 0 (the first index wins), so a single noise value above XLA's would move
+    the token; on random logits its tokens are XLA's draw's (SmolLM2's vocabulary, temperatures 0.1 to 5, tokens
+    banned, a row with one drawable token); keys of another PRNG take XLA's path; bad input is refused by name."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.worker import sampler
+    from pallas_kernels.cpu_native import available, gumbel_argmax_native
+
+    if not available("gumbel"):
+        pytest.skip("the native Gumbel kernel could not be built")
+    rows, vocab = 16, 49152
+    keys = sampler._row_keys(jnp.arange(rows, dtype=jnp.uint32), jnp.full(rows, 7, jnp.uint32),
+                             jnp.arange(rows, dtype=jnp.int32) * 3)
+    data = jax.random.key_data(keys)
+    draw = jax.jit(gumbel_argmax_native)
+    xla_noise = sampler._gumbel(keys, vocab)
+    np.testing.assert_array_equal(np.asarray(draw(-xla_noise, data)), np.zeros(rows))  # all tied at exactly 0
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((rows, vocab)) * rng.choice([0.1, 1.0, 5.0], (rows, 1))
+    x[rng.random((rows, vocab)) < 0.2] = -np.inf
+    x[3, :] = -np.inf
+    x[3, 777] = 0.0
+    x = jnp.asarray(x.astype(np.float32))
+    xla = np.asarray(jax.jit(lambda x, k: sampler._argmax(x + sampler._gumbel(k, vocab)))(x, keys))
+    np.testing.assert_array_equal(np.asarray(draw(x, data)), xla)
+    assert xla[3] == 777
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, k: sampler._draw(x, k, True))(x, keys)), xla)
+    rbg = jax.vmap(lambda i: jax.random.key(i, impl="rbg"))(jnp.arange(rows, dtype=jnp.uint32))
+    np.testing.assert_array_equal(  # (the kernel knows threefry's bits only)
+        np.asarray(jax.jit(lambda x, k: sampler._draw(x, k, True))(x, rbg)),
+        np.asarray(jax.jit(lambda x, k: sampler._argmax(x + sampler._gumbel(k, vocab)))(x, rbg)))
+    with pytest.raises(ValueError, match="x must be .S, V. float32"):
+        gumbel_argmax_native(x.astype(jnp.bfloat16), data)
+    with pytest.raises(ValueError, match="keys must be .16, 2. uint32"):
+        gumbel_argmax_native(x, data[:4])
+    with pytest.raises(ValueError, match="keys must be .16, 2. uint32"):
+        gumbel_argmax_native(x, data.astype(jnp.int32))
+
+
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
     "not native_kernels()", reason="the native CPU kernels could not be built"))], ids=["xla", "native"])
 def test_the_samplers_argmax_is_jnp_argmax_with_ties_and_masked_rows(native):
