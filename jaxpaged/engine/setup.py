@@ -457,16 +457,18 @@ def draft_model(spec: SpeculativeConfig | None, model: nnx.Module, config: Engin
 
 def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) -> None:
     """One INFO line: which native CPU kernels (pallas_kernels/cpu_native) this engine's steps run, which are built
-    but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax
-    and penalties where the layer matmuls run natively (`native_matmul_rows`), and those matmuls, the norms and rope
-    with a bfloat16 model; the quantized matmul with quantized weights and no tensor-parallel mesh."""
+    but unused, which are unavailable here and why. The attention kernel with a native backend; the sampler's argmax,
+    penalties, top-k / top-p threshold and Gumbel draw where the layer matmuls run natively (`native_matmul_rows`),
+    and those matmuls, the norms and rope with a bfloat16 model; the quantized matmul with quantized weights and no
+    tensor-parallel mesh."""
     from jaxpaged.engine import quant_setup
     from jaxpaged.worker.step import native_matmul_rows
     from pallas_kernels import cpu_native
 
     in_use = ["attention"] if attention in ("native", "native_else_reference") else []
     if native_matmul_rows(mesh) > 0:
-        in_use += ["argmax", "penalties"] + (["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else [])
+        in_use += ["argmax", "penalties", "top_p", "gumbel"]
+        in_use += ["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else []
     if quantized and quant_setup.native_quantized() and mesh is None:  # a mesh: XLA's dot (partitioned_products)
         in_use.append("qmatmul")
     logger.info("%s", cpu_native.describe(in_use))

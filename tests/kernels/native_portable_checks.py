@@ -20,7 +20,7 @@ import numpy as np
 def check_status() -> None:
     from pallas_kernels import cpu_native
 
-    for name in ("attention", "norm", "rope", "argmax", "penalties"):
+    for name in ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel"):
         assert cpu_native.available(name), (name, cpu_native.unavailable_reason(name))
     reason = cpu_native.unavailable_reason("matmul")
     assert not cpu_native.available("matmul") and "AVX512BF16" in reason, reason
@@ -132,6 +132,29 @@ def check_norm_rope_argmax() -> None:
     np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
 
 
+def check_sampler_draws() -> None:
+    """top_p.cc's and gumbel.cc's portable paths against the sampler's XLA versions: the threshold as the
+    bisection's, the draw's tokens as XLA's Gumbel-max (its logarithm here without fused multiply-adds, within an
+    ulp of XLA's: a token could part only on a tie within rounding)."""
+    from jaxpaged.worker import sampler
+    from pallas_kernels import cpu_native
+
+    rng = np.random.default_rng(7)
+    rows, vocab = 24, 3001
+    logits = np.round(rng.standard_normal((rows, vocab)) * rng.choice([0.3, 2.0, 8.0], (rows, 1)) * 4) / 4
+    logits[rng.random((rows, vocab)) < 0.1] = -np.inf
+    logits = jnp.asarray(logits.astype(np.float32))
+    k = jnp.asarray(rng.choice([1, 7, 50, vocab], rows).astype(np.int32))
+    top_p = jnp.asarray(rng.choice([1e-6, 0.5, 0.95, 1.0], rows).astype(np.float32))
+    want = np.asarray(jax.jit(sampler._threshold_by_search)(logits, k, top_p))[:, 0]
+    np.testing.assert_array_equal(np.asarray(cpu_native.top_p_threshold_native(logits, k, top_p)), want)
+    keys = sampler._row_keys(jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.uint32),
+                             jnp.arange(rows, dtype=jnp.int32))
+    want = np.asarray(jax.jit(lambda x, k: sampler._argmax(x + sampler._gumbel(k, vocab)))(logits, keys))
+    got = np.asarray(cpu_native.gumbel_argmax_native(logits, jax.random.key_data(keys)))
+    np.testing.assert_array_equal(got, want)
+
+
 def engine() -> dict:
     """Greedy tokens of a tiny float32 model through the native attention backend, and the engine's start-up line
     about the native kernels."""
@@ -158,6 +181,7 @@ def main(what: str) -> None:
         check_attention()
         check_pool_writes()
         check_norm_rope_argmax()
+        check_sampler_draws()
         print("ok")
     elif what == "engine":
         print(json.dumps(engine()))

@@ -1,8 +1,8 @@
 """The native CPU kernels built for an x86 CPU without AVX-512 (JAXPAGED_NATIVE_MARCH=x86-64-v2: SSE4.2, no AVX): the
-portable kernels (attention and its pool writes, norm, rope, argmax, penalties, the quantized matmul) build and give
-pure JAX's numbers (the quantized matmul's plain loops: tests/kernels/test_quantized_matmul.py), the engine's greedy
-tokens through them equal the reference backend's, and the AVX-512-only matmul reports itself unavailable with the
-reason instead of disabling the others.
+portable kernels (attention and its pool writes, norm, rope, the sampler's argmax, penalties, top-p threshold and
+Gumbel draw, the quantized matmul) build and give pure JAX's numbers (the quantized matmul's plain loops:
+tests/kernels/test_quantized_matmul.py), the engine's greedy tokens through them equal the reference backend's, and
+the AVX-512-only matmul reports itself unavailable with the reason instead of disabling the others.
 
 The builds (~10-60 s of g++ on 2 cores) are shared by the module: `python -m pallas_kernels.cpu_native --build` fills a
 temporary cache once, and each check runs in a child process that finds them there
@@ -22,7 +22,7 @@ import pytest
 
 from tests import ROOT
 
-PORTABLE = ("attention", "norm", "rope", "argmax", "penalties", "qmatmul")
+PORTABLE = ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel", "qmatmul")
 
 pytestmark = [
     pytest.mark.slow,  # builds the native kernels for another target
@@ -103,7 +103,7 @@ def test_engine_on_the_portable_kernels_gives_the_reference_backend_s_tokens(por
     # the matmul, which says why not
     (line,) = child["native_line"]
     assert line.startswith("native CPU kernels in use: attention;"), line
-    assert "built, not used by this engine: norm, rope, argmax, penalties" in line, line
+    assert "built, not used by this engine: norm, rope, argmax, penalties, top_p, gumbel" in line, line
     assert "unavailable: matmul (" in line, line
 
 
