@@ -6,7 +6,8 @@
 #                                         # limit cuts the least useful
 # Stage 1, what the latest changes need first: the GPU matmul kernels' tests, then issue #29's decode rows and their
 # A/B with the layer loop unrolled (the lever the H200 run of 2026-11-27 22:30 pointed at). Stage 2: issue #30's
-# row, a grammar A/B (late bitmasks), the prefill-heavy row and the other kernel tests. Measured before and left out:
+# row, a grammar A/B (late bitmasks), the prefill-heavy row, the top-p threshold's sort against its bisection and the
+# other kernel tests. Measured before and left out:
 # the split sampler against the fused one, the layer kernel against XLA's sliced GEMM, CUDA-graph command buffers,
 # the layer matmul's tiles (benchmarks/results/device_h200_20261127_2230/), the GGUF Pallas matmul
 # (benchmarks/results/device_h200_20261127/). Each part has its own time limit, so one that hangs leaves the others
@@ -82,7 +83,10 @@ else
     --out "$OUT_DIR/gpu_throughput_grammar_sync.json"
   # 2d. the prefill-heavy workload (#29: >= 50% of the card's bf16 peak; 44% of the data sheet's on 2026-11-27)
   part prefill 110 $GPU_TPUT --rows 8b:P:bf16 --out "$OUT_DIR/gpu_throughput_prefill.json"
-  # 2e. correctness on the card (passed on an H200 twice on 2026-11-27, so last): the paged attention kernel (bf16
+  # 2e. the sampler's top-p threshold on the card: the sort GPUs run against the bisection CPUs ran (~2 ms of the
+  #     H200's 6.6 ms sampled 1B step was the sort), 256 rows of Llama 3's vocabulary
+  part top_p 45 python3 benchmarks/top_p.py --rows 256 --vocab 128256 --samples 3 --out "$OUT_DIR/top_p.json"
+  # 2f. correctness on the card (passed on an H200 twice on 2026-11-27, so last): the paged attention kernel (bf16
   #     and fp8 pools), the quantized matmuls' fusion, the engine's step shapes
   part kernels 90 env $NO_PREALLOC python3 -m pytest -o addopts= -v -n 8 -p no:cacheprovider \
     tests/kernels/test_kernel_gpu.py tests/kernels/test_fp8_kernels.py tests/kernels/test_quant_fusion.py \

@@ -55,7 +55,9 @@ def main() -> None:
     from pallas_kernels import cpu_native
 
     ways = {"sort": sampler._threshold_by_sort, "search": sampler._threshold_by_search}
-    if cpu_native.available("top_p"):
+    if jax.default_backend() != "cpu":
+        print(f"(on {jax.default_backend()}: the native CPU kernel left out)")
+    elif cpu_native.available("top_p"):
         ways["native"] = lambda x, k, p: cpu_native.top_p_threshold_native(x, k, p)[:, None]
     else:
         print(f"(no native kernel: {cpu_native.unavailable_reason('top_p')})")
@@ -81,15 +83,15 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
 
-    cpu = cpu_name()
-    print(f"\nCPU: {cpu}, {os.cpu_count()} cores; top-p {args.top_p}"
+    cpu, device = cpu_name(), jax.devices()[0].device_kind
+    print(f"\nCPU: {cpu}, {os.cpu_count()} cores; run on {device}; top-p {args.top_p}"
           f"{f', top-k {args.top_k}' if args.top_k > 0 else ''}, logits N(0, {args.scale}^2)")
     columns = [("vocab", "V", "d"), ("rows", "rows", "d")]
     columns += [(f"{name}_ms", f"{name} ms", ".2f") for name in ways]
     columns += [(f"{name}_differ", f"{name} != sort", "d") for name in ways if name != "sort"]
     columns += [(f"{name}_exact", f"{name} = float64", "d") for name in ways]
     print_table(rows, columns + [("kept_mean", "tokens kept", ".0f")])
-    write_json(args.out, {"cpu": cpu, "command": "python benchmarks/top_p.py", "top_p": args.top_p,
+    write_json(args.out, {"cpu": cpu, "device": device, "command": "python benchmarks/top_p.py", "top_p": args.top_p,
                           "top_k": args.top_k, "scale": args.scale, "rows": rows})
 
 
