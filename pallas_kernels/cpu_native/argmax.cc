@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -30,9 +31,6 @@ using jaxpaged_native::WorkQueue;
 namespace {
 
 constexpr int64_t kRowsPerItem = 4;
-
-// (value, index) a replaces (value, index) b where it is larger, or equal with a smaller index.
-inline bool Better(float a, int64_t ia, float b, int64_t ib) { return a > b || (a == b && ia < ib); }
 
 int32_t RowArgmax(const float* x, int64_t v) {
   float best = -std::numeric_limits<float>::infinity();
@@ -60,14 +58,7 @@ int32_t RowArgmax(const float* x, int64_t v) {
         pos = _mm512_add_epi32(pos, step);
       }
     }
-    alignas(64) float mv[16 * kPairs];
-    alignas(64) int32_t iv[16 * kPairs];
-    for (int p = 0; p < kPairs; ++p) {
-      _mm512_store_ps(mv + 16 * p, m[p]);
-      _mm512_store_si512(reinterpret_cast<__m512i*>(iv + 16 * p), idx[p]);
-    }
-    for (int i = 0; i < 16 * kPairs; ++i)
-      if (Better(mv[i], iv[i], best, at)) best = mv[i], at = iv[i];
+    for (int p = 0; p < kPairs; ++p) jaxpaged_native::FoldLanes16(m[p], idx[p], best, at);
   }
 #endif
   for (; j < v; ++j)

@@ -26,6 +26,7 @@
 #include <limits>
 #include <memory>
 
+#include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -184,9 +185,6 @@ inline __m512 Gumbel16(__m512i bits) {
 }
 #endif
 
-// (value, index) a replaces (value, index) b where it is larger, or equal with a smaller index.
-inline bool Better(float a, int64_t ia, float b, int64_t ib) { return a > b || (a == b && ia < ib); }
-
 int32_t RowDraw(const float* x, int64_t v, uint32_t k0, uint32_t k1) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t at = 0;
@@ -204,12 +202,7 @@ int32_t RowDraw(const float* x, int64_t v, uint32_t k0, uint32_t k1) {
       idx = _mm512_mask_mov_epi32(idx, larger, pos);
       pos = _mm512_add_epi32(pos, step);
     }
-    alignas(64) float mv[16];
-    alignas(64) int32_t iv[16];
-    _mm512_store_ps(mv, m);
-    _mm512_store_si512(reinterpret_cast<__m512i*>(iv), idx);
-    for (int i = 0; i < 16; ++i)
-      if (Better(mv[i], iv[i], best, at)) best = mv[i], at = iv[i];
+    jaxpaged_native::FoldLanes16(m, idx, best, at);
   }
 #endif
   for (; j < v; ++j) {

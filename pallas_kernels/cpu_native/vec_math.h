@@ -1,5 +1,5 @@
-// Vectorised float32 math on 16 AVX-512 lanes (only where the compiler targets AVX-512F) and scalar bfloat16
-// conversions (everywhere), shared by the native kernels.
+// Vectorised float32 math on 16 AVX-512 lanes (only where the compiler targets AVX-512F), scalar bfloat16
+// conversions and the first-maximum order of the argmax kernels (everywhere), shared by the native kernels.
 #ifndef JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 #define JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 
@@ -28,7 +28,21 @@ inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// (value, index) a replaces (value, index) b where it is larger, or equal with a smaller index: jnp.argmax's first
+// maximum, whatever order the candidates come in.
+inline bool Better(float a, int64_t ia, float b, int64_t ib) { return a > b || (a == b && ia < ib); }
+
 #if defined(__AVX512F__)
+// Folds 16 lanes of running (maximum, index) pairs into (best, at) by Better.
+inline void FoldLanes16(__m512 m, __m512i idx, float& best, int64_t& at) {
+  alignas(64) float mv[16];
+  alignas(64) int32_t iv[16];
+  _mm512_store_ps(mv, m);
+  _mm512_store_si512(reinterpret_cast<__m512i*>(iv), idx);
+  for (int i = 0; i < 16; ++i)
+    if (Better(mv[i], iv[i], best, at)) best = mv[i], at = iv[i];
+}
+
 // 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by Cephes' expf polynomial (relative error ~2e-7), for
 // x in [-87, 88] (the callers clamp); NaN stays NaN.
 inline __m512 Exp16InRange(__m512 x) {
