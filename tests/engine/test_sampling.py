@@ -249,7 +249,8 @@ def test_the_native_gumbel_draw_is_xla_s_noise_bit_for_bit_and_refuses_bad_input
     """The native Gumbel-max draw adds the noise jax.random.gumbel draws from each row's key, bit for bit: with x the
     negated XLA noise every sum is exactly 0 (the first index wins), so a single noise value above XLA's would move
     the token; on random logits its tokens are XLA's draw's (SmolLM2's vocabulary, temperatures 0.1 to 5, tokens
-    banned, a row with one drawable token); keys of another PRNG take XLA's path; bad input is refused by name."""
+    banned, a row with one drawable token); keys of another PRNG, or threefry's bits unpartitioned, take XLA's path; bad
+    input is refused by name."""
     import jax
     import jax.numpy as jnp
 
@@ -276,9 +277,14 @@ def test_the_native_gumbel_draw_is_xla_s_noise_bit_for_bit_and_refuses_bad_input
     assert xla[3] == 777
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, k: sampler._draw(x, k, True))(x, keys)), xla)
     rbg = jax.vmap(lambda i: jax.random.key(i, impl="rbg"))(jnp.arange(rows, dtype=jnp.uint32))
-    np.testing.assert_array_equal(  # (the kernel knows threefry's bits only)
+    np.testing.assert_array_equal(  # (the kernel knows threefry's partitionable bits only)
         np.asarray(jax.jit(lambda x, k: sampler._draw(x, k, True))(x, rbg)),
         np.asarray(jax.jit(lambda x, k: sampler._argmax(x + sampler._gumbel(k, vocab)))(x, rbg)))
+    with jax.threefry_partitionable(False):
+        unpartitioned = np.asarray(jax.jit(lambda x, k: sampler._argmax(x + sampler._gumbel(k, vocab)))(x, keys))
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, k: sampler._draw(x, k, True))(x, keys)),
+                                      unpartitioned)
+    assert (unpartitioned != xla).any()  # (other bits: the case is not vacuous)
     with pytest.raises(ValueError, match="x must be .S, V. float32"):
         gumbel_argmax_native(x.astype(jnp.bfloat16), data)
     with pytest.raises(ValueError, match="keys must be .16, 2. uint32"):
