@@ -72,8 +72,8 @@ def rejection_sample(target_logits: jax.Array, draft_tokens: jax.Array, num_draf
     temperature [S] float32 (<= 0: greedy), top_k [S] int32 (<= 0: off), top_p [S] float32 (1: off),
     min_p [S] float32 (0: off), seed_lo, seed_hi [S] uint32 (the request's seed halves), step [S] int32 (the index
       of the row's first token being sampled: position j samples token step + j)
-    native: argmaxes and top-k / top-p thresholds by the native CPU kernels (same results; for steps whose matmuls
-      run natively)."""
+    native: argmaxes, top-k / top-p thresholds and Gumbel draws by the native CPU kernels (the same tokens but where a
+      top-p prefix's mass is within rounding of p; for steps whose matmuls run natively)."""
     num_rows, width, vocab = target_logits.shape  # width = k + 1
     k = width - 1
     if draft_tokens.shape != (num_rows, k):

@@ -303,7 +303,8 @@ def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
 
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
     """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
-    the argmaxes and penalties by the native CPU kernels (same tokens; for steps whose matmuls run natively).
+    the argmaxes, penalties, top-k / top-p thresholds and Gumbel draws by the native CPU kernels (the same tokens but
+    where a top-p prefix's mass is within rounding of p; for steps whose matmuls run natively).
 
     Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
     are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
