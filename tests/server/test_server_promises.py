@@ -194,6 +194,7 @@ def test_health_answers_while_huge_prompts_are_tokenized(scraped):
         answers[i] = post(f"{scraped.url}/v1/completions", {"model": MODEL, "prompt": f"{i} {huge}"}, AUTH)
 
     senders = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+    start = time.monotonic()
     for t in senders:
         t.start()
     latencies = []
@@ -207,8 +208,12 @@ def test_health_answers_while_huge_prompts_are_tokenized(scraped):
     for status, body in answers.values():  # tokenized in full, then refused for their length in tokens
         assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
         assert "tokens" in body["error"]["message"] and "characters" not in body["error"]["message"]
+    elapsed = time.monotonic() - start
     assert len(latencies) >= 5, latencies  # the probes ran while the prompts were being tokenized
-    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    # A loop that tokenized a prompt itself would keep a probe waiting for that prompt's whole tokenization (about
+    # half the senders' time, ~2.5 s alone on 2 cores): the bound is a quarter of it, not a fixed second (a
+    # clean-clone CI, the other test worker busy, once kept a probe 1.35 s).
+    assert max(latencies) < max(1.0, elapsed / 4), (elapsed, sorted(latencies)[-5:])
 
 
 # ---- clients that do not read, or do not send ---------------------------------------------------------------------
