@@ -158,6 +158,20 @@ def native_kernels() -> bool:
     return cpu_native.available("argmax")
 
 
+def exact_thresholds(logits: np.ndarray, k: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """The filter's threshold per row by its definition, in float64: the value of the last token of the row sorted
+    in descending order that lies within the top k and within the nucleus (the smallest prefix whose mass reaches
+    top_p; everything at top_p >= 1)."""
+    out = np.empty(logits.shape[0], np.float32)
+    for row, (x, kk, p) in enumerate(zip(logits, k, top_p, strict=True)):
+        order = np.sort(x)[::-1]
+        probs = np.exp(order.astype(np.float64) - order[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        out[row] = order[max(int(np.sum(((before < p) | (p >= 1.0)) & (np.arange(x.size) < kk))), 1) - 1]
+    return out
+
+
 def native_top_p(logits, k, top_p):
     from pallas_kernels import cpu_native
 
@@ -192,13 +206,7 @@ def test_the_searched_top_k_top_p_threshold_is_the_sorted_ones(way):
     args = (jnp.asarray(logits), jnp.asarray(k), jnp.asarray(top_p))
     searched = np.asarray(jax.jit(_threshold_by_search)(*args))[:, 0]
     np.testing.assert_array_equal(searched, np.asarray(jax.jit(_threshold_by_sort)(*args))[:, 0])
-    for row, (x, kk, p) in enumerate(zip(logits, k, top_p, strict=True)):  # the definition, in float64
-        order = np.sort(x)[::-1]
-        probs = np.exp(order.astype(np.float64) - order[0])
-        probs /= probs.sum()
-        before = np.cumsum(probs) - probs
-        keep = max(int(np.sum(((before < p) | (p >= 1.0)) & (np.arange(vocab) < kk))), 1)
-        assert searched[row] == order[keep - 1], row
+    np.testing.assert_array_equal(searched, exact_thresholds(logits, k, top_p))
     # the filter keeps every token at or above the threshold, and only those
     kept = np.asarray(jax.jit(_filter)(*args, jnp.zeros(rows, jnp.float32))) > -np.inf
     np.testing.assert_array_equal(kept, (logits >= searched[:, None]) & (logits > -np.inf))
@@ -226,13 +234,7 @@ def test_the_native_top_p_threshold_at_a_real_vocabulary_and_its_bad_input():
     args = (jnp.asarray(logits), jnp.asarray(k), jnp.asarray(top_p))
     native = np.asarray(jax.jit(top_p_threshold_native)(*args))
     sort = np.asarray(jax.jit(_threshold_by_sort)(*args))[:, 0]
-    exact = np.empty(rows, np.float32)
-    for row, (x, kk, p) in enumerate(zip(logits, k, top_p, strict=True)):
-        order = np.sort(x)[::-1]
-        probs = np.exp(order.astype(np.float64) - order[0])
-        probs /= probs.sum()
-        before = np.cumsum(probs) - probs
-        exact[row] = order[max(int(np.sum(((before < p) | (p >= 1.0)) & (np.arange(vocab) < kk))), 1) - 1]
+    exact = exact_thresholds(logits, k, top_p)
     assert np.sum(native == exact) >= np.sum(sort == exact) and np.sum(native != sort) <= 2
     np.testing.assert_array_equal(native[:3], np.sort(logits[:3], axis=-1)[np.arange(3), vocab - k[:3]])  # top-k
     assert native[5] == logits[5].min()  # top-p 1, no top-k: every token kept
