@@ -467,7 +467,7 @@ def _log_native_kernels(attention: str, dtype, mesh, quantized: bool = False) ->
 
     in_use = ["attention"] if attention in ("native", "native_else_reference") else []
     if native_matmul_rows(mesh) > 0:
-        in_use += ["argmax", "penalties", "top_p", "gumbel"]
+        in_use += ["argmax", "penalties", "top_p", "gumbel", "logprobs"]
         in_use += ["matmul", "norm", "rope"] if jnp.dtype(dtype) == jnp.bfloat16 else []
     if quantized and quant_setup.native_quantized() and mesh is None:  # a mesh: XLA's dot (partitioned_products)
         in_use.append("qmatmul")

@@ -107,6 +107,30 @@ def _argmax(x: jax.Array, native: bool = False, width: int = 128) -> jax.Array:
     return jnp.minimum(chunk * width + inside, vocab - 1)
 
 
+def logprobs(logits: jax.Array, tokens: jax.Array, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The log-probs a step returns, under the model's distribution: logits [..., V] float32, tokens [...] int32 (each
+    row's sampled token) -> (the tokens' log-probs [...] float32, the MAX_LOGPROBS most likely tokens [..., L] int32
+    and their log-probs [..., L] float32, most likely first).
+
+    A log-prob is (logit - max) - log(sum(exp(logit - max))) (jax.nn.log_softmax's formula); the top tokens are
+    jax.lax.top_k of the logits, so no [..., V] log-probs are written. With `native` (a step whose matmuls run
+    natively on CPU) by the native kernel in two passes over each row (`pallas_kernels.cpu_native.logprobs_native`:
+    the same tokens; the sum in float64, so the log-probs within ~1e-5 of XLA's float32 sum's)."""
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    if native:
+        from pallas_kernels import cpu_native
+
+        if cpu_native.available("logprobs"):
+            chosen, vals, ids = cpu_native.logprobs_native(logits.reshape(-1, vocab), tokens.reshape(-1),
+                                                           MAX_LOGPROBS)
+            return chosen.reshape(lead), ids.reshape(*lead, -1), vals.reshape(*lead, -1)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
+    vals, ids = jax.lax.top_k(logits, MAX_LOGPROBS)
+    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)
+    return ((chosen - top) - lse)[..., 0], ids.astype(jnp.int32), (vals - top) - lse
+
+
 def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
     def one(lo, hi, s):
         key = jax.random.fold_in(jax.random.key(lo), hi)
@@ -303,8 +327,9 @@ def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
 
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
     """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
-    the argmaxes, penalties, top-k / top-p thresholds and Gumbel draws by the native CPU kernels (the same tokens but
-    where a top-p prefix's mass is within rounding of p; for steps whose matmuls run natively).
+    the argmaxes, penalties, top-k / top-p thresholds, Gumbel draws and top log-probs by the native CPU kernels (the
+    same tokens and log-probs but where a top-p prefix's mass is within rounding of p; for steps whose matmuls run
+    natively).
 
     Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
     are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
@@ -313,16 +338,10 @@ def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> Samp
     tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s, native), s, native),
                           lambda x: _pick(x, s, native), logits)
 
-    def with_logprobs(raw):
-        logp = jax.nn.log_softmax(raw, axis=-1)
-        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-        vals, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-        return chosen, ids.astype(jnp.int32), vals
-
     def without(raw):
         n = raw.shape[0]
         return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
                 jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
 
-    chosen, top_ids, top_lps = jax.lax.cond(s.want_logprobs, with_logprobs, without, raw)
+    chosen, top_ids, top_lps = jax.lax.cond(s.want_logprobs, lambda x: logprobs(x, tokens, native), without, raw)
     return SamplerOutput(tokens, chosen, top_ids, top_lps)

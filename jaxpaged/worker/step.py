@@ -257,11 +257,8 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
         v = jax.lax.cond(asked, lambda x: verify(x.at[:, 0].set(sampler.process_logits(x[:, 0], sm, native))), verify,
                          raw)
 
-    def with_logprobs(raw):
-        logp = jax.nn.log_softmax(raw, axis=-1)  # [S, K + 1, V]
-        chosen = jnp.take_along_axis(logp, jnp.maximum(v.tokens, 0)[..., None], axis=-1)[..., 0]
-        vals, ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-        return chosen, ids.astype(jnp.int32), vals
+    def with_logprobs(raw):  # [S, K + 1, V]
+        return sampler.logprobs(raw, jnp.maximum(v.tokens, 0), native)
 
     def without(raw):
         return (jnp.zeros((s, k + 1), jnp.float32), jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.int32),

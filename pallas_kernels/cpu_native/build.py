@@ -68,6 +68,7 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
            what="the sampler's repetition, frequency and presence penalties"),
     Kernel("top_p", ("top_p.cc",), ("JaxpagedTopPThreshold",), what="the sampler's top-k / top-p threshold"),
     Kernel("gumbel", ("gumbel.cc",), ("JaxpagedGumbelArgmax",), what="the sampler's Gumbel-max draw"),
+    Kernel("logprobs", ("logprobs.cc",), ("JaxpagedLogprobs",), what="the log-probs a step returns (top-k, chosen)"),
     Kernel("qmatmul", ("qmatmul.cc",), ("JaxpagedQMatmul", "JaxpagedQMatmulGlu", "JaxpagedQMatmul3"),
            what="matmuls that read int8 / GGUF-quantized weights (VNNI where the CPU has it)"),
 )}

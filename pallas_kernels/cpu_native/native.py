@@ -1,8 +1,8 @@
 """The native CPU kernels' Python entry points (XLA FFI custom calls; build.py builds each kernel's library on first
 use): ragged paged attention and its pool writes (paged_attention.cc), a bf16 matmul that reads a stacked layer
 weight in place (matmul.cc, `matmul_native`), RMSNorm and residual adds (norm.cc), rotary embedding (rope.cc), and
-the sampler's argmax (argmax.cc), penalties (penalties.cc), top-k / top-p threshold (top_p.cc) and Gumbel-max draw
-(gumbel.cc).
+the sampler's argmax (argmax.cc), penalties (penalties.cc), top-k / top-p threshold (top_p.cc), Gumbel-max draw
+(gumbel.cc) and log-probs (logprobs.cc).
 
     paged_attention_native(q, k_cache, v_cache, layer, block_tables, context_lens, query_start_loc, positions,
                            scale=..., tile_size=..., sliding_window=None, soft_cap=None, decode_blocks=None,
@@ -297,6 +297,24 @@ def argmax_native(x: jax.Array) -> jax.Array:
     return _ffi_call("JaxpagedArgmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
 
 
+def logprobs_native(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The log-probs a step returns, by logprobs.cc in two passes over each row of logits [S, V] float32, writing
+    nothing of size V: (chosen [S] float32: log p(tokens[r]); values [S, k] float32: the row's k largest log-probs,
+    largest first; indices [S, k] int32: jax.lax.top_k(logits, k)'s indices exactly). tokens [S] int32 in [0, V) (else
+    NaN). A log-prob is (logit - max) - log(sum(exp(logit - max))), the sum in float64. 1 <= k <= min(V, 64)."""
+    if logits.ndim != 2 or logits.dtype != jnp.float32:
+        raise ValueError(f"logits must be [S, V] float32, got {logits.dtype}{list(logits.shape)}")
+    s, v = logits.shape
+    if not isinstance(k, int) or not 1 <= k <= min(v, 64):
+        raise ValueError(f"k must be an int in [1, min(V, 64)] = [1, {min(v, 64)}], got {k!r}")
+    tokens = _int32("tokens", tokens, 1)
+    if tokens.shape != (s,):
+        raise ValueError(f"tokens must be [{s}], got shape {tokens.shape}")
+    out = (jax.ShapeDtypeStruct((s,), jnp.float32), jax.ShapeDtypeStruct((s, k), jnp.float32),
+           jax.ShapeDtypeStruct((s, k), jnp.int32))
+    return _ffi_call("JaxpagedLogprobs", out)(logits, tokens)
+
+
 def penalties_native(logits: jax.Array, seen: jax.Array, output_start: jax.Array, pending: jax.Array,
                      presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
     """Repetition, frequency and presence penalties on logits [S, V] float32, by penalties.cc, visiting only each
@@ -368,4 +386,4 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
            "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
            "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native",
-           "penalties_native", "top_p_threshold_native", "gumbel_argmax_native"]
+           "logprobs_native", "penalties_native", "top_p_threshold_native", "gumbel_argmax_native"]

@@ -373,6 +373,104 @@ def test_native_argmax_sampler_gives_the_same_tokens_and_refuses_bad_input():
         argmax_native(logits[0])
 
 
+def logprobs_kernel() -> bool:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available("logprobs")
+
+
+def float64_logprobs(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    "not logprobs_kernel()", reason="the native logprobs kernel could not be built"))], ids=["xla", "native"])
+def test_the_samplers_logprobs_are_the_float64_log_softmax_and_lax_top_k(native):
+    """`sampler.logprobs` (XLA, or the native kernel's two passes): the top tokens are jax.lax.top_k of the logits
+    exactly (ties by ascending index, -0 below +0, NaN first), their log-probs and the chosen token's within 1e-5 of
+    the float64 log-softmax (2e-6 natively: its sum is float64), for rows that insert at every token (ascending), the
+    widths around the kernel's 16-lane groups, Gemma's vocabulary, and a speculative step's [S, K + 1, V]."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.sampling_params import MAX_LOGPROBS
+    from jaxpaged.worker import sampler
+
+    fn = jax.jit(functools.partial(sampler.logprobs, native=native))
+    tol = 2e-6 if native else 1e-5
+
+    def check(x, tokens):
+        chosen, ids, vals = fn(jnp.asarray(x), jnp.asarray(tokens))
+        want_ids = np.asarray(jax.lax.top_k(jnp.asarray(x), MAX_LOGPROBS)[1])
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        ref = float64_logprobs(x)
+        finite = np.isfinite(x).all(axis=-1)
+        np.testing.assert_allclose(np.asarray(vals)[finite], np.take_along_axis(ref, want_ids, -1)[finite],
+                                   atol=tol, rtol=tol)
+        np.testing.assert_allclose(np.asarray(chosen)[finite],
+                                   np.take_along_axis(ref, np.asarray(tokens)[..., None], -1)[..., 0][finite],
+                                   atol=tol, rtol=tol)
+        return np.asarray(chosen), np.asarray(vals)
+
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((8, 3001)) * 3).astype(np.float32)
+    x[0, [5, 9, 2000, 3000]] = 15.0  # tied maxima: ascending index
+    x[1, :] = 1.0  # the whole row tied: log(1 / V) everywhere
+    x[2, [10, 2999]] = [0.0, -0.0]  # a zero of each sign, ranked +0 first
+    x[2, :2990] = -30.0
+    x[3] = np.sort(x[3])  # every token enters the top k
+    x[4, -1] = 100.0  # the maximum in the scalar tail: every other log-prob below -80
+    x[5, :20] = 50.0  # the first k tokens are the answer
+    x[6, 3] = -np.inf  # a masked token: its log-prob -inf
+    x[7, ::3] = np.nan  # a NaN: the top ids still lax.top_k's (NaN first), the log-probs NaN
+    tokens = np.array([9, 0, 2999, 3000, 3000, 19, 3, 1], np.int32)
+    chosen, vals = check(x, tokens)
+    assert np.allclose(vals[1], -np.log(3001)) and chosen[6] == -np.inf and np.isnan(vals[7]).all()
+    for vocab in (20, 21, 31, 32, 33, 63, 64, 65, 49152, 262144):
+        z = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+        check(z, rng.integers(0, vocab, 3).astype(np.int32))
+    spec = (rng.standard_normal((2, 3, 3000)) * 3).astype(np.float32)
+    check(spec, rng.integers(0, 3000, (2, 3)).astype(np.int32))
+
+
+@pytest.mark.skipif("not logprobs_kernel()", reason="the native logprobs kernel could not be built")
+def test_native_logprobs_give_xla_s_tokens_and_refuse_bad_input():
+    """sample(native=True) returns the XLA path's tokens and top ids, and log-probs within 1e-5 of them; the kernel
+    names what it cannot take (shapes, dtypes, k), and a token outside the vocabulary gets NaN, not a stray read."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.worker import sampler
+    from pallas_kernels.cpu_native import logprobs_native
+
+    logits = jnp.asarray(np.random.default_rng(5).standard_normal((6, 3000)).astype(np.float32) * 3)
+    s = sampler.SamplingMetadata.padding(6, vocab_size=3000)
+    s.temperature[:] = [0.0, 1.0, 0.0, 0.7, 1.3, 0.0]
+    s.seed_lo[:] = np.arange(6) + 3
+    s.want_logprobs = np.array(True)
+    xla, native = (jax.jit(functools.partial(sampler.sample, native=n))(logits, s) for n in (False, True))
+    np.testing.assert_array_equal(np.asarray(native.tokens), np.asarray(xla.tokens))
+    np.testing.assert_array_equal(np.asarray(native.top_ids), np.asarray(xla.top_ids))
+    np.testing.assert_allclose(np.asarray(native.logprobs), np.asarray(xla.logprobs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(native.top_logprobs), np.asarray(xla.top_logprobs), atol=1e-5)
+    chosen, _, _ = logprobs_native(logits, jnp.array([-1, 3000, 0, 1, 2, 3], jnp.int32), 20)
+    assert np.isnan(np.asarray(chosen)[:2]).all() and np.isfinite(np.asarray(chosen)[2:]).all()
+    with pytest.raises(ValueError, match=r"logits must be \[S, V\] float32"):
+        logprobs_native(logits.astype(jnp.bfloat16), jnp.zeros(6, jnp.int32), 20)
+    with pytest.raises(ValueError, match=r"tokens must be \[6\]"):
+        logprobs_native(logits, jnp.zeros(5, jnp.int32), 20)
+    with pytest.raises(ValueError, match=r"k must be an int in \[1, min\(V, 64\)\] = \[1, 15\], got 16"):
+        logprobs_native(jnp.zeros((2, 15), jnp.float32), jnp.zeros(2, jnp.int32), 16)
+    with pytest.raises(ValueError, match="k must be an int"):
+        logprobs_native(logits, jnp.zeros(6, jnp.int32), 65)
+
+
 @pytest.mark.skipif("not native_kernels()", reason="the native CPU kernels could not be built")
 def test_native_penalties_are_xla_s_bits_and_refuse_bad_input():
     """penalties.cc gives the XLA penalties' bits: every row's mix of repeats in prompt and output, a pending token

@@ -20,7 +20,7 @@ import numpy as np
 def check_status() -> None:
     from pallas_kernels import cpu_native
 
-    for name in ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel"):
+    for name in ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel", "logprobs"):
         assert cpu_native.available(name), (name, cpu_native.unavailable_reason(name))
     reason = cpu_native.unavailable_reason("matmul")
     assert not cpu_native.available("matmul") and "AVX512BF16" in reason, reason
@@ -84,8 +84,8 @@ def check_pool_writes() -> None:
 
 
 def check_norm_rope_argmax() -> None:
-    """norm.cc, rope.cc, argmax.cc and penalties.cc's portable paths against the models' and the sampler's pure-JAX
-    functions compiled by XLA."""
+    """norm.cc, rope.cc, argmax.cc, penalties.cc and logprobs.cc's portable paths against the models' and the
+    sampler's pure-JAX functions compiled by XLA (log-probs: against the float64 log-softmax)."""
     from jaxpaged.models.norm import rms_norm
     from jaxpaged.models.rope import rope
     from jaxpaged.worker import sampler
@@ -123,6 +123,15 @@ def check_norm_rope_argmax() -> None:
     got = np.asarray(cpu_native.argmax_native(jnp.asarray(logits)))
     want = np.argmax(np.where(np.isnan(logits), -np.inf, logits), axis=-1)
     np.testing.assert_array_equal(got, want)
+    # log-probs: lax.top_k's order (NaN first, ties by index), the float64 log-softmax's values
+    finite = np.where(np.isfinite(logits), logits, -30.0).astype(np.float32)
+    for x in (logits, finite):
+        chosen, vals, ids = cpu_native.logprobs_native(jnp.asarray(x), jnp.arange(5, dtype=jnp.int32), 20)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(jnp.asarray(x), 20)[1]))
+    x64 = finite.astype(np.float64)
+    ref = x64 - x64.max(-1, keepdims=True) - np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(ref, np.asarray(ids), -1), atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(chosen), ref[np.arange(5), np.arange(5)], atol=2e-6, rtol=2e-6)
     s = sampler.SamplingMetadata.padding(5, 3001, 40)
     s.seen_tokens[:, :30] = rng.integers(0, 60, (5, 30))
     s.output_start[:], s.pending_tokens[:] = [0, 10, 20, 30, 5], [-1, 3, 59, -1, 2]

@@ -88,7 +88,7 @@ def test_describe_says_what_runs_what_is_idle_and_why_the_rest_is_not(monkeypatc
     monkeypatch.setattr(build, "_status", fake)
     assert build.describe(["attention", "matmul"]) == (
         "native CPU kernels in use: attention; built, not used by this engine: norm, rope, argmax, penalties, "
-        "top_p, gumbel, qmatmul; unavailable: matmul (needs AVX512BF16, which g++ -march=x86-64-v2 ...)")
+        "top_p, gumbel, logprobs, qmatmul; unavailable: matmul (needs AVX512BF16, which g++ -march=x86-64-v2 ...)")
     off = {name: KernelStatus(name, False, reason="disabled by JAXPAGED_NATIVE=0", skipped=True) for name in KERNELS}
     monkeypatch.setattr(build, "_status", off)
     assert build.describe(["attention"]) == "native CPU kernels in use: none (disabled by JAXPAGED_NATIVE=0)"

@@ -22,7 +22,7 @@ import pytest
 
 from tests import ROOT
 
-PORTABLE = ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel", "qmatmul")
+PORTABLE = ("attention", "norm", "rope", "argmax", "penalties", "top_p", "gumbel", "logprobs", "qmatmul")
 
 pytestmark = [
     pytest.mark.slow,  # builds the native kernels for another target
@@ -103,7 +103,7 @@ def test_engine_on_the_portable_kernels_gives_the_reference_backend_s_tokens(por
     # the matmul, which says why not
     (line,) = child["native_line"]
     assert line.startswith("native CPU kernels in use: attention;"), line
-    assert "built, not used by this engine: norm, rope, argmax, penalties, top_p, gumbel" in line, line
+    assert "built, not used by this engine: norm, rope, argmax, penalties, top_p, gumbel, logprobs" in line, line
     assert "unavailable: matmul (" in line, line
 
 
