@@ -171,8 +171,25 @@ def test_many_prompts_do_not_stall_a_running_stream(server):
     (b'{"model":"tiny","prompt":"x","max_tokens":3.5}', "max_tokens"),
     (b'{"model":"tiny","prompt":"x","stop_token_ids":[1.5]}', "stop_token_ids.0"),
     (b'{"model":"tiny","messages":[{"role":"wizard","content":"hi"}]}', "messages.0.role"),
+    (b'{"model":"tiny","messages":[{"role":"user","content":"hi \\ud800"}]}', "messages.0.content"),  # lone surrogates
+    (b'{"model":"tiny","prompt":"x","stop":["a","\\udc00b"]}', "stop.1"),
 ])
 def test_garbage_numbers_and_roles_are_400_naming_the_field(server, raw, param):
     path = "chat/completions" if b"messages" in raw else "completions"
     status, body = post(f"{server.url}/v1/{path}", raw)
     assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_a_lone_surrogate_escape_is_named_and_a_surrogate_pair_is_text():
+    """A \\uD800-\\uDFFF escape outside a pair is not a character: a 400 that says so and names the field holding it
+    (a key: no field); a pair is the character it encodes."""
+    from jaxpaged.entrypoints.openai.protocol import CompletionRequest, OpenAIError, parse_body
+
+    body = parse_body(CompletionRequest, b'{"model":"tiny","prompt":"smile \\ud83d\\ude00"}')
+    assert body.prompt == "smile \U0001F600"
+    for raw, param in [(b'{"model":"tiny","prompt":"\\ud83d"}', "prompt"),
+                       (b'{"model":"tiny","prompt":"\\ud83d\\u0041"}', "prompt"),
+                       (b'{"model":"tiny","prompt":"x","\\ude00":1}', None)]:
+        with pytest.raises(OpenAIError, match="must be half of a surrogate pair") as e:
+            parse_body(CompletionRequest, raw)
+        assert e.value.param == param and e.value.status == 400

@@ -7,6 +7,7 @@ neutral value, with a 400 that names the field.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Literal, TypeVar
 
@@ -397,14 +398,16 @@ def parse_body(model: type[_B], raw: bytes) -> _B:
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
-        raise _validation_error(e) from None
+        raise _validation_error(e, raw) from None
     body.check_unsupported()
     return body
 
 
-def _validation_error(e: ValidationError) -> OpenAIError:
+def _validation_error(e: ValidationError, raw: bytes = b"") -> OpenAIError:
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
+        if "surrogate" in err["msg"] or "hex escape" in err["msg"]:
+            return _lone_surrogate_error(raw, err["msg"])
         return OpenAIError(f"the request body is not valid JSON: {err['msg']}")
     if err["type"] == "model_type" and not err["loc"]:
         return OpenAIError("the request body must be a JSON object")
@@ -418,6 +421,28 @@ def _validation_error(e: ValidationError) -> OpenAIError:
     union = sum(1 for x in e.errors(include_url=False) if x["loc"][:1] == err["loc"][:1]) > 1
     message = f"invalid type for '{param}'" if union else f"'{param}': {err['msg']}"
     return OpenAIError(message, param=param)
+
+
+def _lone_surrogate_error(raw: bytes, msg: str) -> OpenAIError:
+    """A \\uD800-\\uDFFF escape that is not half of a surrogate pair: not a character, so not text a tokenizer takes.
+    Python's json module accepts it; the first string holding one names the field."""
+    message = ("the request body is not valid JSON: a \\uD800-\\uDFFF escape must be half of a surrogate pair "
+               f"(a lone surrogate is not a character): {msg}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        return OpenAIError(message)
+    stack: list[tuple[list[str], object]] = [([], doc)]
+    while stack:
+        path, node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in reversed(list(items)):
+            if isinstance(key, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in key):
+                return OpenAIError(message, param=".".join(path) or None)
+            stack.append((path + [str(key)], value))
+        if isinstance(node, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in node):
+            return OpenAIError(message, param=".".join(path) or None)
+    return OpenAIError(message)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none", "literal", "TextPart", "ChatMessage",
