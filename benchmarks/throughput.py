@@ -15,6 +15,8 @@ Prints a table with the CPU's model and flags and writes benchmarks/results/thro
                                                              # repetition penalties (HF has no presence/frequency)
     python benchmarks/throughput.py --top-p 0.95 --skip-hf   # every request sampled at temperature 1, top-p 0.95
                                                              # (seeded; the token checks then only say it ran)
+    python benchmarks/throughput.py --logprobs 5 --skip-hf   # every request also returns its tokens' log-probs and
+                                                             # the top 5 (jaxpaged and vLLM)
 """
 
 from __future__ import annotations
@@ -168,10 +170,12 @@ def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: Pe
 
 def sampling(args) -> dict:
     """The sampling parameters every request adds to greedy decoding: the penalties with --penalties; temperature
-    1, top-p and a seed with --top-p."""
+    1, top-p and a seed with --top-p; log-probs with --logprobs."""
     out = dict(PENALTIES) if args.penalties else {}
     if args.top_p is not None:
         out.update(temperature=1.0, top_p=args.top_p, seed=0)
+    if args.logprobs is not None:
+        out.update(logprobs=args.logprobs)
     return out
 
 
@@ -225,12 +229,16 @@ def main():
                     help=f"every request also with {PENALTIES} (jaxpaged and vLLM; HF has no presence/frequency)")
     ap.add_argument("--top-p", type=float, default=None,
                     help="every request sampled at temperature 1 with this top-p, seeded (jaxpaged and vLLM)")
+    ap.add_argument("--logprobs", type=int, default=None,
+                    help="every request also returns its tokens' log-probs and this many top ones (jaxpaged and vLLM)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
     if args.penalties and not args.skip_hf:
         ap.error("--penalties needs --skip-hf: transformers' generate has no presence or frequency penalty")
     if args.top_p is not None and not args.skip_hf:
         ap.error("--top-p needs --skip-hf: its HF rows are greedy")
+    if args.logprobs is not None and not args.skip_hf:
+        ap.error("--logprobs needs --skip-hf: its HF rows return no log-probs")
     use_tcmalloc()  # what server.py and the CLI run on (jaxpaged/runtime/tcmalloc.py)
     enable_compilation_cache(default_directory())  # as they do: a rerun's start-up reads its compiled steps
 
