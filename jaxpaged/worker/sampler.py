@@ -327,9 +327,9 @@ def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
 
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
     """Picks one token per row. logits [S, V] float32. Log-probs are the model's (before any processing). native:
-    the argmaxes, penalties, top-k / top-p thresholds, Gumbel draws and top log-probs by the native CPU kernels (the
-    same tokens and log-probs but where a top-p prefix's mass is within rounding of p; for steps whose matmuls run
-    natively).
+    the argmaxes, penalties, top-k / top-p thresholds, Gumbel draws and log-probs by the native CPU kernels, for
+    steps whose matmuls run natively (the same tokens but where a top-p prefix's mass is within rounding of p; the
+    log-probs within ~1e-5, see `logprobs`).
 
     Only the [S] tokens leave the conditionals: a step where no row asks for processing picks from the logits as they
     are, and one where no row wants log-probs computes no log-softmax, without copying the [S, V] block."""
