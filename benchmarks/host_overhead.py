@@ -75,8 +75,8 @@ def run_ours(num_seqs: int, steps: int, async_scheduling: bool, streaming: bool,
     prompt_len = args.penalty_prompt if penalized else args.prompt
     blocks_per_seq = max(12, -(-(prompt_len + steps + 16) // 16))
     llm = LLM.from_params(config, params, None, max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs),
-                          max_model_len=2048, block_size=16, num_blocks=num_seqs * blocks_per_seq + 8, precompile=False,
-                          show_progress=False, dtype="float32", enable_prefix_caching=False,
+                          max_model_len=2048, block_size=16, num_blocks=max(num_seqs * blocks_per_seq, 128) + 8,
+                          precompile=False, show_progress=False, dtype="float32", enable_prefix_caching=False,
                           async_scheduling=async_scheduling)
     engine = llm.engine
     kind = RequestOutputKind.CUMULATIVE if streaming else RequestOutputKind.FINAL_ONLY
