@@ -102,6 +102,15 @@ def lark_chain(n: int) -> str:
     return "start: r0\n" + "\n".join(f"r{i}: r{i + 1} | \"x{i}\"" for i in range(n)) + f'\nr{n}: "a"\n'
 
 
+def as_json_text(schema) -> str:
+    """A schema as JSON text; one nested past Python's recursion limit as text nested as deep (the server parses it
+    without recursion and refuses it as too deep)."""
+    try:
+        return json.dumps(schema)
+    except RecursionError:
+        return deep_text(4000, "{")
+
+
 growing = st.integers(1, 30) | st.integers(30, 600) | st.integers(600, 4000)
 schemas = st.one_of(
     json_values,
@@ -121,7 +130,7 @@ grammars = st.one_of(st.text(max_size=80), st.builds(lark_chain, growing),
                      st.just('start: "abcdefghij" x\nx: /[^\\x00-\\U0010FFFF]/'))
 choices = st.lists(st.text(max_size=12), max_size=300) | json_values
 structured = st.one_of(
-    st.fixed_dictionaries({"guided_json": schemas | st.builds(json.dumps, schemas) | deep_json_text | st.text()}),
+    st.fixed_dictionaries({"guided_json": schemas | st.builds(as_json_text, schemas) | deep_json_text | st.text()}),
     st.fixed_dictionaries({"guided_regex": regexes | json_values}),
     st.fixed_dictionaries({"guided_grammar": grammars | json_values}),
     st.fixed_dictionaries({"guided_choice": choices}),
