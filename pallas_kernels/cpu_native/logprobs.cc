@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 
@@ -35,6 +34,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::OrderKey;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
@@ -42,14 +42,6 @@ namespace {
 
 constexpr int64_t kRowsPerItem = 1;
 constexpr int64_t kMaxK = 64;
-
-// float32 -> uint32 in jax.lax.top_k's total order of floats (the signed integer order of the bits, negatives'
-// magnitudes flipped), shifted to unsigned.
-inline uint32_t TotalOrderKey(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
 
 // The K largest keys of a row in descending order, equal keys by ascending index; `Offer` takes a row's tokens in
 // ascending index order: any key while fewer than K are held, then only keys above keys[K - 1].
@@ -68,24 +60,24 @@ struct TopKeys {
 void RowTopK(const float* x, int64_t v, int64_t k, int32_t* indices) {
   TopKeys top{k, 0, {}, indices};
   int64_t j = 0;
-  for (; j < k; ++j) top.Offer(TotalOrderKey(x[j]), static_cast<int32_t>(j));
+  for (; j < k; ++j) top.Offer(OrderKey(x[j]), static_cast<int32_t>(j));
 #if defined(__AVX512F__)
   const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (; j + 16 <= v; j += 16) {  // 16 keys as TotalOrderKey makes them, compared unsigned with the K-th
+  for (; j + 16 <= v; j += 16) {  // 16 keys as OrderKey makes them, compared unsigned with the K-th
     const __m512i bits = _mm512_loadu_si512(x + j);
     const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, _mm512_setzero_si512());
     const __m512i key = _mm512_mask_xor_epi32(_mm512_or_si512(bits, sign), negative, bits, _mm512_set1_epi32(-1));
     __mmask16 above = _mm512_cmpgt_epu32_mask(key, _mm512_set1_epi32(static_cast<int32_t>(top.keys[k - 1])));
     while (above) {  // in lane order, ascending index; each insertion raises the K-th key
       const int lane = __builtin_ctz(above);
-      const uint32_t lane_key = TotalOrderKey(x[j + lane]);
+      const uint32_t lane_key = OrderKey(x[j + lane]);
       if (lane_key > top.keys[k - 1]) top.Offer(lane_key, static_cast<int32_t>(j + lane));
       above &= above - 1;
     }
   }
 #endif
   for (; j < v; ++j) {
-    const uint32_t key = TotalOrderKey(x[j]);
+    const uint32_t key = OrderKey(x[j]);
     if (key > top.keys[k - 1]) top.Offer(key, static_cast<int32_t>(j));
   }
 }

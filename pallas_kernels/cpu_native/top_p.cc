@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -37,26 +36,14 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::FromOrderKey;
+using jaxpaged_native::OrderKey;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
 namespace {
 
 constexpr int64_t kRowsPerItem = 1;
-
-// float32 -> uint32 in the floats' order (-0 just below +0; NaN outside [-inf, inf]).
-inline uint32_t Key(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
-
-inline float FromKey(uint32_t key) {
-  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-}
 
 float RowMax(const float* x, int64_t v) {
   float m = -std::numeric_limits<float>::infinity();
@@ -123,7 +110,7 @@ float RowThreshold(const float* x, int64_t v, int32_t k, float top_p, float* e, 
     std::fill(bins.count, bins.count + nbins, 0);
     std::fill(bins.mass, bins.mass + nbins, 0.0);
     for (int64_t j = 0; j < v; ++j) {
-      const uint32_t key = Key(x[j]);
+      const uint32_t key = OrderKey(x[j]);
       if ((key & high_mask) != prefix) continue;
       const uint32_t b = (key >> shift) & (nbins - 1);
       bins.count[b] += 1;
@@ -138,13 +125,13 @@ float RowThreshold(const float* x, int64_t v, int32_t k, float top_p, float* e, 
       above_mass = w;
     }
     prefix |= static_cast<uint32_t>(b) << shift;
-    if (level == 2 && b > 0) return FromKey(prefix);  // a key that a token holds
+    if (level == 2 && b > 0) return FromOrderKey(prefix);  // a key that a token holds
   }
   // The last level's bin 0 was taken (the prefix ends at a key with those bits, or every token is kept): the smallest
   // logit at or above t.
   float threshold = std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < v; ++j)
-    if (Key(x[j]) >= prefix) threshold = std::min(threshold, x[j]);
+    if (OrderKey(x[j]) >= prefix) threshold = std::min(threshold, x[j]);
   return threshold;
 }
 

@@ -1,5 +1,6 @@
 // Vectorised float32 math on 16 AVX-512 lanes (only where the compiler targets AVX-512F), scalar bfloat16
-// conversions and the first-maximum order of the argmax kernels (everywhere), shared by the native kernels.
+// conversions, the floats' order-preserving keys and the first-maximum order of the argmax kernels (everywhere),
+// shared by the native kernels.
 #ifndef JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 #define JAXPAGED_CPU_NATIVE_VEC_MATH_H_
 
@@ -26,6 +27,22 @@ inline uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays NaN
   std::memcpy(&bits, &f, 4);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
   return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// float32 -> uint32 whose unsigned order is the floats' total order: the signed integer order of the bits with the
+// negatives' magnitudes flipped (-NaN < -inf < ... < -0 < +0 < ... < +inf < NaN), jax.lax.top_k's order. FromOrderKey
+// inverts it.
+inline uint32_t OrderKey(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+inline float FromOrderKey(uint32_t key) {
+  const uint32_t bits = (key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key;
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
 }
 
 // (value, index) a replaces (value, index) b where it is larger, or equal with a smaller index: jnp.argmax's first
