@@ -13,7 +13,7 @@
 // in float64 (within ~1e-6 of the float64 log-softmax; XLA's float32 sum, jaxpaged.worker.sampler's other path, is
 // within ~1e-5), so the ranking by logit is the ranking by log-prob.
 //
-// Why: XLA CPU's log-softmax and TopK of a 256-row step of SmolLM2's vocabulary took ~60 ms whenever a row asked for
+// Why: XLA CPU's log-softmax and TopK of a 256-row step of SmolLM2's vocabulary took ~52 ms whenever a row asked for
 // log-probs (benchmarks/sampler_draw.py): the [S, V] log-probs written, then sorted. Here a row is two passes and
 // writes nothing of size V: the top K of the logits, 16 keys at a time compared with the K-th key so far (a lane
 // strictly above it is inserted into the K sorted ones; random rows insert ~K ln(V / K) tokens in all), then the sum
