@@ -178,6 +178,8 @@ def test_garbage_numbers_and_roles_are_400_naming_the_field(server, raw, param):
     path = "chat/completions" if b"messages" in raw else "completions"
     status, body = post(f"{server.url}/v1/{path}", raw)
     assert status == 400 and body["error"]["param"] == param, body
+    _, stats = get(f"{server.url}/stats")  # refused before anything was queued: nothing holds a block or a slot
+    assert stats["num_in_flight"] == stats["num_waiting"] == stats["num_running"] == stats["num_used"] == 0, stats
 
 
 def test_a_lone_surrogate_escape_is_named_and_a_surrogate_pair_is_text():
