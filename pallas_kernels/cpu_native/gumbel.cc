@@ -31,6 +31,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
@@ -219,11 +220,9 @@ struct ParallelDraw {
   int64_t rows, v, per_item;
   WorkQueue work;
   void Drain() {
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      for (int64_t r = i * per_item; r < std::min(rows, (i + 1) * per_item); ++r)
-        out[r] = RowDraw(x + r * v, v, keys[2 * r], keys[2 * r + 1]);
-      work.Finish();
-    }
+    DrainRanges(work, rows, per_item, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) out[r] = RowDraw(x + r * v, v, keys[2 * r], keys[2 * r + 1]);
+    });
   }
 };
 

@@ -34,6 +34,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::OrderKey;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
@@ -121,11 +122,10 @@ struct ParallelLogprobs {
   int64_t rows, v, k, per_item;
   WorkQueue work;
   void Drain() {
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      for (int64_t r = i * per_item; r < std::min(rows, (i + 1) * per_item); ++r)
+    DrainRanges(work, rows, per_item, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
         RowLogprobs(logits + r * v, v, k, tokens[r], chosen + r, values + r * k, indices + r * k);
-      work.Finish();
-    }
+    });
   }
 };
 

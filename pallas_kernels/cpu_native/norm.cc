@@ -38,6 +38,7 @@
 
 namespace ffi = xla::ffi;
 using jaxpaged_native::Bf16ToFloat;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::FloatToBf16;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
@@ -183,10 +184,7 @@ struct ParallelAdd {
   int64_t n, per_item;  // elements
   WorkQueue work;
   void Drain() {
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      AddRoundRange(s, delta, out, i * per_item, std::min(n, (i + 1) * per_item));
-      work.Finish();
-    }
+    DrainRanges(work, n, per_item, [&](int64_t lo, int64_t hi) { AddRoundRange(s, delta, out, lo, hi); });
   }
 };
 

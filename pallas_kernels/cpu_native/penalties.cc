@@ -31,6 +31,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::RunUnits;
 using jaxpaged_native::WorkQueue;
 
@@ -88,10 +89,9 @@ struct ParallelPenalties {
   }
 
   void Drain() {
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      for (int64_t r = i * per_item; r < std::min(rows, (i + 1) * per_item); ++r) Row(r);
-      work.Finish();
-    }
+    DrainRanges(work, rows, per_item, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) Row(r);
+    });
   }
 };
 

@@ -28,6 +28,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::Bf16ToFloat;
 using jaxpaged_native::FloatToBf16;
 using jaxpaged_native::RunUnits;
@@ -89,10 +90,7 @@ struct ParallelRope {
   int64_t tokens, per_item;
   WorkQueue work;
   void Drain() {
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      p.Tokens(i * per_item, std::min(tokens, (i + 1) * per_item));
-      work.Finish();
-    }
+    DrainRanges(work, tokens, per_item, [&](int64_t lo, int64_t hi) { p.Tokens(lo, hi); });
   }
 };
 

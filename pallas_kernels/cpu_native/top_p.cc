@@ -36,6 +36,7 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpaged_native::DrainRanges;
 using jaxpaged_native::FromOrderKey;
 using jaxpaged_native::OrderKey;
 using jaxpaged_native::RunUnits;
@@ -148,11 +149,9 @@ struct ParallelThreshold {
     thread_local std::unique_ptr<Bins> bins;
     if (static_cast<int64_t>(e.size()) < v) e.resize(v);
     if (!bins) bins = std::make_unique<Bins>();
-    for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
-      for (int64_t r = i * per_item; r < std::min(rows, (i + 1) * per_item); ++r)
-        out[r] = RowThreshold(logits + r * v, v, k[r], top_p[r], e.data(), *bins);
-      work.Finish();
-    }
+    DrainRanges(work, rows, per_item, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) out[r] = RowThreshold(logits + r * v, v, k[r], top_p[r], e.data(), *bins);
+    });
   }
 };
 

@@ -70,6 +70,16 @@ void RunOnPool(xla::ffi::ThreadPool& pool, const std::shared_ptr<State>& state) 
   work.cv.wait(lock, [&] { return work.done.load() == work.total; });
 }
 
+// Claims items until none is left: range(lo, hi) on each claimed item's units [lo, hi) of `units` (`per_item` units
+// an item, the last one fewer), then finishes the item. A State's Drain() is usually this one call.
+template <typename Range>
+void DrainRanges(WorkQueue& work, int64_t units, int64_t per_item, Range&& range) {
+  for (int64_t i = work.Claim(); i < work.total; i = work.Claim()) {
+    range(i * per_item, std::min(units, (i + 1) * per_item));
+    work.Finish();
+  }
+}
+
 // Items of `per_item` units out of `units` (rows, tokens, elements): all of them as one item, on the caller alone,
 // when there are fewer than `parallel_from` units (a pool's helpers cost more than such small work), else
 // ceil(units / per_item) items shared as RunOnPool shares them. state->Drain() reads state->per_item.
