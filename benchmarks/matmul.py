@@ -9,7 +9,7 @@ kernel reads w[i] in place (`cpu_native.matmul_native`), from the weight as stor
 the kernel's panel layout (`cpu_native.prepack_weight`, what the engine holds on such a CPU). The outputs are
 compared: the matmuls are expected bitwise equal (both accumulate pairs of products with VDPBF16PS); the gated MLP's
 activation is a float32 approximation, so its column is the fraction of equal values. The engine uses the native
-kernel up to `model_runner.NATIVE_MATMUL_ROWS` rows, which this table is there to justify. Median of --runs calls
+kernel up to `step.NATIVE_MATMUL_ROWS` rows, which this table is there to justify. Median of --runs calls
 after one warm-up.
 
     python benchmarks/matmul.py [--rows 16 48 64 128 256 512 1024 2048]   # -> benchmarks/results/matmul.json
@@ -26,7 +26,7 @@ from common import write_json
 from step_anatomy import cpu_name, device_ms
 
 from jaxpaged.models.matmul import matmul
-from jaxpaged.worker.model_runner import NATIVE_MATMUL_ROWS
+from jaxpaged.worker.step import NATIVE_MATMUL_ROWS
 from pallas_kernels.cpu_native import matmul_glu_native, matmul_is_fast, matmul_native, prepack_weight
 
 SHAPES = {"q, o": (576, 576), "k, v": (576, 192), "gate, up": (576, 1536), "down": (1536, 576),
