@@ -45,6 +45,7 @@ from jaxpaged.runtime.tcmalloc import tcmalloc_loaded, use_tcmalloc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import vllm_cpu  # noqa: E402
+from export_hf import hf_directory  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}  # --penalties
@@ -124,18 +125,6 @@ def run_jaxpaged(args, prompts, dtype: str, rss: PeakRSS) -> dict:
             # per model step: the engine's host work (schedule, batch, outputs) and the host's wait for the device
             "host_ms_per_step": 1e3 * (s["host_s"] - before["host_s"]) / steps,
             "device_wait_ms_per_step": 1e3 * (s["device_wait_s"] - before["device_wait_s"]) / steps}
-
-
-def hf_directory(model: str | None) -> str:
-    """A Hugging Face directory holding the weights jaxpaged loads: the model itself, or its export for a GGUF."""
-    from jaxpaged.loader import default_model_path
-
-    path = model or default_model_path()
-    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    import export_hf
-
-    return export_hf.export(path)
 
 
 def run_hf(args, prompts, dtype_name: str, batch_size: int, hf_dir: str, rss: PeakRSS) -> dict:

@@ -88,6 +88,16 @@ def hf_config(config) -> dict:
     return cfg
 
 
+def hf_directory(model: str | None) -> str:
+    """A Hugging Face directory holding the weights jaxpaged loads: the model itself, or its export for a GGUF."""
+    from jaxpaged.loader import default_model_path
+
+    path = model or default_model_path()
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    return export(path)
+
+
 def export(model_path: str | None = None, out_dir: str | None = None, force: bool = False) -> str:
     """Writes the HF directory (skipped when a finished export is there); returns its path."""
     from flax import nnx

