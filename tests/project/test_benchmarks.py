@@ -83,3 +83,15 @@ def test_stopping_the_peer_server_ends_its_whole_process_group(monkeypatch, tmp_
     assert not vllm_cpu.group_alive(proc.pid)
     state = pathlib.Path(f"/proc/{child}/stat")
     assert not state.exists() or state.read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone, or a zombie
+
+
+def test_a_server_that_exits_or_never_answers_at_start_up_is_an_error_not_a_hang(monkeypatch):
+    """common.wait_healthy, which serving.py uses for both servers: the peer's failure becomes its table's note."""
+    common = _benchmark_module("common", monkeypatch)
+    url = f"http://127.0.0.1:{common.free_port()}"
+    with pytest.raises(RuntimeError, match="exited with 3 during start-up"):
+        common.wait_healthy(subprocess.Popen(["bash", "-c", "exit 3"]), url, 10, "the peer")
+    silent = subprocess.Popen(["sleep", "30"])
+    with pytest.raises(RuntimeError, match="did not answer /health within 1 s"):
+        common.wait_healthy(silent, url, 1, "the peer")
+    assert silent.wait(5) != 0  # killed
