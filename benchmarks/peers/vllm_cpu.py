@@ -154,24 +154,22 @@ def start_server(model_dir: str, port: int, dtype: str, server_args: list[str], 
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
-    """SIGTERM to the server's process group; SIGKILL to what is left of it after `timeout` seconds."""
+    """SIGTERM to the server's process group; SIGKILL to what is left of it after `timeout` seconds. Returns once
+    nothing of the group runs."""
     import signal
     import time
 
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        proc.poll()  # reaps the server itself once it exits
-        if not group_alive(proc.pid):  # its engine core may outlive it
-            return
-        time.sleep(0.2)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            proc.poll()  # reaps the server itself once it exits
+            if not group_alive(proc.pid):  # its engine core may outlive it
+                return
+            time.sleep(0.1)
     proc.wait()
 
 
