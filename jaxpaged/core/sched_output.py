@@ -56,6 +56,7 @@ class SchedulerOutput:
     forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)
     prompt_tokens: int = 0  # prompt (and recomputed) tokens among the scheduled ones
     paced: bool = False  # the prompt tokens were bounded because sequences wait to decode (the pacer's steps)
+    num_decodes: int = 0  # a paced step: the sequences waiting for it to decode (its decode rows, on mixed steps)
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.seqs.append(seq)

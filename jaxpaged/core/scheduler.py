@@ -69,54 +69,69 @@ class StepPacer:
     next token by at most (slowdown - 1) decode steps: a mixed step may take `slowdown` decode steps, a prefill step
     between two decode steps (separate steps) slowdown - 1.
 
-    It learns from the step times the engine reports (`observe`): a decode-only step's (the fastest of the last
-    PACER_WINDOW: the step itself, not one slowed by the host's other work, such as new requests arriving, which
-    would raise the budget while no decode-only step comes to correct it) and, from each paced step, its excess time
+    It learns from the step times the engine reports (`observe`). The reference is a decode-only step of as many
+    decode rows as the paced step has (a decode step's time grows with its rows on CPU, once the weights' pass stops
+    hiding them; a row count not seen yet takes the nearest fewer rows', or without any the fewest rows'): the median
+    of the last PACER_WINDOW such steps, a typical step measured as the paced ones are, with the same noise (the
+    host's other work on the same cores). From each paced step the pacer takes its excess time over that reference
     per prompt token, taken as proportional to the step's prompt tokens (their matmul rows and attention; a chunk
-    deeper into a long prompt costs more per token). The estimate is the largest excess per token of the last
-    PACER_WINDOW paced steps, so the bound keeps the slow steps, not the average one, within the delay. The next
-    bound is the tokens that fit the allowed excess, in multiples of `unit` (PREFILL_TILE for separate steps, whose
-    prefill segments take whole tiles; PACED_CHUNK_UNIT for mixed steps, laid out token by token), at least one
-    unit, at most `ceiling`, and at most twice the last bound."""
+    deeper into a long prompt costs more per token), and estimates the upper median of the last PACER_WINDOW: a step's
+    noise adds time to the step, not to each token, and divided by a small chunk's few tokens one slow step in eight
+    would otherwise set the estimate. The next bound is the tokens that fit the allowed excess (slowdown - 1 reference
+    steps), in multiples of `unit` (PREFILL_TILE for separate steps, whose prefill segments take whole tiles;
+    PACED_CHUNK_UNIT for mixed steps, laid out token by token), at least one unit, at most `ceiling`, and at most
+    twice the last bound.
+
+    Not the fastest decode step, nor the largest excess: a typical paced step would then count the noise and rows
+    that every step carries as its prompt tokens' cost, which, divided by a small chunk's tokens, holds chunks at a
+    unit or two, and prompts that keep arriving queue for seconds (docs/benchmarks.md#serving)."""
 
     ceiling: int  # max_prefill_tokens_while_decoding (or the token budget)
     slowdown: float
     mixed_steps: bool
     bound: int = dataclasses.field(init=False)  # the prompt tokens a paced step may carry now; starts at ceiling
-    decode_times: deque = dataclasses.field(init=False)  # seconds of the last decode-only steps
+    # decode rows -> seconds of the last decode-only steps with that many rows
+    decode_times: dict[int, deque] = dataclasses.field(init=False)
     excess_per_token: deque = dataclasses.field(init=False)  # seconds per prompt token of the last paced steps
 
     def __post_init__(self):
         self.bound = self.ceiling
-        self.decode_times = deque(maxlen=PACER_WINDOW)
+        self.decode_times = {}
         self.excess_per_token = deque(maxlen=PACER_WINDOW)
 
     @property
     def unit(self) -> int:
         return PACED_CHUNK_UNIT if self.mixed_steps else PREFILL_TILE
 
-    @property
-    def decode_s(self) -> float | None:
-        """A decode-only step's time: the fastest of the last ones (None before any)."""
-        return min(self.decode_times) if self.decode_times else None
+    def decode_s(self, rows: int) -> float | None:
+        """A decode-only step's time at `rows` decode rows: the median of the last ones with the most rows up to
+        `rows`, else of the fewest rows seen (None before any)."""
+        if not self.decode_times:
+            return None
+        fewer = [n for n in self.decode_times if n <= rows]
+        times = sorted(self.decode_times[max(fewer)] if fewer else self.decode_times[min(self.decode_times)])
+        return times[len(times) // 2]
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         if out.prompt_tokens == 0:
             if out.seqs:
-                self.decode_times.append(seconds)
+                rows = len(out.seqs)
+                if rows not in self.decode_times:
+                    self.decode_times[rows] = deque(maxlen=PACER_WINDOW)
+                self.decode_times[rows].append(seconds)
             return
-        decode_s = self.decode_s
+        decode_s = self.decode_s(out.num_decodes)
         if not out.paced or decode_s is None:
             return
         excess = seconds - decode_s if self.mixed_steps else seconds
         self.excess_per_token.append(max(excess, 0.0) / out.prompt_tokens)
-        per_token = max(self.excess_per_token)
+        per_token = sorted(self.excess_per_token)[len(self.excess_per_token) // 2]  # the upper median
         allowed = (self.slowdown - 1.0) * decode_s
         target = self.ceiling if per_token <= 0 else min(self.ceiling, allowed / per_token)
         target = min(target, 2 * self.bound)
         self.bound = max(self.unit, int(target) // self.unit * self.unit)
-        logger.debug("pacer: %d prompt tokens in %.1f ms (decode step %.1f ms): next bound %d", out.prompt_tokens,
-                     1e3 * seconds, 1e3 * decode_s, self.bound)
+        logger.debug("pacer: %d prompt tokens in %.1f ms (decode step of %d rows %.1f ms): next bound %d",
+                     out.prompt_tokens, 1e3 * seconds, out.num_decodes, 1e3 * decode_s, self.bound)
 
 
 class Scheduler:
@@ -240,10 +255,13 @@ class Scheduler:
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: int) -> None:
         bound = self.pacer.bound if self.pacer is not None else self.config.max_prefill_tokens_while_decoding
-        # (mixed steps: the decodes already in the step were decodable before they were committed)
-        if bound is not None and (out.seqs or any(decodable(s) for s in self.running)):
-            out.paced = True
-            budget = min(budget, bound)
+        if bound is not None:
+            # the sequences whose next token waits for this step: its decodes (mixed steps; they were decodable
+            # before they were committed), else the running ones a decode step would run next
+            out.num_decodes = len(out.seqs) or sum(1 for s in self.running if decodable(s))
+            if out.num_decodes:
+                out.paced = True
+                budget = min(budget, bound)
         # Mixed steps lay a step's tokens out one after another, so a paced chunk may be any number of tokens (the
         # pacer's bound can be below a tile on a slow machine); elsewhere a segment takes whole tiles.
         unit = 1 if self.mixed_steps and out.paced else PREFILL_TILE

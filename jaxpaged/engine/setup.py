@@ -61,7 +61,7 @@ class EngineConfig:
     max_decode_slowdown: float | None = _option(
         None, "while sequences decode, the gap between their tokens when a step also prefills, at most this many "
               "decode steps: the prefill bound follows measured step times (max_prefill_tokens_while_decoding is "
-              "its ceiling). Default: off; server.py's: 1.8, where 0 turns it off")
+              "its ceiling). Default: off; server.py's: 1.7, where 0 turns it off")
     max_model_len: int | None = _option(None, "context length (default: min(the model's, 2048))")
     attention_backend: str = _option("auto", "paged-attention implementation", ATTENTION_BACKENDS)
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron-style, one mesh axis); must "

@@ -184,11 +184,11 @@ def test_bounded_prefill_chunk_must_fit_the_step_budget():
 
 
 def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
-    """StepPacer's arithmetic: with decode steps of 20 ms (the fastest of the last ones, so slow ones do not
-    count) and a slowdown of 2, a mixed step may add 20 ms; the next bound is the tokens that fit at the largest
-    excess per token of the last PACER_WINDOW paced steps, in 4s for mixed steps (16s for separate ones), between
-    one unit and the ceiling, at most twice the last bound. Steps nobody waited for (not paced) and steps before
-    any decode teach it nothing."""
+    """StepPacer's arithmetic: with decode steps of 20 ms (the median of the last ones: one slow or fast step does
+    not move it) and a slowdown of 2, a mixed step may add 20 ms; the next bound is the tokens that fit at the upper
+    median excess per token of the last PACER_WINDOW paced steps (one slow step among them does not shrink it, slow
+    steps in a row do), in 4s for mixed steps (16s for separate ones), between one unit and the ceiling, at most
+    twice the last bound. Steps nobody waited for (not paced) and steps before any decode teach it nothing."""
     decode = SchedulerOutput(is_prefill=False, seqs=["a decode"])
 
     def paced(tokens, paced=True):
@@ -196,22 +196,24 @@ def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
 
     pacer = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=True)
     pacer.observe(paced(128), 0.080)  # no decode step seen yet
-    assert pacer.bound == 128 and pacer.decode_s is None
-    for seconds in (0.030, 0.020, 0.025, 0.100):  # slower decode steps among them
+    assert pacer.bound == 128 and pacer.decode_s(1) is None
+    for seconds in (0.019, 0.020, 0.005, 0.100, 0.021):  # a fast and a slow one among them
         pacer.observe(decode, seconds)
-    assert pacer.decode_s == 0.020
+    assert pacer.decode_s(1) == 0.020
     pacer.observe(paced(128), 0.080)  # 60 ms over a decode step for 128 tokens: 20 ms fit 42 -> 40
     assert pacer.bound == 40
-    pacer.observe(paced(40), 0.025)  # 5 ms for 40 tokens, but the slow step is among the last ones: still 40
+    pacer.observe(paced(40), 0.025)  # 5 ms for 40 tokens, but the slow step is the upper median of two: still 40
     assert pacer.bound == 40
-    for _ in range(PACER_WINDOW - 2):
-        pacer.observe(paced(40), 0.025)
-    assert pacer.bound == 40  # the slow step is the oldest of the window
-    pacer.observe(paced(40), 0.025)  # gone: 160 would fit, growth is at most 2x
+    pacer.observe(paced(40), 0.025)  # the fast steps are the most now: 160 would fit, growth is at most 2x
     assert pacer.bound == 80
     pacer.observe(paced(64, paced=False), 1.0)  # a prompt alone (nothing decoding): not a paced step
     assert pacer.bound == 80
-    pacer.observe(paced(80), 0.500)  # far over: one unit, the least a step can prefill
+    for _ in range(PACER_WINDOW - 3):
+        pacer.observe(paced(80), 0.030)  # 10 ms for 80 tokens: 160 fit
+    pacer.observe(paced(4), 0.040)  # one slow step (20 ms for 4 tokens): noise, not the tokens' cost
+    assert pacer.bound == 128
+    for _ in range(PACER_WINDOW // 2):
+        pacer.observe(paced(80), 0.500)  # far over, step after step: one unit, the least a step can prefill
     assert pacer.bound == PACED_CHUNK_UNIT
 
     separate = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=False)
@@ -220,6 +222,31 @@ def test_the_pacer_fits_a_steps_prompt_tokens_to_the_delay_it_may_add():
     assert separate.bound == 64
     separate.observe(paced(64), 0.500)  # far over: one tile
     assert separate.bound == 16
+
+
+def test_the_pacer_measures_a_paced_step_against_a_decode_step_of_as_many_rows():
+    """A decode step's time grows with its rows: a paced step of 8 decodes and 32 prompt tokens taking 30 ms is 10
+    ms over the 8-row decode step (20 ms), not 25 ms over a 2-row one (5 ms), so at slowdown 2 the next bound is 20
+    ms at 10/32 ms a token: 64 (the 2-row step would give 0.8 ms a token and 5 ms allowed: 4). A row count not seen
+    takes the nearest fewer rows' time; with none fewer, the fewest rows'. Each is the median of its last steps."""
+    def decode(rows):
+        return SchedulerOutput(is_prefill=False, seqs=["a decode"] * rows)
+
+    def paced(tokens, rows):
+        return SchedulerOutput(is_prefill=True, seqs=["a decode"] * rows + ["a chunk"], prompt_tokens=tokens,
+                               paced=True, num_decodes=rows)
+
+    pacer = StepPacer(ceiling=128, slowdown=2.0, mixed_steps=True)
+    pacer.observe(decode(2), 0.005)
+    for seconds in (0.019, 0.020, 0.030):
+        pacer.observe(decode(8), seconds)
+    assert (pacer.decode_s(2), pacer.decode_s(8)) == (0.005, 0.020)
+    assert (pacer.decode_s(5), pacer.decode_s(12), pacer.decode_s(1)) == (0.005, 0.020, 0.005)
+    pacer.observe(paced(32, rows=8), 0.030)
+    assert pacer.bound == 64
+    pacer.observe(paced(64, rows=2), 0.045)  # 40 ms over the 2-row step for 64 tokens (0.62 ms a token)
+    pacer.observe(paced(64, rows=2), 0.045)  # the upper median of three: 5 ms fit 8
+    assert pacer.bound == 8
 
 
 @pytest.mark.parametrize("per_token_s", [0.0005, 0.0001, 0.002])
