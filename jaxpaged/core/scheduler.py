@@ -92,11 +92,12 @@ class StepPacer:
     bound: int = dataclasses.field(init=False)  # the prompt tokens a paced step may carry now; starts at ceiling
     # decode rows -> seconds of the last decode-only steps with that many rows
     decode_times: dict[int, deque] = dataclasses.field(init=False)
+    rows_seen: list[int] = dataclasses.field(init=False)  # decode_times' keys, sorted
     excess_per_token: deque = dataclasses.field(init=False)  # seconds per prompt token of the last paced steps
 
     def __post_init__(self):
         self.bound = self.ceiling
-        self.decode_times = {}
+        self.decode_times, self.rows_seen = {}, []
         self.excess_per_token = deque(maxlen=PACER_WINDOW)
 
     @property
@@ -106,10 +107,10 @@ class StepPacer:
     def decode_s(self, rows: int) -> float | None:
         """A decode-only step's time at `rows` decode rows: the median of the last ones with the most rows up to
         `rows`, else of the fewest rows seen (None before any)."""
-        if not self.decode_times:
+        if not self.rows_seen:
             return None
-        fewer = [n for n in self.decode_times if n <= rows]
-        times = sorted(self.decode_times[max(fewer)] if fewer else self.decode_times[min(self.decode_times)])
+        i = bisect.bisect_right(self.rows_seen, rows)
+        times = sorted(self.decode_times[self.rows_seen[max(i - 1, 0)]])
         return times[len(times) // 2]
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
@@ -118,6 +119,7 @@ class StepPacer:
                 rows = len(out.seqs)
                 if rows not in self.decode_times:
                     self.decode_times[rows] = deque(maxlen=PACER_WINDOW)
+                    bisect.insort(self.rows_seen, rows)
                 self.decode_times[rows].append(seconds)
             return
         decode_s = self.decode_s(out.num_decodes)
@@ -257,8 +259,12 @@ class Scheduler:
         bound = self.pacer.bound if self.pacer is not None else self.config.max_prefill_tokens_while_decoding
         if bound is not None:
             # the sequences whose next token waits for this step: its decodes (mixed steps; they were decodable
-            # before they were committed), else the running ones a decode step would run next
-            out.num_decodes = len(out.seqs) or sum(1 for s in self.running if decodable(s))
+            # before they were committed), else the rows of the decode step that comes next (separate steps; the
+            # running set, near enough, and counted without a pass over it)
+            if out.seqs:
+                out.num_decodes = len(out.seqs)
+            elif any(decodable(s) for s in self.running):
+                out.num_decodes = len(self.running)
             if out.num_decodes:
                 out.paced = True
                 budget = min(budget, bound)
