@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import statistics
 from collections import deque
 
 from jaxpaged.config import CacheConfig, SchedulerConfig
@@ -110,8 +111,7 @@ class StepPacer:
         if not self.rows_seen:
             return None
         i = bisect.bisect_right(self.rows_seen, rows)
-        times = sorted(self.decode_times[self.rows_seen[max(i - 1, 0)]])
-        return times[len(times) // 2]
+        return statistics.median_high(self.decode_times[self.rows_seen[max(i - 1, 0)]])
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
         if out.prompt_tokens == 0:
@@ -127,7 +127,7 @@ class StepPacer:
             return
         excess = seconds - decode_s if self.mixed_steps else seconds
         self.excess_per_token.append(max(excess, 0.0) / out.prompt_tokens)
-        per_token = sorted(self.excess_per_token)[len(self.excess_per_token) // 2]  # the upper median
+        per_token = statistics.median_high(self.excess_per_token)
         allowed = (self.slowdown - 1.0) * decode_s
         target = self.ceiling if per_token <= 0 else min(self.ceiling, allowed / per_token)
         target = min(target, 2 * self.bound)
