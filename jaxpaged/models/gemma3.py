@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models import norm
 from jaxpaged.models.contract import layer_loop
 from jaxpaged.models.llama import lm_head, rope_inv_freq
 from jaxpaged.models.matmul import ACTIVATIONS, head_matmul, layer_glu, layer_matmul, matmul
@@ -44,12 +45,9 @@ NO_WINDOW = 0  # in the per-layer window table: the layer attends to its whole c
 
 def rms_norm(x: jax.Array, weight: jax.Array, config: ModelConfig) -> jax.Array:
     """RMSNorm over the last axis. Gemma (rms_norm_unit_offset) scales by (1 + weight) in float32 and casts after;
-    Llama casts first and scales by weight, as each family's HF code does (it matters in 16-bit dtypes)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + config.rms_norm_eps)
-    if config.rms_norm_unit_offset:
-        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * xf.astype(x.dtype)
+    Llama casts first and scales by weight, as each family's HF code does (it matters in 16-bit dtypes). Natively in
+    a native step (`jaxpaged.models.norm.rms_norm`)."""
+    return norm.rms_norm(x, weight, config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset)
 
 
 def layer_rope_tables(config: ModelConfig) -> np.ndarray:

@@ -2,16 +2,20 @@
 matmuls are).
 
     x = rms_norm(x, weight, eps)                          # Hugging Face's: normalise in float32, cast back, scale
+    x = rms_norm(x, weight, eps, unit_offset=True)        # Gemma's: scale by (1 + weight) in float32, then cast
     x = layer_rms_norm(h, w, layer, eps)                  # rms_norm(h, w[layer]) of a stacked w [L, H]
     s, x = layer_add_rms_norm(h, delta, w, layer, eps)    # s = h + delta; x = rms_norm(s, w[layer])
     h = residual_add(s, delta)                            # s + delta, in delta's dtype
 
-The last three are pure JAX (s in h's dtype), unless the step is traced inside `native_matmul` with a bfloat16
-model (jaxpaged/models/matmul.py): then they are norm.cc's calls (`cpu_native.rms_norm_native`, `add_round_native`),
-and s is float32. Their numbers are those of the step XLA compiles from the pure-JAX layer, which keeps the sum
-h + delta in float32 for the norm after it and rounds it to bfloat16 before the next residual add; only the float32
-summation order of the norm's mean differs. XLA CPU runs each norm as four to six small fusions (benchmarks/
-step_anatomy.py's per-operation profile); natively a decode layer's norm is one call over a few rows.
+Each is pure JAX (s in h's dtype), unless the step is traced inside `native_matmul` with a bfloat16 model
+(jaxpaged/models/matmul.py): then they are norm.cc's calls (`cpu_native.rms_norm_native`, `add_round_native`), and s
+is float32. Their numbers are those of the step XLA compiles from the pure-JAX layer, which keeps the sum h + delta in
+float32 for the norm after it and rounds it to bfloat16 before the next residual add; only the float32 summation
+order of the norm's mean differs. Every norm of a native step runs natively, the LM head's and the heads' q/k norms
+too: XLA's fused norm sums a row's squares in an order that depends on how many rows the step has, so a row's bits
+(and, rarely, a close greedy choice) would depend on the batch it ran in. XLA CPU also runs each norm as four to six
+small fusions (benchmarks/step_anatomy.py's per-operation profile); natively a decode layer's norm is one call over a
+few rows.
 """
 
 from __future__ import annotations
@@ -22,11 +26,20 @@ import jax.numpy as jnp
 from jaxpaged.models.matmul import uses_native
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """x [..., H] normalised over its last axis, as Hugging Face does: in float32, cast back, then scaled by
-    weight [H]."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """x [T, ..., H] normalised over its last axis, as Hugging Face does: in float32, cast back, then scaled by
+    weight [H] (Llama's); unit_offset: scaled by (1 + weight) in float32, then cast back (Gemma's). Natively inside a
+    native step, each of its rows [.., H] summed the same way whatever the step."""
+    rows = x.reshape(x.shape[0], -1) if x.ndim > 1 else x
+    if x.ndim > 1 and weight.ndim == 1 and uses_native(rows, weight, "norm"):
+        from pallas_kernels.cpu_native import rms_norm_native
+
+        out = rms_norm_native(x.reshape(-1, x.shape[-1]), weight, 0, eps, unit_offset=unit_offset)[1]
+        return out.reshape(x.shape)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 

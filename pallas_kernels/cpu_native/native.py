@@ -241,11 +241,12 @@ def matmul_glu_native(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, layer: j
 
 
 def rms_norm_native(x: jax.Array, weight: jax.Array, layer: jax.Array | int, eps: float,
-                    delta: jax.Array | None = None) -> tuple[jax.Array | None, jax.Array]:
+                    delta: jax.Array | None = None, unit_offset: bool = False) -> tuple[jax.Array | None, jax.Array]:
     """RMSNorm of a bfloat16 residual stream by norm.cc: x [T, H] (plus delta [T, H] first, if given), weight the
     stacked [L, H] read at `layer` (or one [H]). Returns (s, out): s = x + delta in float32, unrounded (None
-    without a delta), and out = weight * bf16(s * rsqrt(mean(s^2) + eps)) [T, H] bfloat16, the numbers of XLA's
-    fused step for the models' pure-JAX norm up to the float32 summation order of the mean."""
+    without a delta), and out = weight * bf16(s * rsqrt(mean(s^2) + eps)) [T, H] bfloat16 (unit_offset, Gemma's:
+    bf16(s * rsqrt(...) * (1 + weight)) in float32), the numbers of XLA's fused step for the models' pure-JAX norm
+    up to the float32 summation order of the mean."""
     weight = weight[None] if weight.ndim == 1 else weight
     if x.ndim != 2 or weight.ndim != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"x must be [T, H] and weight [L, H] or [H], got {x.shape} and {weight.shape}")
@@ -258,7 +259,7 @@ def rms_norm_native(x: jax.Array, weight: jax.Array, layer: jax.Array | int, eps
     call = _ffi_call("JaxpagedRmsNorm", (jax.ShapeDtypeStruct(sum_shape, jnp.float32),
                                           jax.ShapeDtypeStruct(x.shape, jnp.bfloat16)))
     s, out = call(x, jnp.zeros((0,), x.dtype) if delta is None else delta, weight, _int32("layer", layer, 0),
-                  eps=np.float32(eps))
+                  eps=np.float32(eps), unit_offset=np.int64(bool(unit_offset)))
     return (s if delta is not None else None), out
 
 

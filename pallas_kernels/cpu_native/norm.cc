@@ -1,11 +1,12 @@
 // Native CPU RMSNorm and residual adds of a bfloat16 model, XLA FFI custom calls (built and registered by native.py).
 //
 //   JaxpagedRmsNorm: out = w * bf16(s * rsqrt(mean(s * s) + eps)) per row, s = f32(x) + f32(delta)
-//     x      [T, H]      bfloat16   the residual stream
+//     x      [T, H]      bfloat16   the residual stream (or any rows to normalize: a head's q or k per row)
 //     delta  [T, H] or [0]  bfloat16   what is added to it first (a layer's attention output); [0]: nothing
 //     weight [L, H]      bfloat16   the stacked norm weights, read at `layer` (clipped to [0, L))
 //     layer  [] int32
 //     eps    attribute (f32)
+//     unit_offset attribute (i64)   1: Gemma's norm, out = bf16((s * r) * (1 + f32(w))), all in float32
 //     sum    [T, H] or [0]  float32    s, unrounded (only with a delta)
 //     out    [T, H]      bfloat16   rounded as the XLA step rounds: s * r to bfloat16, then its product with w
 //   JaxpagedAddRound: out = bf16(bf16(s) + f32(delta)), s [T, H] float32, delta [T, H] bfloat16 (the layer's last
@@ -62,6 +63,7 @@ struct Problem {
   const uint16_t* delta;  // nullptr: none
   const uint16_t* w;      // the layer's [H]
   float eps;
+  bool unit_offset;       // Gemma's (1 + w), in float32, one rounding at the end
   float* sum;             // nullptr: not asked for
   uint16_t* out;
   int64_t rows, h;
@@ -99,17 +101,22 @@ float SumRow(const uint16_t* x, const uint16_t* d, float* s, int64_t H) {
   return total;
 }
 
-// o = bf16(w * bf16(s * scale)) over one row.
-void ScaleRow(const float* s, const uint16_t* w, float scale, uint16_t* o, int64_t H) {
+// o = bf16(w * bf16(s * scale)) over one row; with unit_offset o = bf16((s * scale) * (1 + w)).
+void ScaleRow(const float* s, const uint16_t* w, float scale, bool unit_offset, uint16_t* o, int64_t H) {
   int64_t j = 0;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
   for (; j + 16 <= H; j += 16) {
-    const __m512 y = Widen16(Round16(_mm512_mul_ps(_mm512_loadu_ps(s + j), sc)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), Round16(_mm512_mul_ps(Load16(w + j), y)));
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc);
+    const __m512 v = unit_offset ? _mm512_mul_ps(y, _mm512_add_ps(one, Load16(w + j)))
+                                 : _mm512_mul_ps(Load16(w + j), Widen16(Round16(y)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j), Round16(v));
   }
 #endif
-  for (; j < H; ++j) o[j] = FloatToBf16(Bf16ToFloat(w[j]) * Bf16ToFloat(FloatToBf16(s[j] * scale)));
+  for (; j < H; ++j) {
+    const float y = s[j] * scale;
+    o[j] = FloatToBf16(unit_offset ? y * (1.0f + Bf16ToFloat(w[j])) : Bf16ToFloat(w[j]) * Bf16ToFloat(FloatToBf16(y)));
+  }
 }
 
 // Rows [r0, r1); s goes to the sum output's row, or to `scratch` [H].
@@ -118,7 +125,7 @@ void NormRows(const Problem& p, int64_t r0, int64_t r1, float* scratch) {
   for (int64_t r = r0; r < r1; ++r) {
     float* s = p.sum ? p.sum + r * H : scratch;
     const float total = SumRow(p.x + r * H, p.delta ? p.delta + r * H : nullptr, s, H);
-    ScaleRow(s, p.w, 1.0f / std::sqrt(total / static_cast<float>(H) + p.eps), p.out + r * H, H);
+    ScaleRow(s, p.w, 1.0f / std::sqrt(total / static_cast<float>(H) + p.eps), p.unit_offset, p.out + r * H, H);
   }
 }
 
@@ -138,7 +145,7 @@ struct ParallelNorm {
 };
 
 ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer delta, ffi::AnyBuffer weight,
-                       ffi::Buffer<ffi::S32> layer, float eps, ffi::Result<ffi::AnyBuffer> sum,
+                       ffi::Buffer<ffi::S32> layer, float eps, int64_t unit_offset, ffi::Result<ffi::AnyBuffer> sum,
                        ffi::Result<ffi::AnyBuffer> out) {
   auto fail = [](const std::string& what) { return ffi::Error::InvalidArgument("rms_norm: " + what); };
   const auto xd = x.dimensions(), wd = weight.dimensions();
@@ -158,6 +165,7 @@ ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer de
   p.delta = has_delta ? static_cast<const uint16_t*>(delta.untyped_data()) : nullptr;
   p.w = static_cast<const uint16_t*>(weight.untyped_data()) + std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1) * H;
   p.eps = eps;
+  p.unit_offset = unit_offset != 0;
   p.sum = has_delta ? static_cast<float*>(sum->untyped_data()) : nullptr;
   p.out = static_cast<uint16_t*>(out->untyped_data());
   p.rows = T, p.h = H;
@@ -214,6 +222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedRmsNorm, RmsNormImpl,
                                   .Arg<ffi::AnyBuffer>()         // weight
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
                                   .Attr<float>("eps")
+                                  .Attr<int64_t>("unit_offset")
                                   .Ret<ffi::AnyBuffer>()         // sum
                                   .Ret<ffi::AnyBuffer>());       // out
 

@@ -103,3 +103,39 @@ def test_a_request_alone_and_among_70_others(dtype):
     else:
         assert [t[0][0] for t in together] == [a[0][0] for a in alone]
     assert llm.stats()["num_used"] == 0
+
+
+
+def test_the_lm_heads_rows_keep_their_bits_whatever_the_other_rows():
+    """The LM head's final norm too: at SmolLM2's width, with a few residual dimensions far larger than the rest (as
+    real models have), XLA's fused norm sums a row's squares in an order that depends on the step's row count, so a
+    row's logits could change in their last bits beside others (the fuzzing that found it: a greedy request's
+    log-probs alone and among 4 others, at one step of 60). Natively every row sums the same way. The engine's own
+    model (head prepacked), its logits for 512 such rows, 16 at a time against one at a time."""
+    if not native.matmul_is_fast():
+        pytest.skip("bfloat16 matmuls are not native on this CPU: its steps are not bitwise batch invariant")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxpaged.models.matmul import native_matmul
+
+    config = tiny_config(hidden=576, heads=9, kv_heads=3, head_dim=64, layers=1, vocab_size=2048)
+    llm = LLM.from_params(config, random_params(config, seed=8), None, dtype="bfloat16", max_model_len=64,
+                          num_blocks=16, precompile=False, show_progress=False)
+    runner = llm.engine.runner
+    model = nnx.merge(runner.graphdef, runner.params)
+
+    @jax.jit
+    def logits(h):
+        with native_matmul(16, live_rows=(h.shape[0], jnp.int32(h.shape[0]))):
+            return model.logits(h)
+
+    rng = np.random.default_rng(9)
+    h = rng.standard_normal((512, 576)) * 15
+    h[:, :3] *= 30  # outlier dimensions
+    h = jnp.asarray(h, jnp.bfloat16)
+    one = np.concatenate([np.asarray(logits(h[i:i + 1])) for i in range(512)])
+    sixteen = np.concatenate([np.asarray(logits(h[i:i + 16])) for i in range(0, 512, 16)])
+    assert (one == sixteen).all(axis=1).sum() == 512

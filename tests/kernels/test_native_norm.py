@@ -143,3 +143,32 @@ def test_rope_bad_arguments_name_the_field():
         cpu_native.rope_native(q, k, jnp.ones((2, 1, 3)), jnp.ones((2, 1, 4)))
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_native.rope_native(q.astype(jnp.float32), k, jnp.ones((2, 1, 4)), jnp.ones((2, 1, 4)))
+
+
+def outlier_rows(rng, *shape):
+    """bfloat16 rows with three dimensions far larger than the rest, as real residual streams have."""
+    x = rng.standard_normal(shape) * 15
+    x[..., :3] *= 30
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(512, 576), (256, 4, 64)], ids=["rows", "heads"])
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_in_a_native_step_is_native_and_its_rows_keep_their_bits(shape, unit_offset):
+    """`rms_norm` (the LM head's norm, a head's q/k norm, all of Gemma's) inside `native_matmul`: norm.cc's numbers
+    (Gemma's (1 + weight) in float32 too), and a row's bits the same alone as beside 15 others, which XLA's fused
+    norm does not always keep at this width for rows like these (it sums in another order for other row counts)."""
+    rng = np.random.default_rng(3)
+    x, w = outlier_rows(rng, *shape), bf16(rng, shape[-1], scale=0.1, offset=0.0 if unit_offset else 1.0)
+
+    def norm(x):
+        with native_matmul(16):
+            return rms_norm(x, w, 1e-6, unit_offset=unit_offset)
+
+    assert "jaxpaged_rms_norm" in jax.jit(norm).lower(x[:16]).as_text()
+    native = jax.jit(norm)
+    one = np.concatenate([np.asarray(native(x[i:i + 1]), np.float32) for i in range(shape[0])])
+    sixteen = np.concatenate([np.asarray(native(x[i:i + 16]), np.float32) for i in range(0, shape[0], 16)])
+    np.testing.assert_array_equal(one, sixteen)
+    xla = np.asarray(jax.jit(lambda x: rms_norm(x, w, 1e-6, unit_offset=unit_offset))(x), np.float32)
+    assert_close_bf16(sixteen, xla, max_fraction_off=1e-3)
