@@ -7,9 +7,14 @@ matmuls run natively; float32 keeps its tokens (XLA's CPU matmuls sum in another
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.matmul import native_matmul
 from pallas_kernels.cpu_native import native
 from tests.tiny import random_params, random_prompts, tiny_config
 
@@ -105,22 +110,15 @@ def test_a_request_alone_and_among_70_others(dtype):
     assert llm.stats()["num_used"] == 0
 
 
-
 def test_the_lm_heads_rows_keep_their_bits_whatever_the_other_rows():
     """The LM head's final norm too: at SmolLM2's width, with a few residual dimensions far larger than the rest (as
     real models have), XLA's fused norm sums a row's squares in an order that depends on the step's row count, so a
     row's logits could change in their last bits beside others (the fuzzing that found it: a greedy request's
-    log-probs alone and among 4 others, at one step of 60). Natively every row sums the same way. The engine's own
-    model (head prepacked), its logits for 512 such rows, 16 at a time against one at a time."""
+    log-probs alone and among 4 others, at one step of 60: benchmarks/batch_invariance.py). Natively every row sums
+    the same way. The engine's own model (head prepacked), its logits for 512 such rows, 16 at a time against one at
+    a time."""
     if not native.matmul_is_fast():
         pytest.skip("bfloat16 matmuls are not native on this CPU: its steps are not bitwise batch invariant")
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from jaxpaged.models.matmul import native_matmul
-
     config = tiny_config(hidden=576, heads=9, kv_heads=3, head_dim=64, layers=1, vocab_size=2048)
     llm = LLM.from_params(config, random_params(config, seed=8), None, dtype="bfloat16", max_model_len=64,
                           num_blocks=16, precompile=False, show_progress=False)
@@ -138,4 +136,4 @@ def test_the_lm_heads_rows_keep_their_bits_whatever_the_other_rows():
     h = jnp.asarray(h, jnp.bfloat16)
     one = np.concatenate([np.asarray(logits(h[i:i + 1])) for i in range(512)])
     sixteen = np.concatenate([np.asarray(logits(h[i:i + 16])) for i in range(0, 512, 16)])
-    assert (one == sixteen).all(axis=1).sum() == 512
+    np.testing.assert_array_equal(one, sixteen)
