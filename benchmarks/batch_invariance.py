@@ -1,10 +1,11 @@
 """Does a request get the same output whatever else runs beside it? A differential check of the engine on a real
 model: a seeded mix of requests (greedy and sampled, log-probs, stop strings, penalties, n > 1, min_tokens, JSON
 schema, logit bias, bad words, min_p, prompts sharing a prefix) generated together under pressure (a small pool
-that preempts, chunked prompts, paced steps, speculation, fp8 K/V, quantized weights), and each request again alone;
-then the whole mix under pairs of settings that must not change any output (asynchronous scheduling on and off,
-speculation on and off, swap against recompute). Every output is compared exactly: tokens, text, finish reason,
-log-probs (to 5 decimals).
+that preempts, chunked prompts, paced steps, speculation by n-grams or a self-draft, fp8 K/V, quantized weights), and
+each request again alone; then the whole mix under pairs of settings that must not change any output (asynchronous
+scheduling on and off, speculation on and off (n-grams, a separate draft model), swap against recompute). Every
+output is compared exactly: tokens, text, finish reason, log-probs (to 5 decimals). The table's preemptions and
+accepted proposals are the run's together (of an A / B pair, B's).
 
 On a CPU whose bfloat16 matmuls run natively (AVX512_BF16) every row of a step sums the same way whatever the batch
 (docs/python_api.md, batch invariance), so every count below should be 0; elsewhere (float32, XLA's matmuls) the
@@ -27,6 +28,7 @@ import time
 from common import cpu_name, print_table, write_json
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.loader import default_model_path
 from jaxpaged.sampling_params import StructuredOutputsParams
 
 WORDS = ("the of pages block cache model token batch queue device host step river stone light paper one two "
@@ -42,20 +44,34 @@ ALONE = {
     "paced": {"num_blocks": 48, "max_num_seqs": 12, "max_num_batched_tokens": 128, "max_decode_slowdown": 1.5},
     "ngram": {"num_blocks": 48, "max_num_seqs": 12,
               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    "self-draft": {"num_blocks": 48, "max_num_seqs": 8,
+                   "speculative_config": {"draft_num_layers": 8, "num_speculative_tokens": 3}},
     "fp8": {"num_blocks": 60, "max_num_seqs": 8, "kv_cache_dtype": "fp8"},
     "gguf": {"num_blocks": 120, "max_num_seqs": 8, "quantization": "gguf"},
     "int8": {"num_blocks": 120, "max_num_seqs": 8, "quantization": "int8"},
 }
-# the whole mix under setting A against setting B
-PAIRS = {
-    "async/sync": ({"num_blocks": 60, "max_num_seqs": 8, "max_num_batched_tokens": 256},
-                   {"num_blocks": 60, "max_num_seqs": 8, "max_num_batched_tokens": 256, "async_scheduling": False}),
-    "plain/ngram": ({"num_blocks": 400, "max_num_seqs": 8},
-                    {"num_blocks": 400, "max_num_seqs": 8,
-                     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
-    "roomy/swap": ({"num_blocks": 400, "max_num_seqs": 8},
-                   {"num_blocks": 40, "max_num_seqs": 8, "preemption_mode": "swap", "swap_space": 0.2}),
-}
+
+
+def pairs(model_path: str) -> dict[str, tuple[dict, dict]]:
+    """The whole mix under setting A against setting B; the separate draft is the model itself (its GGUF blocks
+    kept, for a GGUF file)."""
+    draft = {"model": model_path, "num_speculative_tokens": 3,
+             "quantization": "gguf" if model_path.endswith(".gguf") else None}
+    return {
+        "async/sync": ({"num_blocks": 60, "max_num_seqs": 8, "max_num_batched_tokens": 256},
+                       {"num_blocks": 60, "max_num_seqs": 8, "max_num_batched_tokens": 256,
+                        "async_scheduling": False}),
+        "plain/ngram": ({"num_blocks": 400, "max_num_seqs": 8},
+                        {"num_blocks": 400, "max_num_seqs": 8,
+                         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}),
+        "plain/draft": ({"num_blocks": 400, "max_num_seqs": 8},
+                        {"num_blocks": 60, "max_num_seqs": 8, "speculative_config": draft}),
+        "roomy/swap": ({"num_blocks": 400, "max_num_seqs": 8},
+                       {"num_blocks": 40, "max_num_seqs": 8, "preemption_mode": "swap", "swap_space": 0.2}),
+    }
+
+
+PAIRS = list(pairs(""))
 
 
 def request_mix(seed: int, n: int) -> list[tuple[str, SamplingParams]]:
@@ -141,12 +157,13 @@ def main() -> None:
                                                   "batch_invariance.json"))
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}", flush=True)
+    both = pairs(args.model or default_model_path())
     rows = []
     for seed in args.seeds:
         mix = request_mix(seed, args.requests)
         for name in args.configs:
             row = (alone_vs_together(args.model, name, ALONE[name], mix) if name in ALONE
-                   else pair(args.model, name, *PAIRS[name], mix))
+                   else pair(args.model, name, *both[name], mix))
             rows.append({"seed": seed, **row})
             print(f"seed {seed} {name}: {row['differ']} of {row['requests']} differ {row['differing']}", flush=True)
     print()
