@@ -30,8 +30,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, unit_offset: bool = Fa
     """x [T, ..., H] normalised over its last axis, as Hugging Face does: in float32, cast back, then scaled by
     weight [H] (Llama's); unit_offset: scaled by (1 + weight) in float32, then cast back (Gemma's). Natively inside a
     native step, each of its rows [.., H] summed the same way whatever the step."""
-    rows = x.reshape(x.shape[0], -1) if x.ndim > 1 else x
-    if x.ndim > 1 and weight.ndim == 1 and uses_native(rows, weight, "norm"):
+    if x.ndim > 1 and weight.ndim == 1 and uses_native(x.reshape(x.shape[0], -1), weight, "norm"):
         from pallas_kernels.cpu_native import rms_norm_native
 
         out = rms_norm_native(x.reshape(-1, x.shape[-1]), weight, 0, eps, unit_offset=unit_offset)[1]
