@@ -36,8 +36,15 @@ MAX_MASK_CPU_S = 0.05
 
 
 def short_error(text: str) -> str:
-    """llguidance's message without the grammar excerpt, state dump or caret lines that may follow its first line."""
-    first = next((line.strip() for line in str(text).splitlines() if line.strip()), "unknown error")
+    """llguidance's message without the grammar excerpt, state dump or caret lines that may follow its first line.
+
+    A regex's error is the exception: its first line ends "regex parse error:" and the reason comes after the pattern
+    and a caret line, as "error: unclosed group"; that reason is kept."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    first = lines[0] if lines else "unknown error"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if first.endswith(":") and reason:
+        first = f"{first} {reason.removeprefix('error:').strip()}"
     return first[:MAX_ERROR_CHARS]
 
 

@@ -124,6 +124,18 @@ def test_invalid_specs_are_value_errors_naming_the_field(spec, field):
     assert str(e.value).startswith(field)
 
 
+@pytest.mark.parametrize("spec, reason", [
+    ({"regex": "(ab"}, "unclosed group"),
+    ({"regex": "a{5,2}"}, "the start must be <= the end"),
+    ({"json": {"type": "string", "pattern": "(("}}, "unclosed group"),
+])
+def test_a_bad_regex_error_says_why_on_one_line(spec, reason):
+    """The regex library's reason follows the pattern and a caret line; it is kept, the caret lines are not."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    assert reason in str(e.value) and "\n" not in str(e.value)
+
+
 # ---- penalties, logit_bias, bad_words ----------------------------------------------------------------------------
 
 def _native_penalties() -> bool:
