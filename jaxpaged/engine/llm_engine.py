@@ -31,17 +31,17 @@ from jaxpaged.core.pool_view import MAX_CELLS, pool_view
 from jaxpaged.core.request import Request, Sequence, SequenceStatus
 from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import Scheduler
-from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
+from jaxpaged.engine.beam_search import BeamSearchParams
+from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.setup import EngineConfig, build_runner
 from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import EngineOutput, SeqDelta
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode import ngram
 from jaxpaged.spec_decode.gate import SpeculationGate
 from jaxpaged.worker.kv_quant import kv_stats
 from jaxpaged.worker.model_runner import StepHandle, StepResult
-from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,6 @@ class Engine:
         config = config or EngineConfig()
         self.config = config
         self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
-        self.tokenizer = tokenizer
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -120,9 +119,13 @@ class Engine:
         self._async_unless_speculating = config.async_scheduling and self.spec is not None
         self.requests: dict[str, Request] = {}
         self.grammars = GrammarCache(tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        self.inputs = InputProcessor(tokenizer, self.model_config.vocab_size, self.eos_token_ids, self.max_model_len,
+                                     self.scheduler_config.max_num_seqs, self.grammars,
+                                     num_blocks=self.block_manager.num_blocks,
+                                     block_size=self.cache_config.block_size, spec=self.spec,
+                                     drafts=self.runner.drafts, seed=config.seed)
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         self._host_pool: dict[int, tuple[np.ndarray, ...]] = {}  # host block id -> (k, v[, draft k, v]) [L, BS, H, D]
-        self._rng = np.random.default_rng(config.seed)
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
@@ -143,6 +146,15 @@ class Engine:
             logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
                         len(self.runner.all_shapes()), self.startup_times["compile_s"])
 
+    @property
+    def tokenizer(self):
+        """The tokenizer prompts are encoded with (the input processor's; None for an engine of token ids only)."""
+        return self.inputs.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        self.inputs.tokenizer = tokenizer
+
     def _num_cpu_blocks(self, cache: CacheConfig) -> int:
         if cache.swap_space <= 0:
             return 0
@@ -159,83 +171,14 @@ class Engine:
     def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                      arrival_time: float | None = None) -> Request:
         """Checks and tokenizes a request without queueing it (`enqueue` does), so a batch can be all or nothing."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
         self._check_request_id(request_id)
-        text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
-        params.check_against_model(self.model_config.vocab_size)
-        if len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED and params.min_tokens:
-            raise ValueError(f"min_tokens with more than {MAX_BANNED} EOS + stop_token_ids is not supported")
-        if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
-        arrival = arrival_time or time.monotonic()
-        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
-        so = params.structured_outputs
-        grammar = self.grammars.matcher(so.kind, so.spec) if so is not None else None
-        bad_words_ids = self._bad_words_ids(params.bad_words)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
-                                                       else frozenset(self.eos_token_ids))
-        parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
-                          fork_pending=params.n - 1, stop_ids=stop_ids)
-        req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
-                      streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
-        # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
-        # penalties, bias or bans: those requests decode one token a step).
-        req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias
-                          and not bad_words_ids and not params.has_penalties)
-        if req.speculates and self.runner.drafts:
-            parent.spec_lookahead = self.spec.num_speculative_tokens
-        return req
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and
-        in its middle)."""
-        if not words:
-            return []
-        if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this engine has none")
-        out: list[list[int]] = []
-        for word in words:
-            for prefix in ("", " "):
-                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
-                if ids and ids not in out:
-                    out.append(ids)
-        return out
+        return self.inputs.request(request_id, prompt, params, arrival_time)
 
     def make_beam_request(self, request_id: str, prompt: str | list[int] | dict,
                           params: BeamSearchParams) -> Request:
         """A beam search, checked and not yet queued; its one output holds the beam_width best hypotheses."""
-        if not isinstance(params, BeamSearchParams):
-            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         self._check_request_id(request_id)
-        state = BeamState(params, frozenset(self.eos_token_ids))
-        if state.num_candidates > MAX_LOGPROBS:
-            raise ValueError(f"beam_width={params.beam_width} needs {state.num_candidates} candidates per beam; "
-                             f"at most {MAX_LOGPROBS} are computed")
-        if params.beam_width > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"beam_width={params.beam_width} exceeds "
-                             f"max_num_seqs={self.scheduler_config.max_num_seqs}")
-        text, token_ids = self._tokenize(prompt)
-        self._check_prompt(token_ids)
-        if len(token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}")
-        # The beams wait for each other at every step: a beam that has given its candidates holds its blocks until
-        # every other beam of the request has given its own, so the pool must hold all of them at full length,
-        # each on blocks of its own (as they are once preempted and recomputed), or the request could never end.
-        bm = self.scheduler.block_manager
-        blocks = params.beam_width * -(-(len(token_ids) + params.max_tokens) // bm.block_size)
-        if blocks > bm.num_blocks - 1:
-            raise ValueError(f"beam_width={params.beam_width} beams of prompt ({len(token_ids)} tokens) + "
-                             f"max_tokens={params.max_tokens} need {blocks} KV blocks; the pool has "
-                             f"{bm.num_blocks - 1}: lower beam_width or max_tokens, or give the KV cache more memory")
-        # Greedy rows with the top-20 log-probs: the host picks the beams from those.
-        sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
-        parent = Sequence(request_id, token_ids, sp, max_model_len=self.max_model_len,
-                          extra_beams=params.beam_width - 1)
-        return Request(request_id, text, [parent], 0, parent.arrival_time, beam=state)
+        return self.inputs.beam_request(request_id, prompt, params)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> None:
         self.enqueue(self.make_beam_request(request_id, prompt, params))
@@ -254,37 +197,6 @@ class Engine:
     def _check_request_id(self, request_id: str) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: it must have at least one token")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got one outside")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(token_ids)} tokens, longer than the context: max_model_len="
-                             f"{self.max_model_len} leaves no room to generate")
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown:
-                raise ValueError(f"a dict prompt takes 'prompt' or 'prompt_token_ids'; unknown key(s) "
-                                 f"{', '.join(map(repr, sorted(unknown)))}")
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
-            if "prompt" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-            prompt = prompt["prompt"]
-            if not isinstance(prompt, str):
-                raise TypeError(f"'prompt' must be a string, got {type(prompt).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, _token_ids(prompt, "prompt")
-        raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> None:
         """Stops a request and frees its blocks at once. Unknown or finished ids are ignored."""
@@ -933,20 +845,6 @@ class Engine:
 def _masked(req: Request) -> bool:
     """Its sampling rows take a bitmask (a grammar, bad words)."""
     return req.grammar is not None or bool(req.bad_words_ids)
-
-
-def _token_ids(ids, field: str) -> list[int]:
-    """Token ids exactly as given: ints only (no bools, floats or strings, which int() would quietly convert)."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"{field} must be a 1-D array of integers, got {ids.dtype} with shape {ids.shape}")
-        return [int(t) for t in ids]
-    if not isinstance(ids, (list, tuple)):
-        raise TypeError(f"{field} must be a list of token ids, got {type(ids).__name__}")
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise TypeError(f"{field} must hold integer token ids; got {type(t).__name__} {t!r}")
-    return [int(t) for t in ids]
 
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "StepTimes"]

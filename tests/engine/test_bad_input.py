@@ -290,3 +290,27 @@ def test_llm_chat_renders_tools_through_the_template():
     out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False,
                    tools=tools)[0]
     assert out.prompt_token_ids == with_tools and len(out.outputs[0].token_ids) == 3
+
+
+def test_the_input_processor_refuses_a_request_on_its_own():
+    """What the engine refuses before queueing is the input processor's alone: it needs no engine, no model."""
+    from jaxpaged.engine.beam_search import BeamSearchParams
+    from jaxpaged.engine.input_processor import InputProcessor
+    from jaxpaged.engine.structured_output import GrammarCache
+
+    inputs = InputProcessor(None, 50, {0}, max_model_len=8, max_num_seqs=2, grammars=GrammarCache(None, 50, [0]),
+                            num_blocks=4, block_size=4, seed=0)
+    req = inputs.request("a", [3, 4, 5], SamplingParams(max_tokens=2))
+    assert req.seqs[0].token_ids == [3, 4, 5] and req.seqs[0].stop_ids == frozenset({0})
+    for prompt, params, message in [
+        ([3] * 8, None, "max_model_len=8"),
+        ([50], None, r"\[0, 50\)"),
+        ("text", None, "no tokenizer"),
+        ([3], SamplingParams(n=3), "max_num_seqs=2"),
+        ([3], SamplingParams(bad_words=["x"]), "bad_words needs a tokenizer"),
+        ([3], {"max_tokens": 2}, "sampling_params must be a SamplingParams"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            inputs.request("b", prompt, params)
+    with pytest.raises(ValueError, match="need 4 KV blocks; the pool has 3"):  # 2 beams of 7 tokens, blocks of 4
+        inputs.beam_request("c", [3, 4], BeamSearchParams(beam_width=2, max_tokens=5))

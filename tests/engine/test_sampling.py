@@ -104,7 +104,9 @@ def test_eos_stops_unless_ignored_and_min_tokens_bans_it(llm):
     free = tokens(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                                use_tqdm=False))[0]
     eos = free[3]
-    eos_ids = llm.engine.eos_token_ids  # one set, shared by the engine (banning) and its output processor (stopping)
+    # one set, shared by the engine (banning), its input processor (stop ids) and its output processor (stopping)
+    eos_ids = llm.engine.eos_token_ids
+    assert llm.engine.inputs.eos_token_ids is eos_ids
     saved = set(eos_ids)
     eos_ids.clear()
     eos_ids.add(eos)

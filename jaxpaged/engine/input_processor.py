@@ -1,0 +1,165 @@
+"""`InputProcessor`: a request checked and tokenized into a `Request`, not yet queued (vLLM v1's `Processor`).
+
+    inputs = InputProcessor(tokenizer, model_config.vocab_size, eos_token_ids, max_model_len, max_num_seqs, ...)
+    req = inputs.request("r1", "Hello", SamplingParams(max_tokens=8))     # ValueError / TypeError naming the field
+    req = inputs.beam_request("r2", [1, 2, 3], BeamSearchParams(beam_width=4, max_tokens=16))
+
+Everything a caller can get wrong about one request is found here, before anything is queued: the prompt's form
+and token ids, the sampling parameters against this model and engine (vocabulary, `max_num_seqs`, the pool a beam
+search needs), a structured-output spec (compiled, or refused, by the grammar cache) and bad words (tokenized). The
+engine then only queues what this returns (`Engine.enqueue`), so a batch of requests is all or nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxpaged.core.request import Request, Sequence
+from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
+from jaxpaged.engine.structured_output import GrammarCache
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int, max_num_seqs: int,
+                 grammars: GrammarCache, *, num_blocks: int, block_size: int, spec: SpeculativeConfig | None = None,
+                 drafts: bool = False, seed: int | None = None):
+        """`num_blocks`, `block_size`: the KV pool's (a beam search must fit in it); `spec`: the engine's speculative
+        decoding, `drafts` whether it proposes with a draft model (a row then keeps room for its proposals);
+        `seed`: where the seeds of requests without one come from."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids  # the engine's set, not a copy
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.grammars = grammars
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.spec, self.drafts = spec, drafts
+        self._rng = np.random.default_rng(seed)
+
+    def request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> Request:
+        """A request with its first sequence (n > 1 forks after the prompt). Raises ValueError / TypeError naming the
+        problem."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
+        text, token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
+        params.check_against_model(self.vocab_size)
+        if len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED and params.min_tokens:
+            raise ValueError(f"min_tokens with more than {MAX_BANNED} EOS + stop_token_ids is not supported")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        arrival = arrival_time or time.monotonic()
+        seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
+        so = params.structured_outputs
+        grammar = self.grammars.matcher(so.kind, so.spec) if so is not None else None
+        bad_words_ids = self.bad_words_ids(params.bad_words)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                       else frozenset(self.eos_token_ids))
+        parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
+                          fork_pending=params.n - 1, stop_ids=stop_ids)
+        req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
+                      streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
+        # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
+        # penalties, bias or bans: those requests decode one token a step).
+        req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias
+                          and not bad_words_ids and not params.has_penalties)
+        if req.speculates and self.drafts:
+            parent.spec_lookahead = self.spec.num_speculative_tokens
+        return req
+
+    def beam_request(self, request_id: str, prompt: str | list[int] | dict, params: BeamSearchParams) -> Request:
+        """A beam search; its one output holds the beam_width best hypotheses."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        state = BeamState(params, frozenset(self.eos_token_ids))
+        if state.num_candidates > MAX_LOGPROBS:
+            raise ValueError(f"beam_width={params.beam_width} needs {state.num_candidates} candidates per beam; "
+                             f"at most {MAX_LOGPROBS} are computed")
+        if params.beam_width > self.max_num_seqs:
+            raise ValueError(f"beam_width={params.beam_width} exceeds max_num_seqs={self.max_num_seqs}")
+        text, token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens={params.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        # The beams wait for each other at every step: a beam that has given its candidates holds its blocks until
+        # every other beam of the request has given its own, so the pool must hold all of them at full length,
+        # each on blocks of its own (as they are once preempted and recomputed), or the request could never end.
+        blocks = params.beam_width * -(-(len(token_ids) + params.max_tokens) // self.block_size)
+        if blocks > self.num_blocks - 1:
+            raise ValueError(f"beam_width={params.beam_width} beams of prompt ({len(token_ids)} tokens) + "
+                             f"max_tokens={params.max_tokens} need {blocks} KV blocks; the pool has "
+                             f"{self.num_blocks - 1}: lower beam_width or max_tokens, or give the KV cache more memory")
+        # Greedy rows with the top-20 log-probs: the host picks the beams from those.
+        sp = SamplingParams(temperature=0.0, max_tokens=None, logprobs=MAX_LOGPROBS, ignore_eos=True)
+        parent = Sequence(request_id, token_ids, sp, max_model_len=self.max_model_len,
+                          extra_beams=params.beam_width - 1)
+        return Request(request_id, text, [parent], 0, parent.arrival_time, beam=state)
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and
+        in its middle)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer; this engine has none")
+        out: list[list[int]] = []
+        for word in words:
+            for prefix in ("", " "):
+                ids = list(self.tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: it must have at least one token")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}); got one outside")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens, longer than the context: max_model_len="
+                             f"{self.max_model_len} leaves no room to generate")
+
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt: a string, a list or 1-D array of token ids, or a dict with
+        'prompt' or 'prompt_token_ids'."""
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"a dict prompt takes 'prompt' or 'prompt_token_ids'; unknown key(s) "
+                                 f"{', '.join(map(repr, sorted(unknown)))}")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), token_ids_of(prompt["prompt_token_ids"], "prompt_token_ids")
+            if "prompt" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            prompt = prompt["prompt"]
+            if not isinstance(prompt, str):
+                raise TypeError(f"'prompt' must be a string, got {type(prompt).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, token_ids_of(prompt, "prompt")
+        raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+
+def token_ids_of(ids, field: str) -> list[int]:
+    """Token ids exactly as given: ints only (no bools, floats or strings, which int() would quietly convert)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"{field} must be a 1-D array of integers, got {ids.dtype} with shape {ids.shape}")
+        return [int(t) for t in ids]
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{field} must be a list of token ids, got {type(ids).__name__}")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise TypeError(f"{field} must hold integer token ids; got {type(t).__name__} {t!r}")
+    return [int(t) for t in ids]
