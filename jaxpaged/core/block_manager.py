@@ -115,7 +115,6 @@ class BlockManager:
         self.cpu_free: deque[int] = deque(range(num_cpu_blocks))
         self.cpu_refcount = [0] * num_cpu_blocks
         self.cpu_tables: dict = {}  # seq_id -> host blocks of a swapped-out sequence
-        self.freed_cpu: list[int] = []  # host blocks of ended sequences, freed since `pop_freed_cpu_blocks`
         self.counters = {"queries": 0, "hits": 0, "swapped_out": 0, "swapped_in": 0, "cow": 0}
         # Kept as they change, so stats() costs O(1) at every step, whatever the pool's size.
         self.num_used = 0  # blocks with refcount > 0
@@ -329,8 +328,7 @@ class BlockManager:
         """Returns the sequence's blocks (device or host). Unknown ids are a no-op."""
         self._drop_device_table(seq_id)
         for block in self.cpu_tables.pop(seq_id, []):
-            if self._cpu_unref(block):
-                self.freed_cpu.append(block)
+            self._cpu_unref(block)
         self.seq_tokens.pop(seq_id, None)
         self.seq_hashes.pop(seq_id, None)
         self.withheld.pop(seq_id, None)
@@ -387,12 +385,6 @@ class BlockManager:
         changed = {s: self.tables[s] for s in self.changed_tables if s in self.tables}
         self.changed_tables = set()
         return changed
-
-    def pop_freed_cpu_blocks(self) -> list[int]:
-        """Host blocks that ended sequences (finished or aborted while swapped out) freed since the last call: the
-        engine drops the K/V it keeps for them (a swap-in drops its own)."""
-        freed, self.freed_cpu = self.freed_cpu, []
-        return freed
 
     def pop_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) device copies recorded since the last call; no dst repeats."""

@@ -50,7 +50,6 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst) device blocks
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
-    cpu_blocks_freed: list[int] = dataclasses.field(default_factory=list)  # host blocks of sequences that ended
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
     # n > 1: (parent, its new sample sequences) forked this step; the engine adds them to their request's outputs
     forked: list[tuple[Sequence, list[Sequence]]] = dataclasses.field(default_factory=list)

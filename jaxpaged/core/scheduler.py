@@ -237,7 +237,6 @@ class Scheduler:
             _commit_row(out, out.seqs[i], out.num_new_tokens[i])
         out.removed, self._removed = self._removed, []
         out.changed_tables = self.block_manager.pop_changed_tables()
-        out.cpu_blocks_freed = self.block_manager.pop_freed_cpu_blocks()
 
     def _swap_in(self, out: SchedulerOutput) -> None:
         # Swapped requests arrived before every waiting one: bring them back first.

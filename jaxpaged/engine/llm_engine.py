@@ -125,7 +125,9 @@ class Engine:
                                      block_size=self.cache_config.block_size, spec=self.spec,
                                      drafts=self.runner.drafts, seed=config.seed)
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
-        self._host_pool: dict[int, tuple[np.ndarray, ...]] = {}  # host block id -> (k, v[, draft k, v]) [L, BS, H, D]
+        # The host pool of swapped-out blocks, one array per pool array (K, V[, a draft model's K, V]):
+        # [L, num_cpu_blocks, BS, Hkv, D], made at the first swap-out, indexed by host block id.
+        self._host_pool: list[np.ndarray] = []
         self._inflight: _InFlight | None = None
         self._last_step_done = 0.0  # when the host last saw a step's tokens arrive
         self._sync_requests = 0  # unfinished requests whose steps must run synchronously (Request.needs_host_tokens)
@@ -298,7 +300,7 @@ class Engine:
         self._add_forked(out.forked)
         num_failed = len(failed)
         with self._device_guard(out, failed):
-            self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in, out.cpu_blocks_freed)
+            self._swap(out.blocks_to_swap_out, out.blocks_to_swap_in)
             self.runner.copy_blocks(out.blocks_to_copy)
         if not out.seqs or len(failed) > num_failed:
             return None
@@ -761,23 +763,22 @@ class Engine:
                   for seq in req.seqs]
         return EngineOutput(req.request_id, deltas, True, error=message)
 
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], freed: list[int]) -> None:
-        # The host copies of ended sequences go first: a block freed since the last step may be a swap-out's target.
-        for h in freed:
-            self._host_pool.pop(h, None)
-        # Swap-ins first: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
-        # already be the target of this step's swap-out.
-        # A host block holds each pool's K and V of one block (the target's, and a draft model's): [L, BS, Hkv, D].
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Swap-ins (host block, device block) read from the host pool, then swap-outs (device block, host block)
+        written to it: the scheduler swaps in before it preempts, so a host block a swap-in frees this step may
+        already be a swap-out's target. A host block whose sequence ended needs nothing: the slot is written again
+        when the block manager hands it out."""
         if swap_in:
-            arrays = [np.stack([self._host_pool[h][i] for h, _ in swap_in], axis=1)
-                      for i in range(len(self._host_pool[swap_in[0][0]]))]
-            self.runner.write_blocks([d for _, d in swap_in], *arrays)
-            for h, _ in swap_in:
-                del self._host_pool[h]
+            hosts = np.array([h for h, _ in swap_in], np.int64)
+            self.runner.write_blocks([d for _, d in swap_in], *(pool[:, hosts] for pool in self._host_pool))
         if swap_out:
             arrays = self.runner.read_blocks([d for d, _ in swap_out])
-            for j, (_, h) in enumerate(swap_out):
-                self._host_pool[h] = tuple(a[:, j] for a in arrays)
+            if not self._host_pool:  # np.empty: pages are taken from the OS as blocks are first written
+                n = self.block_manager.num_cpu_blocks
+                self._host_pool = [np.empty((a.shape[0], n, *a.shape[2:]), a.dtype) for a in arrays]
+            hosts = np.array([h for _, h in swap_out], np.int64)
+            for pool, a in zip(self._host_pool, arrays, strict=True):
+                pool[:, hosts] = a
 
     # ---- observability ------------------------------------------------------------------------------------------
 

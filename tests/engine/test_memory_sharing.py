@@ -112,10 +112,12 @@ def test_swapping_gives_the_same_outputs_and_shows_swaps():
     llm.engine.scheduler.check_invariants()
 
 
-def test_a_request_that_ends_while_swapped_out_leaves_no_host_copy_behind():
-    """The engine keeps a swapped-out block's K/V on the host until it is swapped back in. A request aborted while
-    swapped out freed its host blocks in the block manager, but the engine kept their arrays (until a later swap-out
-    reused the block id): the freed host blocks now reach the engine with the step's diffs."""
+def test_the_host_pool_is_swap_space_and_a_request_that_ends_while_swapped_out_frees_its_blocks():
+    """The host pool is one array per pool array (K, V), num_cpu_blocks blocks each: what swap_space pays for, made
+    at the first swap-out and never grown. (It was a dict of per-block views of each swap-out's arrays: a block
+    swapped back in kept its whole swap-out's array alive while any of its blocks stayed out, and an aborted
+    request's arrays stayed until a later swap-out reused the block ids.) An aborted swapped-out request's host
+    blocks go back to the block manager and are reused."""
     llm = make_llm(max_num_seqs=6, num_blocks=14, max_model_len=64, swap_space=0.01, preemption_mode="swap",
                    enable_prefix_caching=False)
     engine = llm.engine
@@ -124,11 +126,14 @@ def test_a_request_that_ends_while_swapped_out_leaves_no_host_copy_behind():
         engine.add_request(f"r{i}", p, params)
     while not engine.scheduler.swapped:
         engine.step()
+    bm = engine.block_manager
+    pool_bytes = bm.num_cpu_blocks * engine.runner.host_block_bytes
+    assert sum(a.nbytes for a in engine._host_pool) == pool_bytes > 0
+    assert [a.shape[1] for a in engine._host_pool] == [bm.num_cpu_blocks] * 2
     victim = engine.scheduler.swapped[0]
-    held = len(engine.block_manager.cpu_tables[victim.seq_id])
-    assert len(engine._host_pool) >= held > 0
+    assert len(bm.cpu_tables[victim.seq_id]) > 0
     engine.abort_request(victim.request_id)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine._host_pool == {}
+    assert sum(a.nbytes for a in engine._host_pool) == pool_bytes
     assert llm.stats()["num_cpu_used"] == 0
