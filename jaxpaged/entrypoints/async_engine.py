@@ -227,8 +227,12 @@ class AsyncEngine:
             raise ValueError("this model has no tokenizer: send token ids")
         return list(self.tokenizer(text)["input_ids"])
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True, *,
+                            continue_final_message: bool = False, chat_template_kwargs: dict | None = None
+                            ) -> list[int]:
+        return apply_chat_template(self.tokenizer, conversation, add_generation_prompt,
+                                   continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs)
 
     # ---- requests ---------------------------------------------------------------------------------------------
 

@@ -314,3 +314,37 @@ def test_the_input_processor_refuses_a_request_on_its_own():
             inputs.request("b", prompt, params)
     with pytest.raises(ValueError, match="need 4 KV blocks; the pool has 3"):  # 2 beams of 7 tokens, blocks of 4
         inputs.beam_request("c", [3, 4], BeamSearchParams(beam_width=2, max_tokens=5))
+
+
+def test_chat_template_options_continue_the_last_message_and_reach_the_template():
+    """vLLM's continue_final_message (the assistant's last message left open) and chat_template_kwargs (variables
+    for the template), in LLM.chat and apply_chat_template; options that cannot apply are ValueErrors naming the
+    field, before anything is rendered or queued."""
+    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}{% if shout %}loud {% endif %}")
+    config = tiny_config(vocab_size=TINY_VOCAB)
+    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
+                          precompile=False, show_progress=False)
+    ask = [{"role": "user", "content": "tell a story"}]
+    begun = ask + [{"role": "assistant", "content": "once upon"}]
+    assert llm.apply_chat_template(ask, chat_template_kwargs={"shout": True}) == \
+        tok("user: tell a story assistant: loud ")["input_ids"]
+    continued = llm.apply_chat_template(begun, add_generation_prompt=False, continue_final_message=True)
+    assert continued == tok("user: tell a story assistant: once upon")["input_ids"]
+    out = llm.chat(begun, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt_token_ids == continued
+    for kwargs, message in [
+        ({"continue_final_message": True}, "cannot both be true"),
+        ({"continue_final_message": True, "add_generation_prompt": False, "messages": ask}, "the assistant's"),
+        ({"chat_template_kwargs": {"tools": []}}, "cannot set 'tools'"),
+        ({"chat_template_kwargs": {"a b": 1}}, "not a name"),
+        ({"chat_template_kwargs": [("shout", True)]}, "must be a dict"),
+    ]:
+        messages = kwargs.pop("messages", begun)
+        with pytest.raises(ValueError, match=message):
+            llm.chat(messages, use_tqdm=False, **kwargs)
+    still_serves(llm)

@@ -104,6 +104,30 @@ def test_streamed_chat_equals_the_non_streamed_one(client):
     assert all(c.object == "chat.completion.chunk" for c in chunks)
 
 
+def test_continuous_usage_counts_the_tokens_streamed_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage is its request's so far (the tokens each
+    chunk's log-probs list, added up); the last chunk's totals equal the non-streamed answer's."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options=opts, logprobs=0, **kw))
+    seen = 0
+    for c in chunks[:-1]:
+        seen += len(c.choices[0].logprobs.tokens)
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (whole.usage.prompt_tokens, seen)
+    assert seen == 16 and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me about ships."}], max_tokens=12,
+              temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options=opts, logprobs=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    seen = 0
+    for c in chunks[:-1]:
+        seen += len(c.choices[0].logprobs.content) if c.choices[0].logprobs else 0
+        assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (whole.usage.prompt_tokens, seen)
+    assert seen == 12 and chunks[-1].usage.completion_tokens == 12
+
+
 def test_stop_string_ends_the_text_before_it(client):
     full = greedy(client, PROMPT, max_tokens=24).choices[0].text
     # A stop string taken from the middle of the greedy text: the answer must end just before its first occurrence.

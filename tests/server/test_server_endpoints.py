@@ -78,6 +78,37 @@ def test_tokenize_of_a_chat_equals_the_chat_endpoints_prompt_tokens(server, clie
     assert tok["tokens"][:bare["count"]] == bare["tokens"]  # the generation prompt is a suffix
 
 
+def test_continue_final_message_leaves_the_assistants_message_open(server, client, tokenizer):
+    """vLLM's continue_final_message: the chat's last message, the assistant's, is continued; its tokens are the closed
+    message's without what the template adds after it. The chat endpoint feeds the model the same prompt."""
+    begun = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    status, closed = call(server, "POST", "/tokenize", {"messages": begun, "add_generation_prompt": False})
+    assert status == 200, closed
+    status, open_ = call(server, "POST", "/tokenize", {"messages": begun, "add_generation_prompt": False,
+                                                        "continue_final_message": True})
+    assert status == 200, open_
+    n = open_["count"]
+    assert n < closed["count"] and open_["tokens"] == closed["tokens"][:n]
+    assert tokenizer.decode(open_["tokens"]).endswith("The answer is")
+    status, body = call(server, "POST", "/v1/chat/completions", {
+        "model": MODEL, "messages": begun, "add_generation_prompt": False, "continue_final_message": True,
+        "chat_template_kwargs": {"unused_by_this_template": True}, "max_tokens": 2})
+    assert status == 200 and body["usage"]["prompt_tokens"] == n, body
+
+
+def test_bad_chat_template_options_are_400_naming_the_field(server):
+    begun = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    for path in ("/tokenize", "/v1/chat/completions"):
+        assert_400(call(server, "POST", path, {"model": MODEL, "messages": begun, "continue_final_message": True}),
+                   "continue_final_message")  # add_generation_prompt is true by default
+        assert_400(call(server, "POST", path, {"model": MODEL, "messages": CHAT, "continue_final_message": True,
+                                               "add_generation_prompt": False}), "continue_final_message")
+        too_deep = {"a": json.loads("[" * 80 + "]" * 80)}
+        for kwargs in ({"tokenize": False}, {"messages": []}, [1], "x", too_deep):
+            assert_400(call(server, "POST", path, {"model": MODEL, "messages": CHAT, "chat_template_kwargs": kwargs}),
+                       "chat_template_kwargs")
+
+
 def test_bad_tokenize_and_detokenize_values_are_400_naming_the_field(server, tokenizer):
     vocab = len(tokenizer)
     err = assert_400(call(server, "POST", "/detokenize", {"tokens": [1, vocab]}), "tokens")

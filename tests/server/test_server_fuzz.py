@@ -162,7 +162,8 @@ SAMPLING = {
     "min_p": mostly(st.floats(0, 1)), "seed": mostly(st.integers(0, 2**32), wrong_ints),
     "stop": mostly(words | st.lists(words, max_size=4)),
     "stream": mostly(st.booleans()),
-    "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans()})),
+    "stream_options": mostly(st.fixed_dictionaries({}, optional={"include_usage": st.booleans(),
+                                                                 "continuous_usage_stats": st.booleans()})),
     "presence_penalty": mostly(st.floats(-2, 2)), "frequency_penalty": mostly(st.floats(-2, 2)),
     "repetition_penalty": mostly(st.floats(0.5, 2)),
     "logit_bias": mostly(st.dictionaries(st.integers(0, 383).map(str), st.floats(-100, 100), max_size=4),
@@ -191,7 +192,9 @@ tools = mostly(st.lists(st.fixed_dictionaries({"type": st.just("function"), "fun
 CHAT = {
     **SAMPLING, "max_completion_tokens": mostly(st.integers(1, 6), wrong_ints),
     "logprobs": mostly(st.booleans()), "top_logprobs": mostly(st.integers(0, 5), wrong_ints),
-    "add_generation_prompt": mostly(st.booleans()),
+    "add_generation_prompt": mostly(st.booleans()), "continue_final_message": mostly(st.booleans()),
+    "chat_template_kwargs": mostly(st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x y", "date"]),
+                                                   json_values, max_size=2)),
 }
 tool_choices = st.sampled_from(["none", "auto", "required"]) | st.builds(
     lambda name: {"type": "function", "function": {"name": name}}, tool_names)

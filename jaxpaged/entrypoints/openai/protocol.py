@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jaxpaged import client_json
+from jaxpaged.chat import TemplateOptionError, check_template_options
 from jaxpaged.engine.grammar_guard import GrammarBusyError
 from jaxpaged.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputsParams
 
@@ -52,6 +53,7 @@ _B = TypeVar("_B", bound=_Body)
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class JsonSchemaFormat(_Body):
@@ -106,6 +108,11 @@ class _SamplingRequest(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries its request's usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def sets_structured_output(self) -> bool:
@@ -297,7 +304,31 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatTemplateOptions(_Body):
+    """vLLM's chat template options, on a body with `messages` and `add_generation_prompt`."""
+
+    continue_final_message: bool = False  # the last message (the assistant's) is continued, not closed
+    chat_template_kwargs: dict | None = None  # more variables for the template, e.g. {"enable_thinking": false}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_too_deep(cls, v):
+        if v is not None and client_json.depth(v, client_json.MAX_DEPTH) > client_json.MAX_DEPTH:
+            raise ValueError(f"is nested more than {client_json.MAX_DEPTH} levels deep")
+        return v
+
+    def check_template_options(self) -> None:
+        if self.messages is None:
+            return
+        last = self.messages[-1].role
+        try:
+            check_template_options("system" if last == "developer" else last, self.add_generation_prompt,
+                                   self.continue_final_message, self.chat_template_kwargs)
+        except TemplateOptionError as e:
+            raise OpenAIError(str(e), param=e.param) from None
+
+
+class ChatCompletionRequest(_ChatTemplateOptions, _SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -310,6 +341,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
+        self.check_template_options()
         if self.tool_choice not in (None, "none") and not self.tools:
             raise OpenAIError("tool_choice needs tools: there is no function to call", param="tool_choice")
         names = [t.function.name for t in self.tools or []]
@@ -365,7 +397,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_ChatTemplateOptions):
     """POST /tokenize, vLLM's shape: a `prompt` string, or chat `messages` rendered by the chat template."""
 
     model: str | None = None
@@ -382,6 +414,7 @@ class TokenizeRequest(_Body):
         if self.messages is not None and self.add_special_tokens:
             raise OpenAIError("add_special_tokens=true is not supported with messages: the chat template places "
                               "the special tokens", param="add_special_tokens", code="unsupported_parameter")
+        self.check_template_options()
 
 
 class DetokenizeRequest(_Body):

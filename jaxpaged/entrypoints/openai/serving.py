@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from jaxpaged.chat import TemplateOptionError
 from jaxpaged.engine.grammar_guard import GrammarBusyError
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
@@ -31,7 +32,6 @@ from jaxpaged.entrypoints.async_engine import (
 )
 from jaxpaged.entrypoints.openai.protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
@@ -150,7 +150,7 @@ class OpenAIServing:
         if body.tool_mode == "auto" and self.tool_parser is None:
             raise OpenAIError('tool_choice "auto" needs the server started with --tool-call-parser; use "none", '
                               '"required" or a named function', param="tool_choice")
-        ids = await self._chat_ids(body.messages, body.add_generation_prompt, body.template_tools())
+        ids = await self._chat_ids(body, body.template_tools())
         prompts = [_Prompt(None, ids)]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages",
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
@@ -179,7 +179,7 @@ class OpenAIServing:
         feed them to the model. Not refused for exceeding max_model_len: `count` and `max_model_len` say so."""
         self._check_model(body.model)
         if body.messages is not None:
-            ids = await self._chat_ids(body.messages, body.add_generation_prompt)
+            ids = await self._chat_ids(body)
         else:
             self._check_chars(len(body.prompt), "prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -217,7 +217,8 @@ class OpenAIServing:
                     finals[k] = out
                 if choices:
                     yield {"id": ctx.request_id, "object": "text_completion", "created": ctx.created,
-                           "model": ctx.model, "choices": choices, **usage_key}
+                           "model": ctx.model, "choices": choices,
+                           **({"usage": _usage([out])} if body.continuous_usage else usage_key)}
         if body.include_usage:
             yield {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": ctx.model,
                    "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])}
@@ -249,15 +250,17 @@ class OpenAIServing:
             return {"id": ctx.request_id, "object": "chat.completion.chunk", "created": ctx.created,
                     "model": ctx.model, "choices": choices, **usage_key, **extra}
 
+        prompt = len(ctx.prompts[0].token_ids)
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(body.n)])
+                      "finish_reason": None} for i in range(body.n)],
+                    **({"usage": _counts(prompt, 0)} if body.continuous_usage else {}))  # cached: not known yet
         async with contextlib.aclosing(ctx.merged()) as merged:
             async for _, out in merged:
                 choices = [c for o in out.outputs if (c := self._chat_delta(body, o, states))]
                 if out.finished:
                     final = out
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, **({"usage": _usage([out])} if body.continuous_usage else {}))
         if body.include_usage and final is not None:
             yield chunk([], usage=_usage([final]))
 
@@ -374,12 +377,17 @@ class OpenAIServing:
             raise OpenAIError(f"{param}: {e}", param=param) from e
         return structured, param
 
-    async def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                        tools: list[dict] | None = None) -> list[int]:
-        conversation = [m.as_template_message(i) for i, m in enumerate(messages)]
+    async def _chat_ids(self, body: ChatCompletionRequest | TokenizeRequest, tools: list[dict] | None = None
+                        ) -> list[int]:
+        """The prompt ids of the body's messages, through the chat template with the body's options."""
+        conversation = [m.as_template_message(i) for i, m in enumerate(body.messages)]
         self._check_chars(sum(len(m["content"]) for m in conversation), "messages")
         try:
-            return await self.prompt_tokenizer.apply_chat_template(conversation, add_generation_prompt, tools)
+            return await self.prompt_tokenizer.apply_chat_template(
+                conversation, body.add_generation_prompt, tools, continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs)
+        except TemplateOptionError as e:
+            raise OpenAIError(str(e), param=e.param) from e
         except ValueError as e:
             raise OpenAIError(str(e), param="messages") from e
         except Exception as e:  # the template's own checks (e.g. roles must alternate) raise jinja errors
@@ -617,11 +625,17 @@ def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
 
-def _usage(finals: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in finals)
-    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in finals)}}
+def _usage(outputs: list[RequestOutput]) -> dict:
+    """The usage of the requests' outputs (their tokens so far, for a stream's continuous usage)."""
+    return _counts(sum(len(o.prompt_token_ids) for o in outputs),
+                   sum(len(c.token_ids) for o in outputs for c in o.outputs), sum(o.num_cached_tokens for o in outputs))
+
+
+def _counts(prompt: int, completion: int, cached: int | None = None) -> dict:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 __all__ = ["ChunkStream", "OpenAIServing"]

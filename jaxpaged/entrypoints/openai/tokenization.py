@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 
 from jaxpaged.chat import apply_chat_template
 from jaxpaged.entrypoints.async_engine import _private_copy
@@ -54,8 +55,11 @@ class PromptTokenizer:
         return await self._run(self._decode, token_ids)
 
     async def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                                  tools: list[dict] | None = None) -> list[int]:
-        return await self._run(apply_chat_template, self._tokenizer, conversation, add_generation_prompt, tools)
+                                  tools: list[dict] | None = None, *, continue_final_message: bool = False,
+                                  chat_template_kwargs: dict | None = None) -> list[int]:
+        return await self._run(functools.partial(
+            apply_chat_template, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs), self._tokenizer, conversation, add_generation_prompt, tools)
 
     async def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each token's vocabulary entry (vLLM's `token_strs`: byte-level pieces as the vocabulary spells them)."""
