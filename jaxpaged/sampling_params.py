@@ -159,6 +159,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words whose tokens may not be generated
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: only the prompt's last k tokens are kept (a BOS the tokenizer put first stays first); -1: max_model_len
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         _int("n", self.n, 1, MAX_N)
@@ -204,6 +206,9 @@ class SamplingParams:
                             f"not {type(self.structured_outputs).__name__}")
         _int("output_kind", self.output_kind, 0, len(RequestOutputKind) - 1)
         self.output_kind = RequestOutputKind(self.output_kind)
+        _int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1, MAX_TOKENS, none_ok=True)
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens=0 must be -1 (the context length) or >= 1 (tokens kept)")
 
     @staticmethod
     def _stop_strings(stop) -> list[str]:

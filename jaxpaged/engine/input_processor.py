@@ -49,6 +49,10 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            tokenized = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+            token_ids = truncate_prompt(token_ids, truncation_length(params.truncate_prompt_tokens, self.max_model_len),
+                                        getattr(self.tokenizer, "bos_token_id", None) if tokenized else None)
         self.check_prompt(token_ids)
         params.check_against_model(self.vocab_size)
         if len(params.stop_token_ids) + len(self.eos_token_ids) > MAX_BANNED and params.min_tokens:
@@ -149,6 +153,24 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple, np.ndarray)):
             return None, token_ids_of(prompt, "prompt")
         raise TypeError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+
+def truncation_length(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """How many prompt tokens vLLM's truncate_prompt_tokens keeps: k, or max_model_len for -1; ValueError above it."""
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={keep} is greater than max_model_len={max_model_len}")
+    return keep
+
+
+def truncate_prompt(token_ids: list[int], keep: int, bos_token_id: int | None = None) -> list[int]:
+    """The prompt's last `keep` tokens; a first token equal to `bos_token_id` (one the tokenizer added) stays first, as
+    Hugging Face's left truncation keeps it."""
+    if len(token_ids) <= keep:
+        return token_ids
+    if bos_token_id is not None and keep > 1 and token_ids[0] == bos_token_id:
+        return token_ids[:1] + token_ids[len(token_ids) - keep + 1:]
+    return token_ids[len(token_ids) - keep:]
 
 
 def token_ids_of(ids, field: str) -> list[int]:

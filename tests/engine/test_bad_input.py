@@ -348,3 +348,40 @@ def test_chat_template_options_continue_the_last_message_and_reach_the_template(
         with pytest.raises(ValueError, match=message):
             llm.chat(messages, use_tqdm=False, **kwargs)
     still_serves(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end_and_a_leading_bos():
+    """vLLM's truncate_prompt_tokens: the last k tokens of a prompt (text or ids); a BOS the tokenizer put first stays
+    first; -1 is max_model_len; 0, < -1 or > max_model_len are refused naming the field."""
+    from tokenizers.processors import TemplateProcessing
+
+    from jaxpaged.engine.input_processor import truncate_prompt
+    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
+
+    assert truncate_prompt([1, 5, 6, 7, 8], 3, bos_token_id=1) == [1, 7, 8]
+    assert truncate_prompt([1, 5, 6, 7, 8], 3) == [6, 7, 8]
+    assert truncate_prompt([5, 6, 7, 8], 3, bos_token_id=1) == [6, 7, 8]
+    assert truncate_prompt([5, 6], 3, bos_token_id=1) == [5, 6]
+    tok = make_tiny_tokenizer()  # made to put its BOS first, as Llama's and Gemma's tokenizers do
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                              special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    config = tiny_config(vocab_size=TINY_VOCAB)
+    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
+                          precompile=False, show_progress=False)
+    text = "the block cache holds the tokens of every request " * 4
+    full = list(tok(text)["input_ids"])
+    assert len(full) > 8 and full[0] == tok.bos_token_id
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=8)
+    out = llm.generate([text, {"prompt_token_ids": full}], params, use_tqdm=False)
+    assert out[0].prompt_token_ids == full[:1] + full[-7:] and out[1].prompt_token_ids == full[-8:]
+    long_ids = {"prompt_token_ids": [5] * 100}  # longer than max_model_len=64: truncated first, so it fits
+    assert len(llm.generate([long_ids], SamplingParams(max_tokens=1, truncate_prompt_tokens=60),
+                            use_tqdm=False)[0].prompt_token_ids) == 60
+    with pytest.raises(ValueError, match="truncate_prompt_tokens=65 is greater than max_model_len=64"):
+        llm.generate([long_ids], SamplingParams(truncate_prompt_tokens=65), use_tqdm=False)
+    with pytest.raises(ValueError, match="longer than the context"):  # -1 keeps 64 tokens: no room to generate
+        llm.generate([long_ids], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises((ValueError, TypeError), match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    still_serves(llm)

@@ -96,6 +96,30 @@ def test_continue_final_message_leaves_the_assistants_message_open(server, clien
     assert status == 200 and body["usage"]["prompt_tokens"] == n, body
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, tokenizer):
+    """vLLM's truncate_prompt_tokens: a text prompt longer than --max-prompt-chars and the context is answered from
+    its last k tokens (the ids /tokenize gives for the text's end); token prompts and chats likewise."""
+    words = " ".join(f"w{i}" for i in range(1500))  # ~7,000 characters, thousands of tokens
+    tail = tokenizer(words[-600:])["input_ids"]
+    status, body = call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": words, "max_tokens": 1,
+                                                            "truncate_prompt_tokens": 40, "echo": True})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 40, body
+    assert body["choices"][0]["text"].startswith(words)  # echo gives the prompt as sent
+    status, body = call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": tail[-50:], "max_tokens": 1,
+                                                            "truncate_prompt_tokens": 30, "logprobs": 0})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 30, body
+    chat = [{"role": "user", "content": words[:3000]}]
+    status, body = call(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 1,
+                                                                 "truncate_prompt_tokens": -1})
+    assert status == 400 and body["error"]["param"] == "messages"  # -1 keeps all 512: no room to generate
+    status, body = call(server, "POST", "/v1/chat/completions", {"model": MODEL, "messages": chat, "max_tokens": 1,
+                                                                 "truncate_prompt_tokens": 100})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 100, body
+    for value in (0, -2, MAX_MODEL_LEN + 1, "5", 1.5):
+        assert_400(call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi",
+                                                            "truncate_prompt_tokens": value}), "truncate_prompt_tokens")
+
+
 def test_bad_chat_template_options_are_400_naming_the_field(server):
     begun = CHAT + [{"role": "assistant", "content": "The answer is"}]
     for path in ("/tokenize", "/v1/chat/completions"):

@@ -100,10 +100,14 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens; -1: max_model_len
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise OpenAIError("truncate_prompt_tokens must be -1 (the context length) or >= 1 (tokens kept), not 0",
+                              param="truncate_prompt_tokens")
 
     @property
     def include_usage(self) -> bool:

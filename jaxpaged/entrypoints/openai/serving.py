@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.chat import TemplateOptionError
 from jaxpaged.engine.grammar_guard import GrammarBusyError
+from jaxpaged.engine.input_processor import truncate_prompt, truncation_length
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
     EngineOverloadedError,
@@ -121,12 +122,17 @@ class OpenAIServing:
         if len(body.prompts()) > self.max_prompts_per_request:
             raise OpenAIError(f"prompt holds {len(body.prompts())} prompts; at most {self.max_prompts_per_request} "
                               "are allowed in one request", param="prompt")
+        keep = self._truncation(body)
         for p in body.prompts():
             if isinstance(p, str):
-                self._check_chars(len(p), "prompt")
-                prompts.append(_Prompt(p, await self._encode(p)))
+                if keep is None:
+                    self._check_chars(len(p), "prompt")
+                    prompts.append(_Prompt(p, await self._encode(p)))
+                else:  # only the text's end is read: 2 max_chars characters hold 2 max_model_len tokens or more
+                    ids = await self._encode(p[-2 * self.prompt_tokenizer.max_chars:])
+                    prompts.append(_Prompt(p, truncate_prompt(ids, keep, self.prompt_tokenizer.bos_token_id)))
             else:
-                prompts.append(_Prompt(None, list(p)))
+                prompts.append(_Prompt(None, list(p) if keep is None else truncate_prompt(list(p), keep)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
         structured, grammar_param = await self._structured(body)
         ctx = await self._start("cmpl", model, body.n, prompts,
@@ -151,7 +157,8 @@ class OpenAIServing:
             raise OpenAIError('tool_choice "auto" needs the server started with --tool-call-parser; use "none", '
                               '"required" or a named function', param="tool_choice")
         ids = await self._chat_ids(body, body.template_tools())
-        prompts = [_Prompt(None, ids)]
+        keep = self._truncation(body)
+        prompts = [_Prompt(None, ids if keep is None else truncate_prompt(ids, keep))]
         max_tokens = self._max_tokens(prompts, body.requested_max_tokens, "messages",
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         structured, grammar_param = await self._structured(body)
@@ -398,6 +405,15 @@ class OpenAIServing:
             return await self.prompt_tokenizer.encode(text)
         except ValueError as e:
             raise OpenAIError(str(e), param="prompt") from e
+
+    def _truncation(self, body: CompletionRequest | ChatCompletionRequest) -> int | None:
+        """How many prompt tokens the body's truncate_prompt_tokens keeps (None: no truncation)."""
+        if body.truncate_prompt_tokens is None:
+            return None
+        try:
+            return truncation_length(body.truncate_prompt_tokens, self.engine.max_model_len)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="truncate_prompt_tokens") from e
 
     def _check_chars(self, chars: int, param: str) -> None:
         """Refuses text too long to fit the context before spending seconds tokenizing it."""

@@ -47,6 +47,11 @@ class PromptTokenizer:
         # One worker: requests are tokenized one at a time, each with the whole tokenizer to itself.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-tokenizer")
 
+    @property
+    def bos_token_id(self) -> int | None:
+        """The token the tokenizer puts first (kept first when a prompt is truncated), if any."""
+        return getattr(self._tokenizer, "bos_token_id", None)
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self._run(self._encode, text, add_special_tokens)
 
