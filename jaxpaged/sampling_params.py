@@ -23,6 +23,7 @@ MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 300  # entries; the sampler holds them at this fixed width
 MAX_BAD_WORDS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # as many as the largest vocabularies hold
 MAX_BAD_WORD_CHARS = 256
 MAX_PENALTY = 2.0  # presence / frequency penalties, as OpenAI bounds them
 # Temperatures below this are greedy: logits / 1e-300 overflows float32 and the argmax is what such a request means.
@@ -157,6 +158,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF's: logits of prompt or generated tokens divided (> 0) or multiplied by it
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     bad_words: list[str] | None = None  # words whose tokens may not be generated
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be generated
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's: only the prompt's last k tokens are kept (a BOS the tokenizer put first stays first); -1: max_model_len
@@ -199,6 +201,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} must be in [{lo:g}, {hi:g}] (1 is off)")
         self.logit_bias = self._logit_bias(self.logit_bias)
         self.bad_words = self._bad_words(self.bad_words)
+        self.allowed_token_ids = self._allowed_token_ids(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -273,6 +276,18 @@ class SamplingParams:
                 raise ValueError(f"bad_words strings must be at most {MAX_BAD_WORD_CHARS} characters")
         return list(words)
 
+    @staticmethod
+    def _allowed_token_ids(ids) -> list[int] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"allowed_token_ids must be a list of token ids, got {type(ids).__name__}")
+        if not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(ids)}")
+        for t in ids:
+            _int("allowed_token_ids", t, 0, 2**31 - 1)
+        return [int(t) for t in ids]
+
     def check_against_model(self, vocab_size: int) -> None:
         """What needs the model: every token id must name a token of its vocabulary."""
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
@@ -281,6 +296,9 @@ class SamplingParams:
         bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
+        bad = [t for t in self.allowed_token_ids or () if t >= vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
 
     @property
     def has_penalties(self) -> bool:

@@ -150,6 +150,7 @@ class Request:
     grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
+    allowed_mask: object | None = None  # allowed_token_ids as a bitmask [ceil(V / 32)] int32 (the engine's)
     # Its new tokens go out after every step (output kind not FINAL_ONLY, or stop strings for the output processor
     # to look for); else once, when it finishes.
     streams: bool = True

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpaged.core.request import Request, Sequence
 from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
-from jaxpaged.engine.structured_output import GrammarCache
+from jaxpaged.engine.structured_output import GrammarCache, allow, bitmask_words
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
@@ -66,14 +66,22 @@ class InputProcessor:
         bad_words_ids = self.bad_words_ids(params.bad_words)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.eos_token_ids))
+        if params.allowed_token_ids is not None and params.min_tokens and set(params.allowed_token_ids) <= stop_ids:
+            raise ValueError("allowed_token_ids holds only EOS and stop tokens, which min_tokens bans: no token could "
+                             "be generated")
         parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
                           fork_pending=params.n - 1, stop_ids=stop_ids)
+        allowed = None
+        if params.allowed_token_ids is not None:
+            allowed = np.zeros(bitmask_words(self.vocab_size), np.int32)
+            allow(allowed, params.allowed_token_ids)
         req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
+                      allowed_mask=allowed,
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
         # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
         # penalties, bias or bans: those requests decode one token a step).
         req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias
-                          and not bad_words_ids and not params.has_penalties)
+                          and not bad_words_ids and allowed is None and not params.has_penalties)
         if req.speculates and self.drafts:
             parent.spec_lookahead = self.spec.num_speculative_tokens
         return req

@@ -423,17 +423,21 @@ class Engine:
 
     def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
-        allowed tokens, minus its bad words (one-token words always, longer ones when the rest was just generated).
-        """
+        allowed tokens, and its allowed_token_ids, minus its bad words (one-token words always, longer ones when the
+        rest was just generated). ValueError when that leaves no token."""
         matcher = self._matcher(req, seq)
-        if matcher is None and not req.bad_words_ids:
+        if matcher is None and not req.bad_words_ids and req.allowed_mask is None:
             return None
         mask = np.full(bitmask_words(self.model_config.vocab_size), -1, np.int32)
         if matcher is not None:
             fill_bitmask(matcher, mask)
+        if req.allowed_mask is not None:
+            mask &= req.allowed_mask
         out = seq.output_token_ids
         ban(mask, [w[-1] for w in req.bad_words_ids
                    if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1])])
+        if (req.allowed_mask is not None or req.bad_words_ids) and not mask.any():
+            raise GrammarError("no token may follow: allowed_token_ids, bad words and the grammar leave none")
         return mask
 
     @staticmethod
@@ -844,8 +848,8 @@ class Engine:
 
 
 def _masked(req: Request) -> bool:
-    """Its sampling rows take a bitmask (a grammar, bad words)."""
-    return req.grammar is not None or bool(req.bad_words_ids)
+    """Its sampling rows take a bitmask (a grammar, bad words, allowed_token_ids)."""
+    return req.grammar is not None or bool(req.bad_words_ids) or req.allowed_mask is not None
 
 
 __all__ = ["Engine", "EngineConfig", "EngineDeadError", "StepTimes"]

@@ -159,6 +159,14 @@ def advance(matcher, token: int) -> None:
         raise GrammarError(f"structured output: the grammar rejects token {token}: {short_error(matcher.get_error())}")
 
 
+def allow(mask: np.ndarray, token_ids) -> None:
+    """Sets the bits of `token_ids` in mask [ceil(V / 32)] int32."""
+    ids = np.asarray(list(token_ids), np.int64)
+    if ids.size:
+        words = mask.view(np.uint32)
+        np.bitwise_or.at(words, ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32))
+
+
 def ban(mask: np.ndarray, token_ids) -> None:
     """Clears the bits of `token_ids` in mask [ceil(V / 32)] int32."""
     ids = np.asarray(list(token_ids), np.int64)

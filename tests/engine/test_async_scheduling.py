@@ -38,6 +38,8 @@ CASES = {
     "logit_bias": SamplingParams(temperature=0.0, max_tokens=12, logit_bias={40: 5.0, 41: -100.0}, ignore_eos=True),
     "n3": SamplingParams(n=3, temperature=1.0, seed=13, max_tokens=12, ignore_eos=True),
     "bad_words": SamplingParams(temperature=1.0, seed=17, max_tokens=12, bad_words=["b", "cd"], ignore_eos=True),
+    "allowed": SamplingParams(temperature=1.0, seed=19, max_tokens=12, allowed_token_ids=list(range(30, 60)),
+                              ignore_eos=True),
 }
 
 

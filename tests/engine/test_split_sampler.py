@@ -28,6 +28,8 @@ CASES = {
     "logit_bias": SamplingParams(temperature=0.0, max_tokens=12, logit_bias={40: 5.0, 41: -100.0}, ignore_eos=True),
     "min_tokens": SamplingParams(temperature=0.0, max_tokens=20, min_tokens=12, stop_token_ids=[5, 6, 7]),
     "bad_words": SamplingParams(temperature=0.0, max_tokens=12, bad_words=["b", "cd"], ignore_eos=True),
+    "allowed": SamplingParams(temperature=1.0, seed=19, max_tokens=12, allowed_token_ids=list(range(30, 60)),
+                              ignore_eos=True),
     "stop_strings": SamplingParams(temperature=1.0, seed=11, max_tokens=30, stop=["ab", "q"]),
     "n3": SamplingParams(n=3, temperature=1.0, seed=13, max_tokens=12, ignore_eos=True),
 }

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.entrypoints.llm import RequestFailedError
 from jaxpaged.sampling_params import StructuredOutputsParams
 from tests.tiny_hf import make_tiny_hf_model
 
@@ -272,6 +273,40 @@ def test_bad_words_are_never_generated(llm):
     assert out[:start + 1] == free[:start + 1]  # the word's first token is fine; its second is not
 
 
+def test_allowed_token_ids_limit_what_is_generated(llm):
+    """vLLM's allowed_token_ids: a greedy request takes the best allowed token (the one a +100 bias on each allowed
+    token picks); sampled ones never leave the set, with a grammar too; a set that leaves nothing to generate fails
+    that request alone, and its batch goes on."""
+    free = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    allowed = sorted({t for t in range(40, 90)} - set(free[:1]))
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                   allowed_token_ids=allowed), use_tqdm=False)[0].outputs[0]
+    biased = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                   logit_bias={t: 100 for t in allowed[:300]}), use_tqdm=False)
+    assert greedy.token_ids == biased[0].outputs[0].token_ids and greedy.token_ids[0] != free[0]
+    sampled = llm.generate([PROMPT] * 3, [SamplingParams(temperature=1.5, seed=s, max_tokens=16, ignore_eos=True,
+                                                         allowed_token_ids=allowed) for s in range(3)], use_tqdm=False)
+    assert all(set(c.token_ids) <= set(allowed) for o in sampled for c in o.outputs)
+    tok = llm.engine.tokenizer
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    grammar = StructuredOutputsParams(regex="[0-9]{1,5}")
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=0, max_tokens=8, structured_outputs=grammar,
+                                                allowed_token_ids=digits[:3] + [tok.eos_token_id]),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[0-2]{1,5}", out.text), out.text
+    # a grammar of letters, only digits allowed: no token can follow; that request fails, naming why
+    bad = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"),
+                         allowed_token_ids=digits)
+    with pytest.raises(RequestFailedError, match="no token may follow"):
+        llm.generate([PROMPT], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="^allowed_token_ids must be in"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens bans"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[tok.eos_token_id], min_tokens=1), use_tqdm=False)
+    assert llm.stats()["num_used"] == 0
+
+
 def test_stop_strings_with_regex_characters_work_literally(llm):
     tok = llm.engine.tokenizer
     for special in ("*", "(", "[", "\\", "?", "+", "|", "$", "^", "{"):
@@ -303,6 +338,10 @@ def test_stop_strings_with_regex_characters_work_literally(llm):
     ({"bad_words": "x"}, "bad_words"),
     ({"bad_words": [""]}, "bad_words"),
     ({"structured_outputs": 5}, "structured_outputs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [1.0]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
 ])
 def test_bad_sampling_controls_name_the_field(kwargs, field):
     with pytest.raises((ValueError, TypeError)) as e:

@@ -105,6 +105,9 @@ def test_json_object_guided_and_structured_outputs_fields(client):
     ({"logit_bias": {"5": 500}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"bad_words": [""]}, "bad_words"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [99999999]}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["5"]}, "allowed_token_ids.0"),
 ])
 def test_bad_structured_and_sampling_fields_are_400_naming_the_field(server, extra, param):
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
@@ -129,6 +132,25 @@ def test_sampling_controls_over_http(client, server):
     assert penalized[0] == penalized[1] != free
     stop = client.completions.create(**kwargs, stop=["(.*", "[a-z]+"]).choices[0]
     assert stop.text == free and stop.finish_reason == "length"
+
+
+def test_allowed_token_ids_over_http(server):
+    """vLLM's allowed_token_ids: every generated token is one of them; with a grammar that allows none of them, the
+    request is a 400 in the grammar's words (the request's own fault), not a server error."""
+    allowed = list(range(60, 70))
+    status, raw = post(f"{server.url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 8,
+                                                         "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                                                         "logprobs": 3, "allowed_token_ids": allowed})
+    assert status == 200, raw
+    texts = set()
+    for t in allowed:
+        status, one = post(f"{server.url}/detokenize", {"tokens": [t]})
+        texts.add(one["prompt"])
+    chosen = raw["choices"][0]["logprobs"]["tokens"]
+    assert len(chosen) == 8 and set(chosen) <= texts, (chosen, texts)
+    status, out = post(f"{server.url}/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                                             "allowed_token_ids": allowed, "guided_regex": "[0-9]+"})
+    assert status == 400 and out["error"]["code"] == "grammar_failed" and "no token" in out["error"]["message"], out
 
 
 def test_named_tool_choice_gives_a_valid_call_and_streams_the_same(client):

@@ -327,3 +327,22 @@ def test_a_verifying_step_is_shaped_by_its_rows():
         if len(prompts) == 1:
             assert {(lay.num_tokens, lay.num_seqs) for _, lay in verifying} == {(4, 1)}
         assert {lay.key for _, lay in used} <= set(runner.all_shapes())
+
+
+def test_allowed_token_ids_do_not_speculate():
+    """allowed_token_ids mask decoding, not verification: such a request decodes one token per step, with the tokens
+    it gets without speculation, all from the set (greedy decoding would leave it)."""
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    allowed = list(range(CONFIG.vocab_size // 2))
+    runs = []
+    for spec in (None, FULL_DRAFT):
+        llm = tiny_llm(CONFIG, PARAMS, speculative_config=spec, max_num_seqs=8, num_blocks=80)
+        unmasked = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, free, use_tqdm=False)]
+        before = llm.stats()["spec_proposed_tokens"]
+        outs = llm.generate(PROMPTS, dataclasses.replace(free, allowed_token_ids=allowed), use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], before, llm.stats()["spec_proposed_tokens"] - before,
+                     unmasked))
+    assert runs[1][0] == runs[0][0] and runs[1][2] == 0
+    assert runs[1][1] > 0  # the unmasked requests before them did speculate
+    assert any(max(ids) >= len(allowed) for ids in runs[0][3])
+    assert all(max(ids) < len(allowed) for ids in runs[0][0])

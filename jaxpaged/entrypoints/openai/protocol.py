@@ -101,6 +101,7 @@ class _SamplingRequest(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens; -1: max_model_len
+    allowed_token_ids: list[int] | None = None
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -173,7 +174,8 @@ class _SamplingRequest(_Body):
                 skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=bias, bad_words=self.bad_words, structured_outputs=structured)
+                logit_bias=bias, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=structured)
         except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
             field = re.match(r"[a-z_]+", str(e))
             raise OpenAIError(str(e), param=field.group(0) if field else None) from e
