@@ -284,7 +284,12 @@ class SamplingParams:
             raise TypeError(f"allowed_token_ids must be a list of token ids, got {type(ids).__name__}")
         if not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
             raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got {len(ids)}")
-        for t in ids:
+        if all(type(t) is int for t in ids):  # the common case, checked in bulk (a long list reaches the event loop)
+            lo, hi = min(ids), max(ids)
+            if lo < 0 or hi > 2**31 - 1:
+                raise ValueError(f"allowed_token_ids must be in [0, 2**31), got {lo if lo < 0 else hi}")
+            return list(ids)
+        for t in ids:  # names the first value that is not an int in range
             _int("allowed_token_ids", t, 0, 2**31 - 1)
         return [int(t) for t in ids]
 
@@ -296,9 +301,9 @@ class SamplingParams:
         bad = [t for t in self.logit_bias if t >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
-        bad = [t for t in self.allowed_token_ids or () if t >= vocab_size]
-        if bad:
-            raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary); got {bad[0]}")
+        if self.allowed_token_ids and max(self.allowed_token_ids) >= vocab_size:
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}) (the vocabulary); got "
+                             f"{max(self.allowed_token_ids)}")
 
     @property
     def has_penalties(self) -> bool:

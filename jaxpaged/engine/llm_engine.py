@@ -424,7 +424,7 @@ class Engine:
     def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
         allowed tokens, and its allowed_token_ids, minus its bad words (one-token words always, longer ones when the
-        rest was just generated). ValueError when that leaves no token."""
+        rest was just generated). GrammarError (the request's own fault) when that leaves no token."""
         matcher = self._matcher(req, seq)
         if matcher is None and not req.bad_words_ids and req.allowed_mask is None:
             return None
