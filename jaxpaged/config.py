@@ -161,8 +161,12 @@ class SchedulerConfig:
     # decode steps' time minus one (the scheduler's StepPacer adapts the prompt-token bound to measured step times,
     # with max_prefill_tokens_while_decoding as its ceiling). None: the fixed bound alone.
     max_decode_slowdown: float | None = None
+    # "fcfs": requests in arrival order; "priority": by their priority (lower first), then arrival
+    policy: str = "fcfs"
 
     def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.policy!r} must be 'fcfs' or 'priority'")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens < 16:

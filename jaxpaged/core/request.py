@@ -51,6 +51,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_preemptions: int = 0
     sample_index: int = 0  # which of the request's n samples this is
+    priority: int = 0  # the priority scheduling policy's: lower runs first (then arrival)
     # n > 1: the parent prefills all but the last prompt token, then forks this many children that share its blocks
     fork_pending: int = 0
     # beam search: running slots the request will take once its beams fork (beam_width - 1 before the first step)
@@ -89,7 +90,8 @@ class Sequence:
                         max_model_len=self.max_model_len, arrival_time=self.arrival_time,
                         num_computed_tokens=self.num_computed_tokens,
                         num_cached_prompt_tokens=self.num_cached_prompt_tokens, sample_index=sample_index,
-                        cum_logprob=cum_logprob, stop_ids=self.stop_ids, draft_stale=self.draft_stale)
+                        cum_logprob=cum_logprob, stop_ids=self.stop_ids, draft_stale=self.draft_stale,
+                        priority=self.priority)
 
     def resolve(self, token: int) -> None:
         """The oldest placeholder's value has reached the host."""

@@ -20,6 +20,9 @@ Policy (first-come-first-served), in one of two forms picked by the attention ba
 - When a decode cannot get a block, the newest running request is preempted whole: its blocks are freed and it
   is recomputed later (default), or swapped to the host pool when `preemption_mode="swap"`. Preempted requests
   go back ahead of every request that arrived after them, so earlier requests are never starved by later ones.
+- `policy="priority"` (vLLM's priority scheduling) orders all of the above by (priority, arrival) instead of arrival
+  alone: the waiting queue admits the lowest priority value first, and preemption takes the running request with
+  the highest value, the newest among equals. Swapped requests still come back before any waiting one is admitted.
 
 Asynchronous scheduling: `schedule` commits the step it returns at once (num_computed_tokens advanced, a placeholder
 counted for every token the step samples), so the next step can be scheduled before this one's tokens reach the
@@ -148,8 +151,8 @@ class Scheduler:
         self.cache_config = cache_config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # arrival order
-        self.swapped: list[Sequence] = []  # arrival order
+        self.running: list[Sequence] = []  # in `_order`: arrival (priority first under priority scheduling)
+        self.swapped: list[Sequence] = []  # in `_order`
         self.num_preemptions = {"recompute": 0, "swap": 0}
         self._last_was_prefill = False
         # Running sequences plus the seats their requests will take when they fork: the n - 1 samples of a parent
@@ -167,7 +170,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.config.policy == "priority" and self.waiting and _order(seq) < _order(self.waiting[-1]):
+            self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -239,7 +245,7 @@ class Scheduler:
         out.changed_tables = self.block_manager.pop_changed_tables()
 
     def _swap_in(self, out: SchedulerOutput) -> None:
-        # Swapped requests arrived before every waiting one: bring them back first.
+        # Swapped requests arrived before every waiting one (under fcfs): bring them back first.
         while self.swapped and self.seats_taken + _seats(self.swapped[0]) <= self.config.max_num_seqs:
             seq = self.swapped[0]
             if not self.block_manager.can_swap_in([seq.seq_id]):
@@ -424,7 +430,8 @@ class Scheduler:
         return (PREFILL_TILE - 1) * len(self.running), PREFILL_TILE - 1
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests until it fits.
+        """Gives `seq` slots for `num_tokens` tokens, preempting the newest running requests (the last in
+        `_order`: under priority scheduling, the lowest priority's newest) until it fits.
 
         Returns False when `seq` itself was the newest and got preempted.
         """
@@ -447,14 +454,17 @@ class Scheduler:
         if use_swap:
             out.blocks_to_swap_out += self.block_manager.swap_out([seq.seq_id])
             seq.status = SequenceStatus.SWAPPED
-            self._insert_by_arrival(self.swapped, seq)
+            self._insert_in_order(self.swapped, seq)
             self.num_preemptions["swap"] += 1
         else:
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.draft_stale = False  # its recompute writes a draft's K/V again, unless that step skips the draft
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)  # older than everything still waiting
+            if self.config.policy == "priority":
+                self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
+            else:
+                self.waiting.appendleft(seq)  # older than everything still waiting
             self.num_preemptions["recompute"] += 1
         out.preempted.append(seq)
         logger.info("preempted request %s (%s, %d blocks, %d tokens)", seq.request_id,
@@ -462,7 +472,7 @@ class Scheduler:
 
     def _insert_running(self, seq: Sequence) -> None:
         self.seats_taken += _seats(seq)
-        self._insert_by_arrival(self.running, seq)
+        self._insert_in_order(self.running, seq)
         self._entered[seq.seq_id] = seq
 
     def _prefilling(self) -> list[Sequence]:
@@ -474,7 +484,7 @@ class Scheduler:
             or len(s.token_ids) + s.num_placeholders == s.num_prompt_tokens)]
         if len(found) != len(self._entered):
             self._entered = {s.seq_id: s for s in found}
-        found.sort(key=_arrival)
+        found.sort(key=_order)
         return found
 
     def check_invariants(self) -> None:
@@ -490,8 +500,8 @@ class Scheduler:
         self._removed.append(seq.seq_id)
 
     @staticmethod
-    def _insert_by_arrival(queue: list[Sequence], seq: Sequence) -> None:
-        queue.insert(bisect.bisect(queue, (seq.arrival_time, seq.seq_id), key=_arrival), seq)
+    def _insert_in_order(queue: list[Sequence], seq: Sequence) -> None:
+        queue.insert(bisect.bisect(queue, _order(seq), key=_order), seq)
 
 
 def _filled(out: SchedulerOutput) -> None:
@@ -523,8 +533,9 @@ def _commit_row(out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.drafts.append(False)
 
 
-def _arrival(seq: Sequence) -> tuple[float, int]:
-    return seq.arrival_time, seq.seq_id
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    """Where a sequence goes in the scheduler's queues: by priority (0 for every request under fcfs), then arrival."""
+    return seq.priority, seq.arrival_time, seq.seq_id
 
 
 def _seats(seq: Sequence) -> int:

@@ -27,10 +27,11 @@ from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int, max_num_seqs: int,
                  grammars: GrammarCache, *, num_blocks: int, block_size: int, spec: SpeculativeConfig | None = None,
-                 drafts: bool = False, seed: int | None = None):
+                 drafts: bool = False, seed: int | None = None, policy: str = "fcfs"):
         """`num_blocks`, `block_size`: the KV pool's (a beam search must fit in it); `spec`: the engine's speculative
         decoding, `drafts` whether it proposes with a draft model (a row then keeps room for its proposals);
-        `seed`: where the seeds of requests without one come from."""
+        `seed`: where the seeds of requests without one come from; `policy`: the scheduling policy (a request's
+        priority means something under "priority" only)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids  # the engine's set, not a copy
@@ -40,14 +41,16 @@ class InputProcessor:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.spec, self.drafts = spec, drafts
         self._rng = np.random.default_rng(seed)
+        self.policy = policy
 
     def request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> Request:
+                arrival_time: float | None = None, priority: int = 0) -> Request:
         """A request with its first sequence (n > 1 forks after the prompt). Raises ValueError / TypeError naming the
         problem."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
+        self.check_priority(priority)
         text, token_ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             tokenized = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
@@ -70,7 +73,7 @@ class InputProcessor:
             raise ValueError("allowed_token_ids holds only EOS and stop tokens, which min_tokens bans: no token could "
                              "be generated")
         parent = Sequence(request_id, token_ids, params, max_model_len=self.max_model_len, arrival_time=arrival,
-                          fork_pending=params.n - 1, stop_ids=stop_ids)
+                          fork_pending=params.n - 1, stop_ids=stop_ids, priority=priority)
         allowed = None
         if params.allowed_token_ids is not None:
             allowed = np.zeros(bitmask_words(self.vocab_size), np.int32)
@@ -114,6 +117,15 @@ class InputProcessor:
         parent = Sequence(request_id, token_ids, sp, max_model_len=self.max_model_len,
                           extra_beams=params.beam_width - 1)
         return Request(request_id, text, [parent], 0, parent.arrival_time, beam=state)
+
+    def check_priority(self, priority) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise TypeError(f"priority must be an integer, got {type(priority).__name__}")
+        if not -2**63 <= priority < 2**63:
+            raise ValueError(f"priority={priority} must fit in 64 bits")
+        if priority and self.policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority' (this engine's is "
+                             f"{self.policy!r})")
 
     def bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (vLLM's rule: a word is banned at the start of the text and

@@ -123,7 +123,8 @@ class Engine:
                                      self.scheduler_config.max_num_seqs, self.grammars,
                                      num_blocks=self.block_manager.num_blocks,
                                      block_size=self.cache_config.block_size, spec=self.spec,
-                                     drafts=self.runner.drafts, seed=config.seed)
+                                     drafts=self.runner.drafts, seed=config.seed,
+                                     policy=self.scheduler_config.policy)
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         # The host pool of swapped-out blocks, one array per pool array (K, V[, a draft model's K, V]):
         # [L, num_cpu_blocks, BS, Hkv, D], made at the first swap-out, indexed by host block id.
@@ -165,16 +166,16 @@ class Engine:
     # ---- requests -----------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queues a request. Raises ValueError / TypeError naming the problem for bad input; the engine state is then
-        unchanged."""
-        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+        unchanged. priority: lower runs first, under scheduling_policy="priority" (else it must be 0)."""
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time, priority))
 
     def make_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Checks and tokenizes a request without queueing it (`enqueue` does), so a batch can be all or nothing."""
         self._check_request_id(request_id)
-        return self.inputs.request(request_id, prompt, params, arrival_time)
+        return self.inputs.request(request_id, prompt, params, arrival_time, priority)
 
     def make_beam_request(self, request_id: str, prompt: str | list[int] | dict,
                           params: BeamSearchParams) -> Request:

@@ -25,6 +25,7 @@ class EngineOptions(TypedDict, total=False):
     enable_prefix_caching: bool
     swap_space: float
     preemption_mode: str
+    scheduling_policy: str
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None

@@ -52,6 +52,9 @@ class EngineConfig:
     swap_space: float = _option(0.0, "GiB of host memory for swapped-out blocks")
     preemption_mode: str = _option("recompute", "what preemption does with a request's blocks",
                                    ("recompute", "swap"))
+    scheduling_policy: str = _option("fcfs", "which requests run first: fcfs (arrival order), or priority (each "
+                                             "request's priority, lower first, then arrival; the lowest runs out "
+                                             "first when the pool is short)", ("fcfs", "priority"))
     max_num_seqs: int = _option(64, "sequences per step")
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
     max_prefill_tokens_while_decoding: int | None = _option(
@@ -143,7 +146,8 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                               max_decode_slowdown=self.max_decode_slowdown, max_model_len=max_model_len)
+                               max_decode_slowdown=self.max_decode_slowdown, max_model_len=max_model_len,
+                               policy=self.scheduling_policy)
 
 
 _TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None), "dict": dict,

@@ -71,6 +71,7 @@ class _Add:
     requests: list[tuple[str, str | list[int] | dict, SamplingParams]]  # (request id, prompt, params)
     arrival_time: float
     done: concurrent.futures.Future  # set (or failed with the engine's ValueError) once the engine has them
+    priority: int = 0  # the scheduler's, for all of them (scheduling_policy="priority")
 
 
 @dataclasses.dataclass
@@ -237,19 +238,20 @@ class AsyncEngine:
     # ---- requests ---------------------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                          params: SamplingParams | None = None) -> RequestStream:
+                          params: SamplingParams | None = None, priority: int = 0) -> RequestStream:
         """Hands a request to the engine and waits until the engine has queued it.
 
         Raises ValueError / TypeError (bad input, from `Engine.make_request`), EngineOverloadedError (the waiting
         queue is full) or EngineStoppedError (shutting down). On success the returned stream yields the request's
         outputs.
         """
-        (stream,) = await self.add_requests([(request_id, prompt, params)])
+        (stream,) = await self.add_requests([(request_id, prompt, params)], priority)
         return stream
 
-    async def add_requests(self, requests: list[tuple[str, str | list[int] | dict, SamplingParams | None]]
-                           ) -> list[RequestStream]:
-        """Queues several requests in one engine iteration, all or none (the prompts of one API call).
+    async def add_requests(self, requests: list[tuple[str, str | list[int] | dict, SamplingParams | None]],
+                           priority: int = 0) -> list[RequestStream]:
+        """Queues several requests in one engine iteration, all or none (the prompts of one API call), each with
+        `priority` (lower first, under scheduling_policy="priority").
 
         More requests than `max_waiting` can never be queued at once: ValueError, not EngineOverloadedError.
         """
@@ -276,7 +278,7 @@ class AsyncEngine:
             self._streams.update(zip(ids, streams, strict=True))
             self._pending_adds += len(requests)
             self._commands.append(_Add([(rid, prompt, params or SamplingParams()) for rid, prompt, params in requests],
-                                       time.monotonic(), done))
+                                       time.monotonic(), done, priority))
             self._cond.notify()
         try:
             await asyncio.wrap_future(done)
@@ -289,9 +291,9 @@ class AsyncEngine:
         return streams
 
     async def generate(self, request_id: str, prompt: str | list[int] | dict,
-                       params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative outputs until it finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, priority)
         async with stream:
             async for out in stream:
                 yield out
@@ -456,7 +458,8 @@ class AsyncEngine:
             added = []
             if cmd.done.set_running_or_notify_cancel():  # else the caller gave up before the engine saw it
                 try:
-                    made = [self.engine.make_request(rid, prompt, params, arrival_time=cmd.arrival_time)
+                    made = [self.engine.make_request(rid, prompt, params, arrival_time=cmd.arrival_time,
+                                                     priority=cmd.priority)
                             for rid, prompt, params in cmd.requests]
                     for req in made:
                         self.engine.enqueue(req)

@@ -138,10 +138,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order.
 
         prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} / {"prompt": "..."}.
+        priority: one per prompt, lower first (with scheduling_policy="priority", as vLLM's).
         A prompt that is bad input raises ValueError before anything runs.
         """
         prompts = _as_list(prompts)
@@ -152,11 +153,16 @@ class LLM:
                             f"{type(sampling_params).__name__} {sampling_params!r}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        if priority is None:
+            priority = [0] * len(prompts)
+        elif not isinstance(priority, (list, tuple)) or len(priority) != len(prompts):
+            raise ValueError(f"priority must be a list of one integer per prompt ({len(prompts)}), got {priority!r}")
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         # One output per request, when it finishes: no cumulative copies of every request at every step, and its
         # text decoded once then (unless it has stop strings to look for).
-        return self._run(self._add_all([self.engine.make_request(rid, prompt, _final_only(params))
-                                        for rid, prompt, params in zip(ids, prompts, sampling_params, strict=True)]),
+        return self._run(self._add_all([self.engine.make_request(rid, prompt, _final_only(params), priority=p)
+                                        for rid, prompt, params, p in zip(ids, prompts, sampling_params, priority,
+                                                                          strict=True)]),
                          use_tqdm)
 
     def _add_all(self, requests: list[Request]) -> list[Request]:

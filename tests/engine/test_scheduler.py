@@ -306,3 +306,26 @@ def test_mixed_steps_take_half_as_many_sequence_rows_as_tokens_and_compile_nothi
     assert all(n <= key[1] for key, n in mixed)
     assert any(key[0] == 64 and key[1] == 32 for key, _ in mixed)
     assert any(key[0] == 128 and n > 32 for key, n in mixed)  # more sequences than T = 64 takes: the next T
+
+
+def test_priority_scheduling_runs_lower_values_first_with_the_same_outputs(prompts, reference):
+    """scheduling_policy="priority": one seat, so requests run one after another in priority order (each one's
+    first token after the previous one's); every output is the same as alone, in a pool so small that requests
+    preempt each other; a priority under fcfs, or of the wrong type, is refused naming it."""
+    llm = make_llm(scheduling_policy="priority", max_num_seqs=1)
+    priority = [3, -1, 2, 0]
+    outs = llm.generate(prompts[:4], GREEDY, use_tqdm=False, priority=priority)
+    firsts = [o.metrics["first_token_time"] for o in outs]
+    assert sorted(range(4), key=lambda i: firsts[i]) == sorted(range(4), key=lambda i: priority[i])
+    assert [o.outputs[0].token_ids for o in outs] == reference[:4]
+    small = make_llm(scheduling_policy="priority", num_blocks=24)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False, priority=[i % 3 for i in range(len(prompts))])
+    assert [o.outputs[0].token_ids for o in outs] == reference and small.stats()["preemptions"] > 0
+    with pytest.raises(ValueError, match="^priority=1 needs scheduling_policy='priority'"):
+        make_llm().generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(TypeError, match="^priority must be an integer"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1.5])
+    with pytest.raises(ValueError, match="one integer per prompt"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_llm(scheduling_policy="lifo")

@@ -174,6 +174,7 @@ SAMPLING = {
     "skip_special_tokens": mostly(st.booleans()), "include_stop_str_in_output": mostly(st.booleans()),
     "truncate_prompt_tokens": mostly(st.integers(-1, 600), wrong_ints),
     "allowed_token_ids": mostly(st.lists(token_ids, min_size=1, max_size=5), st.lists(wrong_ints, max_size=2)),
+    "priority": mostly(st.integers(-3, 3), wrong_ints),
 }
 COMPLETION = {**SAMPLING, "logprobs": mostly(st.integers(0, 5), wrong_ints), "echo": mostly(st.booleans()),
               "best_of": mostly(st.integers(1, 3), wrong_ints), "suffix": mostly(st.none(), strings)}

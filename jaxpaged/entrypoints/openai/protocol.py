@@ -102,6 +102,7 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens; -1: max_model_len
     allowed_token_ids: list[int] | None = None
+    priority: int = Field(0, ge=-2**63, lt=2**63)  # lower first, with --scheduling-policy priority
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

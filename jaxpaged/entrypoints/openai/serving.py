@@ -136,7 +136,8 @@ class OpenAIServing:
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
         structured, grammar_param = await self._structured(body)
         ctx = await self._start("cmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.logprobs, structured), grammar_param)
+                                body.sampling_params(max_tokens, body.logprobs, structured), grammar_param,
+                                body.priority)
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -163,7 +164,8 @@ class OpenAIServing:
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         structured, grammar_param = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.engine_logprobs, structured), grammar_param)
+                                body.sampling_params(max_tokens, body.engine_logprobs, structured), grammar_param,
+                                body.priority)
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
@@ -448,20 +450,20 @@ class OpenAIServing:
         return max_tokens
 
     async def _start(self, id_prefix: str, model: str, n: int, prompts: list[_Prompt], params,
-                     grammar_param: str | None = None) -> _Context:
+                     grammar_param: str | None = None, priority: int = 0) -> _Context:
         """Submits the prompts as one OpenAI request, id `<id_prefix>-<hex>`; the context merges their streams.
         grammar_param: the field whose grammar constrains the output."""
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, prompts, params)
+        streams = await self._add(request_id, prompts, params, priority)
         return _Context(request_id, model, int(time.time()), n, prompts, streams, self, grammar_param)
 
-    async def _add(self, request_id: str, prompts: list[_Prompt], params) -> list[RequestStream]:
+    async def _add(self, request_id: str, prompts: list[_Prompt], params, priority: int = 0) -> list[RequestStream]:
         """Queues every prompt of the request in one engine iteration, or none of them."""
         rids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
         try:
             return await self.engine.add_requests(
                 [(rid, {"prompt": p.text, "prompt_token_ids": p.token_ids}, params)
-                 for rid, p in zip(rids, prompts, strict=True)])
+                 for rid, p in zip(rids, prompts, strict=True)], priority)
         except BaseException as e:
             if isinstance(e, (ValueError, TypeError)):
                 # The engine's checks start with the field they are about ("stop_token_ids must be in ...").
