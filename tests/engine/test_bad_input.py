@@ -27,6 +27,18 @@ def still_serves(llm):
     assert not llm.engine.requests
 
 
+def tokenizer_llm(chat_template: str | None = None, tok=None) -> tuple[LLM, object]:
+    """An LLM of random weights with the tiny HF tokenizer (or `tok`), given this chat template; and the tokenizer."""
+    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
+
+    tok = tok or make_tiny_tokenizer()
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    config = tiny_config(vocab_size=TINY_VOCAB)
+    return LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
+                           precompile=False, show_progress=False), tok
+
+
 def test_prompt_longer_than_the_context(llm):
     with pytest.raises(ValueError, match="longer than the context.*max_model_len=64"):
         llm.generate([{"prompt_token_ids": [3] * 64}], use_tqdm=False)
@@ -274,14 +286,8 @@ def test_requests_too_big_for_the_engine_are_refused_and_leak_nothing(llm):
 
 def test_llm_chat_renders_tools_through_the_template():
     """LLM.chat(tools=...) hands OpenAI function definitions to the chat template, as vLLM's LLM.chat does."""
-    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
-
-    tok = make_tiny_tokenizer()
-    tok.chat_template = ("{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
-                         "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}")
-    config = tiny_config(vocab_size=TINY_VOCAB)
-    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
-                          precompile=False, show_progress=False)
+    llm, tok = tokenizer_llm("{% if tools %}tools: {% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+                             "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}")
     conversation = [{"role": "user", "content": "what is the weather"}]
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     with_tools = llm.apply_chat_template(conversation, tools=tools)
@@ -320,14 +326,8 @@ def test_chat_template_options_continue_the_last_message_and_reach_the_template(
     """vLLM's continue_final_message (the assistant's last message left open) and chat_template_kwargs (variables
     for the template), in LLM.chat and apply_chat_template; options that cannot apply are ValueErrors naming the
     field, before anything is rendered or queued."""
-    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
-
-    tok = make_tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}{% if shout %}loud {% endif %}")
-    config = tiny_config(vocab_size=TINY_VOCAB)
-    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
-                          precompile=False, show_progress=False)
+    llm, tok = tokenizer_llm("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
+                             "{% if add_generation_prompt %}assistant: {% endif %}{% if shout %}loud {% endif %}")
     ask = [{"role": "user", "content": "tell a story"}]
     begun = ask + [{"role": "assistant", "content": "once upon"}]
     assert llm.apply_chat_template(ask, chat_template_kwargs={"shout": True}) == \
@@ -356,7 +356,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_a_leading_bos():
     from tokenizers.processors import TemplateProcessing
 
     from jaxpaged.engine.input_processor import truncate_prompt
-    from tests.tiny_hf import TINY_VOCAB, make_tiny_tokenizer
+    from tests.tiny_hf import make_tiny_tokenizer
 
     assert truncate_prompt([1, 5, 6, 7, 8], 3, bos_token_id=1) == [1, 7, 8]
     assert truncate_prompt([1, 5, 6, 7, 8], 3) == [6, 7, 8]
@@ -365,9 +365,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_a_leading_bos():
     tok = make_tiny_tokenizer()  # made to put its BOS first, as Llama's and Gemma's tokenizers do
     tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
                                                               special_tokens=[(tok.bos_token, tok.bos_token_id)])
-    config = tiny_config(vocab_size=TINY_VOCAB)
-    llm = LLM.from_params(config, random_params(config), tok, max_model_len=64, block_size=8, num_blocks=40,
-                          precompile=False, show_progress=False)
+    llm, _ = tokenizer_llm(tok=tok)
     text = "the block cache holds the tokens of every request " * 4
     full = list(tok(text)["input_ids"])
     assert len(full) > 8 and full[0] == tok.bos_token_id
