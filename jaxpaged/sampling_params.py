@@ -153,6 +153,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return the chosen token's logprob (and the top-k ones if > 0)
     skip_special_tokens: bool = True
+    detokenize: bool = True  # vLLM's: False gives token ids only (text ""), saving the decoding
     presence_penalty: float = 0.0  # OpenAI's: minus this for every token generated at least once
     frequency_penalty: float = 0.0  # minus this times how often each token was generated
     repetition_penalty: float = 1.0  # HF's: logits of prompt or generated tokens divided (> 0) or multiplied by it
@@ -186,9 +187,11 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _bool(name, getattr(self, name))
         self.stop = self._stop_strings(self.stop)
+        if self.stop and not self.detokenize:
+            raise ValueError("detokenize=False cannot look for stop strings: they are found in the text")
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             value = _float(name, getattr(self, name))

@@ -45,7 +45,7 @@ class RequestState:
         self.arrival_time = arrival_time
         self.kind = params.output_kind
         # decoded as it grows: someone reads it as it grows, or a stop string must be found in it
-        self.incremental = self.kind != RequestOutputKind.FINAL_ONLY or bool(params.stop)
+        self.incremental = params.detokenize and (self.kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
         self.seqs: dict[int, _SeqState] = {}
         self.finished = False
         self._stopped: list[int] = []  # sequences a stop string ended here that the engine has not been told of
@@ -135,7 +135,7 @@ class RequestState:
     def _text(self, seq: _SeqState, done: bool) -> str:
         if seq.detokenizer is not None:
             return seq.detokenizer.visible_text(done)
-        if self.tokenizer is None or not seq.token_ids:
+        if self.tokenizer is None or not seq.token_ids or not self.params.detokenize:
             return ""
         return self.tokenizer.decode(seq.token_ids, skip_special_tokens=self.params.skip_special_tokens)
 

@@ -136,6 +136,10 @@ class LLM:
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The tokenizer prompts are encoded with (vLLM's name; the same as `tokenizer`)."""
+        return self.engine.tokenizer
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:

@@ -383,3 +383,33 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end_and_a_leading_bos():
         with pytest.raises((ValueError, TypeError), match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
     still_serves(llm)
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text():
+    """vLLM's detokenize=False: token ids (and log-probs) as with text, the text empty, in every output kind; stop
+    strings need the text, so they are refused with it."""
+    from jaxpaged.engine.output_processor import RequestState
+    from jaxpaged.sampling_params import RequestOutputKind
+
+    llm, tok = tokenizer_llm()
+    assert llm.get_tokenizer() is tok is llm.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    prompt = "the block cache holds"
+    with_text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert with_text.text
+    for kind in RequestOutputKind:
+        bare = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1, detokenize=False,
+                              output_kind=kind)
+        req = llm.engine.make_request(f"detok-{kind.name}", prompt, bare)
+        state = RequestState(tok, req.request_id, req.prompt, req.seqs[0].prompt_token_ids, bare, 0.0)
+        llm.engine.enqueue(req)
+        outs = []
+        while llm.engine.has_unfinished_requests():
+            outs += [got.outputs[0] for out in llm.engine.step() if (got := state.update(out)) is not None]
+        parts = outs if kind == RequestOutputKind.DELTA else outs[-1:]  # deltas add up; the others are cumulative
+        assert [t for o in parts for t in o.token_ids] == with_text.token_ids
+        assert [lp for o in parts for lp in o.logprobs] == with_text.logprobs and {o.text for o in outs} == {""}
+    with pytest.raises(ValueError, match="^detokenize=False cannot look for stop strings"):
+        SamplingParams(stop=["x"], detokenize=False)
+    with pytest.raises(TypeError, match="^detokenize"):
+        SamplingParams(detokenize="no")
