@@ -151,8 +151,8 @@ def device_step_ms(engine, calls: int = 20) -> float:
     times = []
     for _ in range(calls):
         t0 = time.perf_counter()
-        tokens, _, pool, draft_pool = step(runner.param_leaves, pool, prev, runner._arg(buf), extras,
-                                           runner.draft_leaves, draft_pool)
+        tokens, _, pool, draft_pool, _ = step(runner.param_leaves, pool, prev, runner._arg(buf), extras,
+                                              runner.draft_leaves, draft_pool)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t0)
     runner.kv_pool, runner.draft_pool = pool, draft_pool

@@ -69,9 +69,9 @@ def replay(runner, inputs):
     exe = runner._executable(inputs.layout)
 
     def run():
-        tokens, out, runner.kv_pool, runner.draft_pool = exe(runner.param_leaves, runner.kv_pool,
-                                                             runner.prev_tokens, inputs.buf, runner._extras(inputs),
-                                                             runner.draft_leaves, runner.draft_pool)
+        tokens, out, runner.kv_pool, runner.draft_pool, _ = exe(runner.param_leaves, runner.kv_pool,
+                                                                runner.prev_tokens, inputs.buf, runner._extras(inputs),
+                                                                runner.draft_leaves, runner.draft_pool)
         return tokens
 
     return exe, run

@@ -26,6 +26,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # arrival, first_token, finished times
     error: str | None = None  # set when the request failed inside the engine (the other requests went on)
+    # SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} of its top-k and itself given the tokens
+    # before it (None for the first token)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,3 +56,4 @@ class EngineOutput:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     error: str | None = None  # the request failed inside the engine (the other requests went on)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, complete (SamplingParams.prompt_logprobs)

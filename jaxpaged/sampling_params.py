@@ -152,6 +152,8 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # return the chosen token's logprob (and the top-k ones if > 0)
+    # vLLM's: each prompt token's logprob given the tokens before it (the first has none), and the top-k ones
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     detokenize: bool = True  # vLLM's: False gives token ids only (text ""), saving the decoding
     presence_penalty: float = 0.0  # OpenAI's: minus this for every token generated at least once
@@ -187,6 +189,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
         _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, none_ok=True)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _bool(name, getattr(self, name))
         self.stop = self._stop_strings(self.stop)

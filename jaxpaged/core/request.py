@@ -153,6 +153,10 @@ class Request:
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
     allowed_mask: object | None = None  # allowed_token_ids as a bitmask [ceil(V / 32)] int32 (the engine's)
+    # prompt_logprobs: one entry per prompt position scored so far ({token id: logprob}, the prompt's own token
+    # among them; None for the first token), complete at num_prompt_tokens entries; None when not asked for
+    prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False  # handed out in an output already
     # Its new tokens go out after every step (output kind not FINAL_ONLY, or stop strings for the output processor
     # to look for); else once, when it finishes.
     streams: bool = True
@@ -174,7 +178,7 @@ class Request:
         self.needs_host_tokens = (self.beam is not None or self.grammar is not None
                                   or any(len(w) > 1 for w in self.bad_words_ids))
         self.masks_need_tokens = self.needs_host_tokens and self.beam is None
-        self.plain = self.beam is None and self.grammar is None and p.logprobs is None
+        self.plain = self.beam is None and self.grammar is None and p.logprobs is None and p.prompt_logprobs is None
 
     @property
     def params(self) -> SamplingParams:

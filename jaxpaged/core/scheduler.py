@@ -294,7 +294,9 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_placeholders or self.seats_taken + _seats(seq) > self.config.max_num_seqs:
                 return  # a preempted sequence whose last token is still on the device waits for it
-            if seq.num_computed_tokens == 0 and self.cache_config.enable_prefix_caching:
+            # (a request that wants its prompt's log-probs computes every prompt token: no prefix-cache hit)
+            if (seq.num_computed_tokens == 0 and self.cache_config.enable_prefix_caching
+                    and seq.params.prompt_logprobs is None):
                 hit = self.block_manager.take_cached_prefix(seq.seq_id, seq.token_ids)
                 seq.num_computed_tokens = hit
                 if seq.num_preemptions == 0:

@@ -62,6 +62,8 @@ class InputProcessor:
             raise ValueError(f"min_tokens with more than {MAX_BANNED} EOS + stop_token_ids is not supported")
         if params.n > self.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+        if params.prompt_logprobs is not None and self.spec is not None:
+            raise ValueError("prompt_logprobs is not supported with speculative decoding")
         arrival = arrival_time or time.monotonic()
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**63))
         so = params.structured_outputs
@@ -79,7 +81,7 @@ class InputProcessor:
             allowed = np.zeros(bitmask_words(self.vocab_size), np.int32)
             allow(allowed, params.allowed_token_ids)
         req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
-                      allowed_mask=allowed,
+                      allowed_mask=allowed, prompt_logprobs=None if params.prompt_logprobs is None else [None],
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
         # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
         # penalties, bias or bans: those requests decode one token a step).

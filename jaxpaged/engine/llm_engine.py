@@ -139,6 +139,7 @@ class Engine:
         self._masked_requests = 0  # unfinished requests with a grammar or bad words (a bitmask per sampling row)
         self._special_requests = 0  # unfinished requests whose tokens need more than appending (not Request.plain)
         self._streaming_requests = 0  # unfinished requests with an output at every step (Request.streams)
+        self._scoring_requests = 0  # unfinished requests that want their prompt's log-probs (prompt_logprobs)
         self.counters = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
                          "generation_tokens": 0, "finished_requests": 0, "aborted_requests": 0, "failed_requests": 0,
                          "spec_verify_steps": 0, "spec_proposed_tokens": 0, "spec_accepted_tokens": 0}
@@ -195,6 +196,7 @@ class Engine:
         self._masked_requests += _masked(req)
         self._special_requests += not req.plain
         self._streaming_requests += req.streams
+        self._scoring_requests += req.prompt_logprobs is not None
         self.scheduler.add(req.seqs[0])
 
     def _check_request_id(self, request_id: str) -> None:
@@ -237,6 +239,7 @@ class Engine:
             self._masked_requests -= _masked(req)
             self._special_requests -= not req.plain
             self._streaming_requests -= req.streams
+            self._scoring_requests -= req.prompt_logprobs is not None
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -412,7 +415,12 @@ class Engine:
                                                         "drafts")})
 
     def _runner_prepare(self, out: SchedulerOutput, tables: dict, bitmasks: dict):
-        prepared = self.runner.prepare(out, tables, self._seed_of, bitmasks)
+        scored = None
+        if self._scoring_requests:  # the sequences whose prompt chunks this step scores (prompt_logprobs)
+            requests = self.requests
+            scored = {seq.seq_id for seq in out.seqs if (req := requests.get(seq.request_id)) is not None
+                      and req.prompt_logprobs is not None and len(req.prompt_logprobs) < seq.num_prompt_tokens}
+        prepared = self.runner.prepare(out, tables, self._seed_of, bitmasks, scored)
         if self.spec_gate is not None:  # rows that now hold new sequences start with an empty acceptance window
             self.spec_gate.reset(np.array(self.runner.input_batch.take_added_rows(), np.int64))
         return prepared
@@ -471,6 +479,8 @@ class Engine:
         # The step's device time, roughly: from when it could start (dispatched, and the one before it done).
         self.scheduler.observe_step(out, t1 - max(handle.dispatched_at, self._last_step_done))
         self._last_step_done = t1
+        if result.prompt_scores is not None:
+            self._add_prompt_logprobs(handle.rows.scored, result.prompt_scores)
         outputs = self._apply_tokens(out, result, failed)
         times.output_s += time.perf_counter() - t1
         return outputs + failed
@@ -599,6 +609,20 @@ class Engine:
         top[token] = chosen
         seq.output_top_logprobs.append(top)
 
+    def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: tuple) -> None:
+        """A scoring step's prompt log-probs, appended to each scored request's (position by position: a chunk
+        scored again after a recompute adds nothing)."""
+        logprobs, top_ids, top_logprobs = scores
+        for seq, start, r0, count in scored:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.prompt_logprobs is None or len(req.prompt_logprobs) < start + 1:
+                continue  # aborted or failed meanwhile (chunks are scored in order: never a gap)
+            k, have = req.params.prompt_logprobs, req.prompt_logprobs
+            for j in range(len(have) - start - 1, count):  # the positions not scored yet
+                top = dict(zip(top_ids[r0 + j][:k].tolist(), top_logprobs[r0 + j][:k].tolist(), strict=True))
+                top[seq.token_ids[start + j + 1]] = float(logprobs[r0 + j])
+                have.append(top)
+
     def _output(self, req: Request, finished: bool) -> EngineOutput:
         """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
         seqs = req.seqs
@@ -620,11 +644,15 @@ class Engine:
                                    seq.output_logprobs[start:] if logprobs else None,
                                    seq.output_top_logprobs[start:] if logprobs else None,
                                    seq.finish_reason, seq.stop_reason))
+        prompt_logprobs = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent and (
+                len(req.prompt_logprobs) == req.seqs[0].num_prompt_tokens):
+            prompt_logprobs, req.prompt_logprobs_sent = req.prompt_logprobs, True
         if finished:
             self._forget(req.request_id)
             self.counters["finished_requests"] += 1
         return EngineOutput(req.request_id, deltas, finished, req.seqs[0].num_cached_prompt_tokens,
-                            req.seqs[0].first_token_time)
+                            req.seqs[0].first_token_time, prompt_logprobs=prompt_logprobs)
 
     def _advance_beams(self, req: Request) -> EngineOutput | None:
         """Every live beam has its next-token log-probs: pick the next beams, fork them, free the old ones."""

@@ -52,11 +52,13 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.error: str | None = None
+        self.prompt_logprobs: list | None = None
 
     def update(self, out: EngineOutput) -> RequestOutput | None:
         """Folds one engine output in; returns what the caller should see now (None: nothing for FINAL_ONLY yet)."""
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.first_token_time = self.first_token_time or out.first_token_time
+        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
         for delta in out.deltas:
             self._add(delta)
         if out.error is not None:
@@ -130,7 +132,7 @@ class RequestState:
         if self.finished:
             metrics["finished_time"] = time.monotonic()
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), outs, self.finished,
-                             self.num_cached_tokens, metrics, self.error)
+                             self.num_cached_tokens, metrics, self.error, self.prompt_logprobs)
 
     def _text(self, seq: _SeqState, done: bool) -> str:
         if seq.detokenizer is not None:

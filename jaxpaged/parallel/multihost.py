@@ -280,13 +280,14 @@ def step_to_wire(inputs: StepInputs) -> tuple[tuple[int, ...], list[np.ndarray]]
     present = [e.name for e in EXTRAS if e.name in inputs.extras]
     flags = sum(1 << i for i, e in enumerate(EXTRAS) if e.name in inputs.extras)
     meta = (lay.num_tokens, lay.num_seqs, lay.width, lay.tile_size,
-            -1 if lay.decode_blocks is None else lay.decode_blocks, flags, int(inputs.want_logprobs), lay.spec_width)
+            -1 if lay.decode_blocks is None else lay.decode_blocks, flags, int(inputs.want_logprobs), lay.spec_width,
+            int(lay.prompt_scores))
     return meta, [inputs.buf] + [inputs.extras[name] for name in present]
 
 
 def step_from_wire(meta: tuple[int, ...], arrays: list[np.ndarray]) -> StepInputs:
-    t, s, w, tile, blocks, flags, want_logprobs, spec_width = meta
-    layout = StepLayout(t, s, w, tile, None if blocks < 0 else blocks, spec_width)
+    t, s, w, tile, blocks, flags, want_logprobs, spec_width, scores = meta
+    layout = StepLayout(t, s, w, tile, None if blocks < 0 else blocks, spec_width, prompt_scores=bool(scores))
     names = [e.name for i, e in enumerate(EXTRAS) if flags >> i & 1]
     return StepInputs(layout, arrays[0], dict(zip(names, arrays[1:], strict=True)), bool(want_logprobs))
 

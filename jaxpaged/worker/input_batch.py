@@ -50,6 +50,9 @@ class StepLayout:
     the row emits: accepted proposals, then the target's), draft_flag [S] (the draft loop proposes for the row),
     draft_run [1] (a separate draft model must run over the step's tokens: some row's chunk is not one its draft
     loop already wrote one step earlier).
+
+    A scoring step (`prompt_scores`: some row wants its prompt's log-probs) takes one more field, score_targets [T]:
+    for each token row, the prompt token that follows it (whose log-prob the step returns), -1 elsewhere.
     """
 
     num_tokens: int  # T
@@ -59,11 +62,12 @@ class StepLayout:
     decode_blocks: int | None
     spec_width: int = 0  # K: proposals a row may verify (0: a plain step)
     draft_kv: bool = True  # a separate draft model runs over the step's tokens and proposes (False: not at all)
+    prompt_scores: bool = False  # the step also returns each token row's next prompt token's log-prob (and top-k)
 
     @property
     def key(self) -> tuple:
         return (self.num_tokens, self.num_seqs, self.width, self.tile_size, self.decode_blocks, self.spec_width,
-                self.draft_kv)
+                self.draft_kv, self.prompt_scores)
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, int]]:
@@ -76,6 +80,8 @@ class StepLayout:
                  ("repetition_penalty", s)]
         if k:
             sizes += [("draft_tokens", s * k), ("num_draft", s), ("emit_pos", s), ("draft_flag", s), ("draft_run", 1)]
+        if self.prompt_scores:
+            sizes.append(("score_targets", t))
         out, o = {}, 0
         for name, n in sizes:
             out[name] = (o, o + n)
@@ -97,6 +103,8 @@ class StepLayout:
         if self.spec_width:
             self.view(buf, "draft_tokens")[:] = -1
             self.view(buf, "draft_run")[:] = 1
+        if self.prompt_scores:
+            self.view(buf, "score_targets")[:] = -1
         return buf
 
     def view(self, buf: np.ndarray, name: str, dtype=np.int32) -> np.ndarray:
@@ -113,6 +121,11 @@ class StepLayout:
 
         return (field("draft_tokens").reshape(s, k), field("num_draft"), field("emit_pos"),
                 field("draft_flag") != 0)
+
+    def score_targets(self, buf: jax.Array) -> jax.Array:
+        """Inside a scoring step: score_targets [T] int32."""
+        lo, hi = self.offsets["score_targets"]
+        return buf[lo:hi]
 
     def draft_run(self, buf: jax.Array) -> jax.Array:
         """Inside a verifying step: whether a separate draft model runs over the step's tokens (bool scalar)."""
@@ -196,6 +209,9 @@ class StepRows:
     rows: np.ndarray  # [n] int32: their rows in the persistent batch
     samples: np.ndarray  # [n] bool
     step_id: int
+    # a scoring step: (sequence, first position, first token row, count) of each prompt chunk it scores; token row
+    # r0 + j holds position start + j, scored against the prompt token at start + j + 1
+    scored: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class InputBatch:

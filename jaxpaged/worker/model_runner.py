@@ -47,6 +47,7 @@ from jaxpaged.worker.kv_pool import (
 from jaxpaged.worker.sampler import MAX_LOGPROBS
 from jaxpaged.worker.step import (
     DraftSpec,
+    PromptScores,
     Unsampled,
     VerifiedOutput,
     batch_buckets,
@@ -108,6 +109,7 @@ class StepHandle:
     dispatched_at: float
     verified: VerifiedOutput | None = None  # a verifying step's tokens, counts and proposals
     error: Exception | None = None  # its pending sampler raised (queued by a later dispatch): its fetch raises it
+    scores: PromptScores | None = None  # a scoring step's prompt log-probs
 
 
 @dataclasses.dataclass
@@ -133,6 +135,22 @@ class StepResult:
     emitted: np.ndarray | None = None  # [n, K + 1] int32 verifying: accepted proposals, the target's token, -1
     num_accepted: np.ndarray | None = None  # [n] int32
     proposals: np.ndarray | None = None  # [n, K] int32: the draft loop's, for the next step
+    # a scoring step: per token row, the next prompt token's log-prob [T], the top ids [T, MAX_LOGPROBS] and their
+    # log-probs [T, MAX_LOGPROBS]; StepRows.scored says which rows are whose
+    prompt_scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def _score_spans(out: SchedulerOutput, scored: set[int]) -> list[tuple[int, Sequence, int, int]]:
+    """(step row, sequence, first position, count) of the prompt positions this step scores: each scored
+    sequence's chunk, up to the prompt's second-to-last token (the last one is followed by the first output)."""
+    spans = []
+    for i, seq in enumerate(out.seqs):
+        if seq.seq_id in scored:
+            start = out.starts[i]
+            count = min(start + out.num_new_tokens[i], seq.num_prompt_tokens - 1) - start
+            if count > 0:
+                spans.append((i, seq, start, count))
+    return spans
 
 
 def _kernel_variant(attn, config, block_size: int, cache_dtype, draft: DraftModel | None):
@@ -298,15 +316,16 @@ class ModelRunner:
         return kept
 
     def all_shapes(self) -> list[tuple]:
-        """Every (tokens, seqs, width, tile, decode_blocks, spec_width, draft_kv) the engine can produce."""
+        """Every (tokens, seqs, width, tile, decode_blocks, spec_width, draft_kv, prompt_scores) the engine can produce
+        and compiles at start-up: all but the scoring ones (prompt_logprobs), which compile when first used."""
         # with a separate draft model, each shape twice: with the draft's run over its tokens and without
         draft_kv = (True, False) if self.draft is not None else (True,)
-        shapes = [(s, s, self.max_width, 1, b, 0, d) for s in self.decode_buckets for b in self.flat_block_buckets(s)
-                  for d in draft_kv]
+        shapes = [(s, s, self.max_width, 1, b, 0, d, False) for s in self.decode_buckets
+                  for b in self.flat_block_buckets(s) for d in draft_kv]
         # with speculation, prefill-shaped steps twice too: verifying (K + 1 logits rows per sequence), and plain for
         # the steps where no row verifies or drafts (prompts above disable_by_batch_size, a first prefill)
         spec_widths = (self.spec_width, 0) if self.spec_width else (0,)
-        shapes += [(t, self._prefill_seqs(t, k), w, self.prefill_tile, None, k, d)
+        shapes += [(t, self._prefill_seqs(t, k), w, self.prefill_tile, None, k, d, False)
                    for k in spec_widths for t in self._token_buckets(k) for w in self.prefill_widths(t, k)
                    for d in draft_kv]
         return shapes
@@ -451,16 +470,27 @@ class ModelRunner:
         self.input_batch.apply_diffs(out)
 
     def prepare(self, out: SchedulerOutput, tables: dict, seed_of: Callable[[Sequence], int],
-                bitmasks: dict[int, np.ndarray] | None = None) -> tuple[StepInputs, StepRows]:
+                bitmasks: dict[int, np.ndarray] | None = None, scored: set[int] | None = None
+                ) -> tuple[StepInputs, StepRows]:
         """The step's inputs laid out from the persistent batch (`apply_diffs` has applied the step's diffs): its
         new sequences get rows.
 
         tables: the block manager's seq_id -> block table (read for sequences that get a row); seed_of: the 63-bit
         seed of a sequence that gets a row; bitmasks: seq_id -> [ceil(V / 32)] int32 allowed tokens (structured
-        output, bad words), only for the sequences that have one."""
+        output, bad words), only for the sequences that have one; scored: the sequences whose prompt chunks in this
+        step are scored (prompt_logprobs)."""
         step_rows = self.input_batch.rows(out, tables, seed_of)
+        spans = _score_spans(out, scored) if scored and out.is_prefill else []
         layout = self.layout(out)
+        if spans:  # the same shape, scoring too (`StepLayout.prompt_scores`: compiled when first used)
+            layout = dataclasses.replace(layout, prompt_scores=True)
         inputs, rows = self.input_batch.build(out, layout, step_rows)
+        if spans:  # each scored chunk's token rows, and the prompt token each is scored against
+            targets, qsl = layout.view(inputs.buf, "score_targets"), layout.view(inputs.buf, "query_start_loc")
+            for i, seq, start, count in spans:
+                r0 = int(qsl[i])
+                targets[r0:r0 + count] = seq.token_ids[start + 1:start + 1 + count]
+                rows.scored.append((seq, start, r0, count))
         if bitmasks:
             mask = np.full(self._extra_shapes(layout.num_seqs)[0], -1, np.int32)
             for i, seq in enumerate(out.seqs):
@@ -484,10 +514,13 @@ class ModelRunner:
         self._flush()
         step = self._executable(inputs.layout)
         extras = self._extras(inputs)
-        tokens, out, self.kv_pool, self.draft_pool = step(self.param_leaves, self.kv_pool, self.prev_tokens,
-                                                          self._arg(inputs.buf), extras, self.draft_leaves,
-                                                          self.draft_pool)
-        handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter())
+        tokens, out, self.kv_pool, self.draft_pool, scores = step(self.param_leaves, self.kv_pool, self.prev_tokens,
+                                                                  self._arg(inputs.buf), extras, self.draft_leaves,
+                                                                  self.draft_pool)
+        handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter(), scores=scores)
+        if scores is not None:
+            for x in (scores.logprobs, scores.top_ids, scores.top_logprobs):
+                x.copy_to_host_async()
         if isinstance(out, Unsampled) and not inputs.greedy_only:
             self.prev_tokens = tokens  # (the argmax: replaced by the sampler's tokens before any step reads them)
             self._pending = (handle, out, extras, inputs.want_logprobs)
@@ -547,6 +580,9 @@ class ModelRunner:
             result.logprobs = np.asarray(handle.logprobs)[:n]
             result.top_ids = np.asarray(handle.top_ids)[:n]
             result.top_logprobs = np.asarray(handle.top_logprobs)[:n]
+        if handle.scores is not None:
+            s = handle.scores
+            result.prompt_scores = (np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs))
         if handle.verified is not None:
             v = handle.verified
             result.emitted = np.asarray(v.tokens)[:n]

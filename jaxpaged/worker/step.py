@@ -94,6 +94,44 @@ class VerifiedOutput:
     top_logprobs: jax.Array  # [S, K + 1, MAX_LOGPROBS] float32
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["logprobs", "top_ids", "top_logprobs"],
+                   meta_fields=[])
+@dataclasses.dataclass
+class PromptScores:
+    """A scoring step's extra output (`StepLayout.prompt_scores`), per token row: the log-prob of the prompt token
+    that follows it (`score_targets`; garbage where that is -1) and the row's top MAX_LOGPROBS, from the model's raw
+    logits as the sampler's log-probs are."""
+
+    logprobs: jax.Array  # [T] float32
+    top_ids: jax.Array  # [T, MAX_LOGPROBS] int32
+    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
+
+
+SCORE_SLAB = 256  # token rows whose logits a scoring step holds at once ([rows, V] float32)
+
+
+def _prompt_scores(model, hidden: jax.Array, targets: jax.Array, native_matmul_rows: int, mesh: Mesh | None
+                   ) -> PromptScores:
+    """hidden [T, H], targets [T] int32 -> PromptScores: the LM head over every token row, SCORE_SLAB rows at a
+    time (T a multiple of 16, so a slab is the largest power of two up to SCORE_SLAB that divides T)."""
+    t = hidden.shape[0]
+    c = next(c for c in (SCORE_SLAB, 128, 64, 32, 16, 8, 4, 2, 1) if t % c == 0)
+
+    def slab(args):
+        h, tg = args  # [c, H], [c]
+        with native_matmul(native_matmul_rows, live_rows=(c, jnp.int32(c))):
+            logits = model.logits(h)  # [c, V] f32
+        if mesh is not None and logits.shape[-1] % mesh.size == 0:
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        chosen = jnp.take_along_axis(logp, jnp.maximum(tg, 0)[:, None], axis=1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
+        return chosen, top_ids.astype(jnp.int32), top_lp
+
+    chosen, ids, lps = jax.lax.map(slab, (hidden.reshape(t // c, c, -1), targets.reshape(t // c, c)))
+    return PromptScores(chosen.reshape(t), ids.reshape(t, MAX_LOGPROBS), lps.reshape(t, MAX_LOGPROBS))
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["greedy", "logits", "sampling"], meta_fields=[])
 @dataclasses.dataclass
 class Unsampled:
@@ -158,7 +196,8 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
                draft_leaves: tuple, draft_pool: KVPool | tuple, layout: StepLayout, *, treedef, graphdef: nnx.GraphDef,
                attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
                draft_layers: int = 0, draft: DraftSpec | None = None, split_sampler: bool = False
-               ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput | Unsampled, KVPool, KVPool | tuple]:
+               ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput | Unsampled, KVPool, KVPool | tuple,
+                          PromptScores | None]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each;
     draft_leaves, draft_pool: a separate draft model's state leaves and KV pool (empty tuples without one).
@@ -167,7 +206,8 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
     then proposes K tokens per flagged row with the model's first draft_layers layers (a self-speculative draft);
     with `draft`, the draft model runs over the step's tokens (its pool holds what the target's holds) and proposes
     instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon).
-    split_sampler: a step that does not verify returns `Unsampled` (its argmax as the tokens) instead of sampling."""
+    split_sampler: a step that does not verify returns `Unsampled` (its argmax as the tokens) instead of sampling.
+    Last, a scoring layout's `PromptScores` (None for other layouts)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -193,6 +233,10 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
             drafter = (draft_model, draft.attn, None)
         elif draft_layers:
             drafter = (model, attn, draft_layers)
+    scores = None
+    if layout.prompt_scores:  # a row wants its prompt's log-probs: the LM head over every token row too
+        with jax.named_scope("prompt_scores"):
+            scores = _prompt_scores(model, hidden, layout.score_targets(buf), native_matmul_rows, mesh)
     # The LM head runs only on the rows that need logits: one per sequence (K + 1 per sequence in a verifying
     # step), not one per token; natively, only on the step's sequences' rows (the rest of S is padding: context
     # length 0).
@@ -211,14 +255,14 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
                                            native_matmul_rows, token_ids)
         last = jnp.take_along_axis(out.tokens, out.num_accepted[:, None], axis=1)[:, 0]  # [S]
         tokens = jnp.zeros(max_rows, jnp.int32).at[:last.shape[0]].set(last)
-        return tokens, out, kv_pool, draft_pool
+        return tokens, out, kv_pool, draft_pool, scores
     if split_sampler:
         greedy = sampler.greedy(logits, native)
         tokens = jnp.zeros(max_rows, jnp.int32).at[:greedy.tokens.shape[0]].set(greedy.tokens)
-        return tokens, Unsampled(greedy, logits, _without_extras(sm)), kv_pool, draft_pool
+        return tokens, Unsampled(greedy, logits, _without_extras(sm)), kv_pool, draft_pool, scores
     out = sampler.sample(logits, sm, native=native)
     tokens = jnp.zeros(max_rows, jnp.int32).at[:out.tokens.shape[0]].set(out.tokens)
-    return tokens, out, kv_pool, draft_pool
+    return tokens, out, kv_pool, draft_pool, scores
 
 
 def _pending_tokens(token_ids: jax.Array, token_src: jax.Array, md: AttentionMetadata, layout: StepLayout
@@ -396,7 +440,7 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
         rep, pool = NamedSharding(mesh, P()), KVPool(fmt, fmt)
         return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),
                        in_shardings=(leaf_shardings, pool, rep, rep, rep, rep, rep),
-                       out_shardings=(rep, rep, pool, rep))
+                       out_shardings=(rep, rep, pool, rep, rep))
     if fmt is None:
         return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6))
     device = fmt.sharding
@@ -404,7 +448,7 @@ def jit_step(graphdef: nnx.GraphDef, treedef, attn: AttentionBackend, fmt: Forma
     draft_pool = pool if draft is not None else device
     return jax.jit(step, static_argnums=(7,), donate_argnums=(1, 6),
                    in_shardings=(device, pool, device, device, device, device, draft_pool),
-                   out_shardings=(device, device, pool, draft_pool))
+                   out_shardings=(device, device, pool, draft_pool, device))
 
 
 # XLA GPU's options for a step whose layer loop is unrolled (`step_compiler_options` says why)

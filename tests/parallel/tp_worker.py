@@ -88,6 +88,11 @@ def generations(llm: LLM, vocab: int) -> dict:
     beams = llm.beam_search(ps[:2], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True), use_tqdm=False)
     out["beams"] = [[s.tokens for s in b.sequences] for b in beams]
     out["beam_logprobs"] = [[s.cum_logprob for s in b.sequences] for b in beams]
+    if llm.engine.spec is None:  # (prompt_logprobs are refused with speculative decoding)
+        scored = llm.generate(ps[3:], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
+                              use_tqdm=False)
+        out["prompt_logprobs"] = [[d[t] for d, t in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:], strict=True)]
+                                  for r in scored]
     return out
 
 

@@ -201,6 +201,26 @@ def test_echo_prepends_the_prompt_streamed_and_not(client, tokenizer):
     assert by_ids == tokenizer.decode(ids, skip_special_tokens=False) + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """OpenAI's legacy scoring (what lm-eval-harness's loglikelihood asks): echo with logprobs gives every prompt
+    token its log-prob given the ones before it (the first has none), then the completion's; position j's top
+    tokens are those a completion of the first j tokens ranks first, streamed or not."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    n = len(ids)
+    kw = dict(model=MODEL, max_tokens=1, temperature=0, logprobs=2)
+    lp = client.completions.create(prompt=ids, echo=True, **kw).choices[0].logprobs
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    for j in (1, n // 2, n - 1):
+        alone = client.completions.create(prompt=ids[:j], **kw).choices[0].logprobs.top_logprobs[0]
+        assert alone.keys() <= lp.top_logprobs[j].keys()
+        assert all(abs(lp.top_logprobs[j][t] - v) < 1e-3 for t, v in alone.items()), (j, alone, lp.top_logprobs[j])
+    plain = client.completions.create(prompt=ids, **kw).choices[0].logprobs
+    assert lp.tokens[n:] == plain.tokens and abs(lp.token_logprobs[n] - plain.token_logprobs[0]) < 1e-3
+    streamed = [c for c in client.completions.create(prompt=ids, echo=True, stream=True, **kw) if c.choices]
+    assert streamed[0].choices[0].logprobs.token_logprobs[:n] == lp.token_logprobs[:n]
+
+
 # ---- /pool --------------------------------------------------------------------------------------------------------
 
 def pool(server, **query) -> dict:

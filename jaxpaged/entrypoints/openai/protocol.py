@@ -155,7 +155,8 @@ class _SamplingRequest(_Body):
         return _structured(spec, param), param
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         if structured is None:
             structured = self.structured_output_request()[0]
         bias = None
@@ -176,7 +177,7 @@ class _SamplingRequest(_Body):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=bias, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
-                structured_outputs=structured)
+                structured_outputs=structured, prompt_logprobs=prompt_logprobs)
         except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."
             field = re.match(r"[a-z_]+", str(e))
             raise OpenAIError(str(e), param=field.group(0) if field else None) from e
@@ -199,9 +200,6 @@ class CompletionRequest(_SamplingRequest):
                               param="best_of", code="unsupported_parameter")
         if self.suffix:
             raise OpenAIError("suffix is not supported by this server", param="suffix", code="unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError("echo with logprobs (prompt logprobs) is not supported", param="echo",
-                              code="unsupported_parameter")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: one string, strings, one token list, or token lists."""

@@ -135,9 +135,11 @@ class OpenAIServing:
                 prompts.append(_Prompt(None, list(p) if keep is None else truncate_prompt(list(p), keep)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
         structured, grammar_param = await self._structured(body)
+        # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy scoring, e.g. lm-eval-harness)
+        prompt_logprobs = body.logprobs if body.echo else None
         ctx = await self._start("cmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.logprobs, structured), grammar_param,
-                                body.priority)
+                                body.sampling_params(max_tokens, body.logprobs, structured, prompt_logprobs),
+                                grammar_param, body.priority)
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
@@ -145,9 +147,12 @@ class OpenAIServing:
         for k, out in enumerate(finals):
             echo = self._prompt_text(prompts[k]) if body.echo else ""
             for o in out.outputs:
-                choices.append({"index": k * body.n + o.index, "text": echo + o.text,
-                                "logprobs": self._completion_logprobs(o, 0, len(echo))
-                                if body.logprobs is not None else None,
+                lp = None
+                if body.logprobs is not None:
+                    lp = self._completion_logprobs(o, 0, len(echo))
+                    if body.echo:
+                        lp = _joined(self._prompt_logprobs(prompts[k].token_ids, out.prompt_logprobs), lp)
+                choices.append({"index": k * body.n + o.index, "text": echo + o.text, "logprobs": lp,
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage(finals)}
@@ -221,7 +226,8 @@ class OpenAIServing:
         usage_key = {"usage": None} if body.include_usage else {}
         async with contextlib.aclosing(ctx.merged()) as merged:
             async for k, out in merged:
-                choices = [c for o in out.outputs if (c := self._completion_delta(ctx, body, k, o, states))]
+                choices = [c for o in out.outputs
+                           if (c := self._completion_delta(ctx, body, k, o, states, out.prompt_logprobs))]
                 if out.finished:
                     finals[k] = out
                 if choices:
@@ -233,8 +239,9 @@ class OpenAIServing:
                    "choices": [], "usage": _usage([finals[k] for k in sorted(finals)])}
 
     def _completion_delta(self, ctx: _Context, body: CompletionRequest, k: int, o: CompletionOutput,
-                          states: dict[int, _ChoiceState]) -> dict | None:
-        """The stream choice for what `o` adds since the last chunk, or None when it adds nothing."""
+                          states: dict[int, _ChoiceState], prompt_logprobs: list | None = None) -> dict | None:
+        """The stream choice for what `o` adds since the last chunk, or None when it adds nothing; the first one
+        carries the echoed prompt (and with logprobs, the prompt's)."""
         index = k * body.n + o.index
         st = states.setdefault(index, _ChoiceState())
         if st.done:
@@ -245,6 +252,8 @@ class OpenAIServing:
         if not (echo or delta or finished or (new_tokens and body.logprobs is not None)):
             return None
         lp = self._completion_logprobs(o, st.tokens, st.chars) if body.logprobs is not None else None
+        if lp is not None and echo:
+            lp = _joined(self._prompt_logprobs(ctx.prompts[k].token_ids, prompt_logprobs), lp)
         st.started, st.done = True, finished
         st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
         return {"index": index, "text": echo + delta, "logprobs": lp, "finish_reason": o.finish_reason,
@@ -508,6 +517,20 @@ class OpenAIServing:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
+    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None) -> dict:
+        """OpenAI's legacy logprobs of the prompt's tokens (echo with logprobs): the first token has none."""
+        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+        for pos, t in enumerate(token_ids):
+            entry = prompt_logprobs[pos] if prompt_logprobs else None
+            s = self._token(t)[0]
+            tokens.append(s)
+            token_logprobs.append(None if entry is None else entry.get(t))
+            top.append(None if entry is None else
+                       {self._token(i)[0]: lp for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
     def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int) -> dict:
         content = []
         for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
@@ -641,6 +664,11 @@ def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     else:
         return text, text.encode()
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _joined(first: dict, then: dict) -> dict:
+    """Two legacy logprobs objects, one after the other."""
+    return {key: first[key] + then[key] for key in first}
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:
