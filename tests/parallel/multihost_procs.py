@@ -147,6 +147,9 @@ REQUESTS = [
     # 3 x 5 blocks do not fit 11: sequences are swapped out to the host and back
     {"prompt": ["Tell me about dogs.", "List the planets.", "Why is the sky blue?"], "max_tokens": 48,
      "temperature": 0, "ignore_eos": True, "logprobs": 1},
+    # echo with logprobs: the prompt's tokens scored (a scoring step's layout crosses the wire)
+    {"prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 3, "temperature": 0, "echo": True,
+     "logprobs": 1},
 ]
 
 

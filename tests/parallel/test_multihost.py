@@ -59,7 +59,9 @@ def test_two_processes_generate_what_one_process_generates(servers):
         assert all(c["text"] for c in got["choices"])
         for a, b in zip(got["choices"], want["choices"], strict=True):
             assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
-            diff = np.abs(np.asarray(a["logprobs"]["token_logprobs"]) - np.asarray(b["logprobs"]["token_logprobs"]))
+            got_lp, want_lp = a["logprobs"]["token_logprobs"], b["logprobs"]["token_logprobs"]
+            assert [x is None for x in got_lp] == [x is None for x in want_lp]  # an echoed prompt's first token
+            diff = np.abs(np.asarray([x or 0.0 for x in got_lp]) - np.asarray([x or 0.0 for x in want_lp]))
             assert diff.max() < LOGPROB_TOL
     for p in (port, ref_port):
         assert stats(p)["preemptions_swap"] > 0
@@ -196,6 +198,9 @@ def test_a_step_crosses_the_wire_unchanged():
     got = multihost.step_from_wire(decoded.meta, multihost.unpack(decoded, payload))
     assert got.layout == layout and got.want_logprobs and got.extras == {}
     assert np.array_equal(got.buf, buf)
+    scoring = StepLayout(32, 4, 8, 16, None, prompt_scores=True)  # prompt_logprobs: its flag and targets cross too
+    meta, arrays = multihost.step_to_wire(StepInputs(scoring, scoring.empty()))
+    assert multihost.step_from_wire(meta, arrays).layout == scoring
 
     # a decode step of 64 rows, vocabulary 49152, with one constrained row: its bitmask goes whole (384 KiB)
     decode = StepLayout(64, 64, 128, 1, 512)
