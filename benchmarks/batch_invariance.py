@@ -1,11 +1,13 @@
 """Does a request get the same output whatever else runs beside it? A differential check of the engine on a real
 model: a seeded mix of requests (greedy and sampled, log-probs, stop strings, penalties, n > 1, min_tokens, JSON
-schema, logit bias, bad words, min_p, prompts sharing a prefix) generated together under pressure (a small pool
-that preempts, chunked prompts, paced steps, speculation by n-grams or a self-draft, fp8 K/V, quantized weights), and
+schema, logit bias, bad words, min_p, allowed_token_ids, truncate_prompt_tokens, prompt_logprobs, prompts sharing a
+prefix) generated together under pressure (a small pool that preempts, chunked prompts, paced steps, speculation by
+n-grams or a self-draft, fp8 K/V, quantized weights, priority scheduling with a priority per request), and
 each request again alone; then the whole mix under pairs of settings that must not change any output (asynchronous
 scheduling on and off, speculation on and off (n-grams, a separate draft model), swap against recompute). Every
-output is compared exactly: tokens, text, finish reason, log-probs (to 5 decimals). The table's preemptions and
-accepted proposals are the run's together (of an A / B pair, B's).
+output is compared exactly: tokens, text, finish reason, log-probs and prompt log-probs (to 5 decimals). The
+table's preemptions and accepted proposals are the run's together (of an A / B pair, B's). With speculation the mix's
+prompt_logprobs are dropped (the engine refuses the two together).
 
 On a CPU whose bfloat16 matmuls run natively (AVX512_BF16) every row of a step sums the same way whatever the batch
 (docs/python_api.md, batch invariance), so every count below should be 0; elsewhere (float32, XLA's matmuls) the
@@ -21,6 +23,7 @@ Writes benchmarks/results/batch_invariance.json (or --out) with lscpu's CPU name
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import time
@@ -49,6 +52,8 @@ ALONE = {
     "fp8": {"num_blocks": 60, "max_num_seqs": 8, "kv_cache_dtype": "fp8"},
     "gguf": {"num_blocks": 120, "max_num_seqs": 8, "quantization": "gguf"},
     "int8": {"num_blocks": 120, "max_num_seqs": 8, "quantization": "int8"},
+    "priority": {"num_blocks": 40, "max_num_seqs": 8, "max_num_batched_tokens": 256,
+                 "scheduling_policy": "priority"},
 }
 
 
@@ -104,17 +109,36 @@ def request_mix(seed: int, n: int) -> list[tuple[str, SamplingParams]]:
             kw.update(bad_words=[rng.choice(WORDS), " " + rng.choice(WORDS)])
         elif r < 0.84:
             kw.update(min_p=0.05, temperature=1.0)
+        elif r < 0.88:
+            kw.update(allowed_token_ids=sorted(rng.sample(range(2000), 300)))
+        elif r < 0.92:
+            kw.update(truncate_prompt_tokens=rng.choice([5, 17, 64]))
+        elif r < 0.96:
+            kw.update(prompt_logprobs=2)
         mix.append((text, SamplingParams(**kw)))
     return mix
+
+
+def for_options(mix, *options: dict) -> list[tuple[str, SamplingParams]]:
+    """The mix as these settings take it: without prompt_logprobs where one of them speculates."""
+    if not any(o.get("speculative_config") for o in options):
+        return mix
+    return [(t, dataclasses.replace(p, prompt_logprobs=None)) for t, p in mix]
+
+
+def priorities(options: dict, n: int) -> list[int] | None:
+    """A priority per request (from -2 to 2, by its place in the mix) under priority scheduling."""
+    return [i % 5 - 2 for i in range(n)] if options.get("scheduling_policy") == "priority" else None
 
 
 def outputs(results) -> list:
     """Each request's outputs as plain values compared exactly (log-probs to 5 decimals)."""
     def lp(v):
         return round(getattr(v, "logprob", v), 5)
-    return [[(c.token_ids, c.text, c.finish_reason,
-              None if c.logprobs is None else [sorted((t, lp(v)) for t, v in d.items()) for d in c.logprobs])
-             for c in r.outputs] for r in results]
+    def lps(entries):
+        return None if entries is None else [d and sorted((t, lp(v)) for t, v in d.items()) for d in entries]
+    return [[(c.token_ids, c.text, c.finish_reason, lps(c.logprobs)) for c in r.outputs] + [lps(r.prompt_logprobs)]
+            for r in results]
 
 
 def build(model: str | None, options: dict) -> LLM:
@@ -123,8 +147,10 @@ def build(model: str | None, options: dict) -> LLM:
 
 def alone_vs_together(model, name: str, options: dict, mix) -> dict:
     llm = build(model, options)
+    mix = for_options(mix, options)
     t0 = time.perf_counter()
-    together = outputs(llm.generate([t for t, _ in mix], [p for _, p in mix], use_tqdm=False))
+    together = outputs(llm.generate([t for t, _ in mix], [p for _, p in mix], use_tqdm=False,
+                                    priority=priorities(options, len(mix))))
     batch_s = time.perf_counter() - t0
     alone = [outputs(llm.generate([t], p, use_tqdm=False))[0] for t, p in mix]
     s = llm.stats()
@@ -136,6 +162,7 @@ def alone_vs_together(model, name: str, options: dict, mix) -> dict:
 
 def pair(model, name: str, a: dict, b: dict, mix) -> dict:
     runs = []
+    mix = for_options(mix, a, b)
     for options in (a, b):
         llm = build(model, options)
         runs.append(outputs(llm.generate([t for t, _ in mix], [p for _, p in mix], use_tqdm=False)))
