@@ -88,4 +88,9 @@ def test_prompt_logprobs_bad_values_and_speculation_are_refused(model):
             SamplingParams(prompt_logprobs=value)
     llm = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="^prompt_logprobs is not supported with speculative decoding"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [5, 6]}],
+                     [SamplingParams(max_tokens=2), SamplingParams(prompt_logprobs=1)], use_tqdm=False)
+    s = llm.stats()  # the whole batch refused: nothing queued or held, and the engine goes on
+    assert s["num_used"] == s["num_running"] == s["num_waiting"] == 0 and not llm.engine.requests
+    assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2

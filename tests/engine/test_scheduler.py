@@ -327,5 +327,7 @@ def test_priority_scheduling_runs_lower_values_first_with_the_same_outputs(promp
         llm.generate(prompts[:1], GREEDY, use_tqdm=False, priority=[1.5])
     with pytest.raises(ValueError, match="one integer per prompt"):
         llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[1])
+    s = llm.stats()  # the refused batches left nothing queued or held
+    assert s["num_used"] == s["num_running"] == s["num_waiting"] == 0 and not llm.engine.requests
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_llm(scheduling_policy="lifo")

@@ -300,6 +300,16 @@ def test_allowed_token_ids_limit_what_is_generated(llm):
                          allowed_token_ids=digits)
     with pytest.raises(RequestFailedError, match="no token may follow"):
         llm.generate([PROMPT], bad, use_tqdm=False)
+    # beside another request in the same steps: that one fails alone, the other finishes
+    engine = llm.engine
+    engine.add_request("conflict", PROMPT, bad)
+    engine.add_request("bystander", PROMPT, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done.setdefault(out.request_id, []).append(out)
+    assert done["conflict"][-1].error and "no token may follow" in done["conflict"][-1].error
+    assert sum(len(d.token_ids) for o in done["bystander"] for d in o.deltas) == 4
     with pytest.raises(ValueError, match="^allowed_token_ids must be in"):
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="min_tokens bans"):
