@@ -171,7 +171,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         if self.config.policy == "priority" and self.waiting and _order(seq) < _order(self.waiting[-1]):
-            self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
+            self._insert_in_order(self.waiting, seq)
         else:
             self.waiting.append(seq)
 
@@ -464,7 +464,7 @@ class Scheduler:
             seq.draft_stale = False  # its recompute writes a draft's K/V again, unless that step skips the draft
             seq.status = SequenceStatus.WAITING
             if self.config.policy == "priority":
-                self.waiting.insert(bisect.bisect(self.waiting, _order(seq), key=_order), seq)
+                self._insert_in_order(self.waiting, seq)
             else:
                 self.waiting.appendleft(seq)  # older than everything still waiting
             self.num_preemptions["recompute"] += 1
@@ -502,7 +502,7 @@ class Scheduler:
         self._removed.append(seq.seq_id)
 
     @staticmethod
-    def _insert_in_order(queue: list[Sequence], seq: Sequence) -> None:
+    def _insert_in_order(queue: list[Sequence] | deque[Sequence], seq: Sequence) -> None:
         queue.insert(bisect.bisect(queue, _order(seq), key=_order), seq)
 
 
