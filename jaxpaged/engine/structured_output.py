@@ -159,17 +159,19 @@ def advance(matcher, token: int) -> None:
         raise GrammarError(f"structured output: the grammar rejects token {token}: {short_error(matcher.get_error())}")
 
 
+def _word_bits(token_ids) -> tuple[np.ndarray, np.ndarray]:
+    """Each token id's word in a [ceil(V / 32)] bitmask and its bit there (uint32)."""
+    ids = np.asarray(list(token_ids), np.int64)
+    return ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32)
+
+
 def allow(mask: np.ndarray, token_ids) -> None:
     """Sets the bits of `token_ids` in mask [ceil(V / 32)] int32."""
-    ids = np.asarray(list(token_ids), np.int64)
-    if ids.size:
-        words = mask.view(np.uint32)
-        np.bitwise_or.at(words, ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32))
+    words, bits = _word_bits(token_ids)
+    np.bitwise_or.at(mask.view(np.uint32), words, bits)
 
 
 def ban(mask: np.ndarray, token_ids) -> None:
     """Clears the bits of `token_ids` in mask [ceil(V / 32)] int32."""
-    ids = np.asarray(list(token_ids), np.int64)
-    if ids.size:
-        words = mask.view(np.uint32)
-        np.bitwise_and.at(words, ids // 32, ~(np.uint32(1) << (ids % 32).astype(np.uint32)))
+    words, bits = _word_bits(token_ids)
+    np.bitwise_and.at(mask.view(np.uint32), words, ~bits)
