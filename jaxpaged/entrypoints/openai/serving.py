@@ -506,22 +506,13 @@ class OpenAIServing:
 
     def _completion_logprobs(self, o: CompletionOutput, start: int, text_offset: int) -> dict:
         """OpenAI's legacy logprobs of tokens start.. of one choice."""
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        offset = text_offset
-        for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
-            s = self._token(t)[0]
-            tokens.append(s)
-            token_logprobs.append(lps.get(t))
-            top.append({self._token(i)[0]: lp for i, lp in sorted(lps.items(), key=lambda kv: -kv[1])})
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return self._legacy_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], text_offset)
 
-    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None) -> dict:
-        """OpenAI's legacy logprobs of the prompt's tokens (echo with logprobs): the first token has none."""
-        tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
-        for pos, t in enumerate(token_ids):
-            entry = prompt_logprobs[pos] if prompt_logprobs else None
+    def _legacy_logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int) -> dict:
+        """OpenAI's legacy logprobs object of tokens and their {token id: logprob} entries (None: a token without
+        one, an echoed prompt's first), their text starting at character `offset`."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for t, entry in zip(token_ids, entries, strict=False):
             s = self._token(t)[0]
             tokens.append(s)
             token_logprobs.append(None if entry is None else entry.get(t))
@@ -530,6 +521,10 @@ class OpenAIServing:
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None) -> dict:
+        """OpenAI's legacy logprobs of the prompt's tokens (echo with logprobs): the first token has none."""
+        return self._legacy_logprobs(token_ids, prompt_logprobs or [None] * len(token_ids), 0)
 
     def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int) -> dict:
         content = []
