@@ -602,12 +602,10 @@ class Engine:
 
     @staticmethod
     def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int | tuple[int, int]) -> None:
-        k = seq.params.logprobs
         chosen = float(result.logprobs[row])
         seq.output_logprobs.append(chosen)
-        top = dict(zip(result.top_ids[row][:k].tolist(), result.top_logprobs[row][:k].tolist(), strict=True))
-        top[token] = chosen
-        seq.output_top_logprobs.append(top)
+        seq.output_top_logprobs.append(_top(result.top_ids[row], result.top_logprobs[row], seq.params.logprobs,
+                                            token, chosen))
 
     def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: tuple) -> None:
         """A scoring step's prompt log-probs, appended to each scored request's (position by position: a chunk
@@ -619,9 +617,8 @@ class Engine:
                 continue  # aborted or failed meanwhile (chunks are scored in order: never a gap)
             k, have = req.params.prompt_logprobs, req.prompt_logprobs
             for j in range(len(have) - start - 1, count):  # the positions not scored yet
-                top = dict(zip(top_ids[r0 + j][:k].tolist(), top_logprobs[r0 + j][:k].tolist(), strict=True))
-                top[seq.token_ids[start + j + 1]] = float(logprobs[r0 + j])
-                have.append(top)
+                have.append(_top(top_ids[r0 + j], top_logprobs[r0 + j], k, seq.token_ids[start + j + 1],
+                                 float(logprobs[r0 + j])))
 
     def _output(self, req: Request, finished: bool) -> EngineOutput:
         """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
@@ -874,6 +871,13 @@ class Engine:
             "device_wait_s": times.wait_s,
             **getattr(self.runner, "weight_info", {}),  # quantization, weight_bytes, weight_format(s)
         }
+
+
+def _top(ids: np.ndarray, logprobs: np.ndarray, k: int, token: int, chosen: float) -> dict[int, float]:
+    """{token id: logprob} of a row's top k (ids, logprobs: the step's top MAX_LOGPROBS, best first) and `token`."""
+    top = dict(zip(ids[:k].tolist(), logprobs[:k].tolist(), strict=True))
+    top[token] = chosen
+    return top
 
 
 def _masked(req: Request) -> bool:
