@@ -416,7 +416,7 @@ class Engine:
 
     def _runner_prepare(self, out: SchedulerOutput, tables: dict, bitmasks: dict):
         scored = None
-        if self._scoring_requests:  # the sequences whose prompt chunks this step scores (prompt_logprobs)
+        if self._scoring_requests and out.is_prefill:  # the sequences whose prompt chunks it scores (prompt_logprobs)
             requests = self.requests
             scored = {seq.seq_id for seq in out.seqs if (req := requests.get(seq.request_id)) is not None
                       and req.prompt_logprobs is not None and len(req.prompt_logprobs) < seq.num_prompt_tokens}
