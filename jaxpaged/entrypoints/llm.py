@@ -138,7 +138,7 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The tokenizer prompts are encoded with (vLLM's name; the same as `tokenizer`)."""
-        return self.engine.tokenizer
+        return self.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
