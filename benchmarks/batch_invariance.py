@@ -132,11 +132,10 @@ def priorities(options: dict, n: int) -> list[int] | None:
 
 
 def outputs(results) -> list:
-    """Each request's outputs as plain values compared exactly (log-probs to 5 decimals)."""
-    def lp(v):
-        return round(getattr(v, "logprob", v), 5)
+    """Each request's outputs as plain values compared exactly (log-probs to 5 decimals, their ranks and texts)."""
     def lps(entries):
-        return None if entries is None else [d and sorted((t, lp(v)) for t, v in d.items()) for d in entries]
+        return None if entries is None else [d and sorted((t, round(v.logprob, 5), v.rank, v.decoded_token)
+                                                          for t, v in d.items()) for d in entries]
     return [[(c.token_ids, c.text, c.finish_reason, lps(c.logprobs)) for c in r.outputs] + [lps(r.prompt_logprobs)]
             for r in results]
 

@@ -80,7 +80,7 @@ def main() -> None:
                 row[f"{name}_ms"] = 1e3 * time_call(fn, fn_args, warmup=1, samples=args.samples, reps=args.reps)
             row["differ"] = int(sum(np.sum(tokens[f"xla_{w}"] != tokens[f"native_{w}"])
                                     for w in ("draw", "t1", "p95", "lp")))
-            xla_lp, native_lp = outs["xla_lp"], outs["native_lp"]
+            xla_lp, native_lp = outs["xla_lp"].lp, outs["native_lp"].lp
             row["top_ids_differ"] = int(np.sum(np.asarray(xla_lp.top_ids) != np.asarray(native_lp.top_ids)))
             row["logprob_max_diff"] = float(max(
                 np.max(np.abs(np.asarray(getattr(xla_lp, f)) - np.asarray(getattr(native_lp, f))))

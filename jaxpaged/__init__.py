@@ -18,10 +18,10 @@ from jaxpaged.engine.setup import EngineConfig
 from jaxpaged.entrypoints.llm import LLM
 from jaxpaged.models.contract import CausalLM, ModelSpec
 from jaxpaged.models.quantize import quantize
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 
 __all__ = ["LLM", "AttentionBackend", "AttentionMetadata", "BeamSearchOutput", "BeamSearchParams",
            "BeamSearchSequence", "CausalLM", "CompletionOutput", "Engine", "EngineConfig", "EngineOptions", "KVPool",
-           "ModelConfig", "ModelSpec", "RequestOutput", "RequestOutputKind", "SamplingParams", "quantize"]
+           "Logprob", "ModelConfig", "ModelSpec", "RequestOutput", "RequestOutputKind", "SamplingParams", "quantize"]

@@ -5,13 +5,29 @@ from __future__ import annotations
 import dataclasses
 
 
+@dataclasses.dataclass(slots=True)
+class Logprob:
+    """One token's entry in a log-probs dict (vLLM's `Logprob`): its log-prob under the model's distribution, its rank
+    there (1 = the most likely; ties count as ahead) and its text alone (`tokenizer.decode([id])`; None with
+    `detokenize=False`)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# per position: {token id: Logprob} of the position's token and the top k (vLLM's SampleLogprobs, PromptLogprobs)
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}, chosen token included
+    logprobs: SampleLogprobs | None = None  # per token: the chosen token's entry first, then the top k's
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
@@ -26,9 +42,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # arrival, first_token, finished times
     error: str | None = None  # set when the request failed inside the engine (the other requests went on)
-    # SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} of its top-k and itself given the tokens
-    # before it (None for the first token)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, its entry and the top k's given the tokens before it
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -39,7 +54,7 @@ class SeqDelta:
     index: int  # the sample's index (n > 1) or the hypothesis' rank (beam search)
     token_ids: list[int]
     logprobs: list[float] | None = None  # each new token's log-prob
-    top_logprobs: list[dict[int, float]] | None = None  # each new token's {token id: log-prob}, chosen included
+    top_logprobs: SampleLogprobs | None = None  # each new token's entries (decoded_token None: not decoded yet)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # beam search: the hypothesis' sum
@@ -56,4 +71,4 @@ class EngineOutput:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     error: str | None = None  # the request failed inside the engine (the other requests went on)
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # once, complete (SamplingParams.prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None  # once, complete (SamplingParams.prompt_logprobs); not decoded

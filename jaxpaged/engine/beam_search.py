@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpaged.outputs import SampleLogprobs
+
 NEG = -1.0e9
 
 
@@ -25,7 +27,7 @@ class BeamSearchSequence:
     """One finished hypothesis, as vLLM returns it: `tokens` include the prompt, and so does `text`."""
 
     tokens: list[int]
-    logprobs: list[dict[int, float]]  # per generated token (vLLM's field; left empty: beams keep only their sums)
+    logprobs: SampleLogprobs  # per generated token (vLLM's field; left empty: beams keep only their sums)
     cum_logprob: float
     text: str | None = None
     finish_reason: str | None = None  # "stop" (EOS) | "length"

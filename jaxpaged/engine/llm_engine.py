@@ -36,12 +36,13 @@ from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.setup import EngineConfig, build_runner
 from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
-from jaxpaged.outputs import EngineOutput, SeqDelta
+from jaxpaged.outputs import EngineOutput, Logprob, SeqDelta
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode import ngram
 from jaxpaged.spec_decode.gate import SpeculationGate
 from jaxpaged.worker.kv_quant import kv_stats
 from jaxpaged.worker.model_runner import StepHandle, StepResult
+from jaxpaged.worker.sampler import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -507,8 +508,8 @@ class Engine:
             try:
                 if req.beam is not None:
                     seq.num_placeholders -= 1  # a beam's token becomes a new beam's, chosen with its group
-                    top_ids, top_lps = ((result.top_ids[i, 0], result.top_logprobs[i, 0]) if verifying
-                                        else (result.top_ids[i], result.top_logprobs[i]))
+                    row = (i, 0) if verifying else i
+                    top_ids, top_lps = result.lp.top_ids[row], result.lp.top_logprobs[row]
                     req.beam_results[seq.seq_id] = list(zip(top_ids.tolist(), top_lps.tolist(), strict=True))
                     if len(req.beam_results) == len(req.seqs):
                         done = self._advance_beams(req)
@@ -602,23 +603,19 @@ class Engine:
 
     @staticmethod
     def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int | tuple[int, int]) -> None:
-        chosen = float(result.logprobs[row])
-        seq.output_logprobs.append(chosen)
-        seq.output_top_logprobs.append(_top(result.top_ids[row], result.top_logprobs[row], seq.params.logprobs,
-                                            token, chosen))
+        seq.output_logprobs.append(float(result.lp.logprobs[row]))
+        seq.output_top_logprobs.append(_entries(result.lp, row, seq.params.logprobs, token))
 
-    def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: tuple) -> None:
+    def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: TokenLogprobs) -> None:
         """A scoring step's prompt log-probs, appended to each scored request's (position by position: a chunk
         scored again after a recompute adds nothing)."""
-        logprobs, top_ids, top_logprobs = scores
         for seq, start, r0, count in scored:
             req = self.requests.get(seq.request_id)
             if req is None or req.prompt_logprobs is None or len(req.prompt_logprobs) < start + 1:
                 continue  # aborted or failed meanwhile (chunks are scored in order: never a gap)
             k, have = req.params.prompt_logprobs, req.prompt_logprobs
             for j in range(len(have) - start - 1, count):  # the positions not scored yet
-                have.append(_top(top_ids[r0 + j], top_logprobs[r0 + j], k, seq.token_ids[start + j + 1],
-                                 float(logprobs[r0 + j])))
+                have.append(_entries(scores, r0 + j, k, seq.token_ids[start + j + 1]))
 
     def _output(self, req: Request, finished: bool) -> EngineOutput:
         """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
@@ -873,11 +870,14 @@ class Engine:
         }
 
 
-def _top(ids: np.ndarray, logprobs: np.ndarray, k: int, token: int, chosen: float) -> dict[int, float]:
-    """{token id: logprob} of a row's top k (ids, logprobs: the step's top MAX_LOGPROBS, best first) and `token`."""
-    top = dict(zip(ids[:k].tolist(), logprobs[:k].tolist(), strict=True))
-    top[token] = chosen
-    return top
+def _entries(lp: TokenLogprobs, row: int | tuple[int, int], k: int, token: int) -> dict[int, Logprob]:
+    """{token id: Logprob} of `token` (row `row` of a step's log-probs, on the host) then of the row's top k, ranked
+    1..k (vLLM's order: `token` first; its entry is the top's when it is among them)."""
+    entries = {token: Logprob(float(lp.logprobs[row]), int(lp.ranks[row]))}
+    for rank, (i, value) in enumerate(zip(lp.top_ids[row][:k].tolist(), lp.top_logprobs[row][:k].tolist(),
+                                          strict=True), start=1):
+        entries[i] = Logprob(value, rank)
+    return entries
 
 
 def _masked(req: Request) -> bool:

@@ -15,7 +15,7 @@ import dataclasses
 import time
 
 from jaxpaged.engine.detokenizer import Detokenizer
-from jaxpaged.outputs import CompletionOutput, EngineOutput, RequestOutput, SeqDelta
+from jaxpaged.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput, SampleLogprobs, SeqDelta
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -23,7 +23,7 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 class _SeqState:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
+    top_logprobs: SampleLogprobs | None = None
     detokenizer: Detokenizer | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -53,12 +53,14 @@ class RequestState:
         self.first_token_time: float | None = None
         self.error: str | None = None
         self.prompt_logprobs: list | None = None
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (log-probs' decoded_token)
 
     def update(self, out: EngineOutput) -> RequestOutput | None:
         """Folds one engine output in; returns what the caller should see now (None: nothing for FINAL_ONLY yet)."""
         self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         self.first_token_time = self.first_token_time or out.first_token_time
-        self.prompt_logprobs = self.prompt_logprobs or out.prompt_logprobs
+        if out.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None if e is None else self._decoded(e) for e in out.prompt_logprobs]
         for delta in out.deltas:
             self._add(delta)
         if out.error is not None:
@@ -88,7 +90,7 @@ class RequestState:
             seq.token_ids.append(token)
             if seq.logprobs is not None and delta.logprobs is not None:
                 seq.logprobs.append(delta.logprobs[j])
-                seq.top_logprobs.append(delta.top_logprobs[j])
+                seq.top_logprobs.append(self._decoded(delta.top_logprobs[j]))
             if seq.detokenizer is None:
                 continue
             detok = seq.detokenizer
@@ -104,6 +106,16 @@ class RequestState:
                 return
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def _decoded(self, entries: dict[int, Logprob]) -> dict[int, Logprob]:
+        """A position's log-prob entries with each token's text (vLLM's decoded_token: the token decoded alone), or
+        as they are when nothing is decoded (detokenize=False, no tokenizer)."""
+        if self.tokenizer is None or not self.params.detokenize:
+            return entries
+        texts = self._token_texts
+        for i in entries.keys() - texts.keys():
+            texts[i] = self.tokenizer.decode([i])
+        return {i: Logprob(e.logprob, e.rank, texts[i]) for i, e in entries.items()}
 
     def take_stopped(self) -> list[int]:
         """Indices of the sequences a stop string ended since the last call, which the engine still runs."""

@@ -44,10 +44,9 @@ from jaxpaged.worker.kv_pool import (
     pool_format,
     zeros_pool,
 )
-from jaxpaged.worker.sampler import MAX_LOGPROBS
+from jaxpaged.worker.sampler import MAX_LOGPROBS, TokenLogprobs
 from jaxpaged.worker.step import (
     DraftSpec,
-    PromptScores,
     Unsampled,
     VerifiedOutput,
     batch_buckets,
@@ -102,14 +101,12 @@ class StepHandle:
 
     rows: StepRows
     tokens: jax.Array  # [max_rows] int32
-    logprobs: jax.Array | None  # [S] float32 ([S, K + 1] verifying), when a row asked for log-probs
-    top_ids: jax.Array | None  # [S, MAX_LOGPROBS] int32 ([S, K + 1, MAX_LOGPROBS] verifying)
-    top_logprobs: jax.Array | None  # [S, MAX_LOGPROBS] float32 (likewise)
+    lp: TokenLogprobs | None  # [S] ([S, K + 1] verifying), when a row asked for log-probs
     layout: StepLayout
     dispatched_at: float
     verified: VerifiedOutput | None = None  # a verifying step's tokens, counts and proposals
     error: Exception | None = None  # its pending sampler raised (queued by a later dispatch): its fetch raises it
-    scores: PromptScores | None = None  # a scoring step's prompt log-probs
+    scores: TokenLogprobs | None = None  # [T] a scoring step's prompt log-probs
 
 
 @dataclasses.dataclass
@@ -129,15 +126,12 @@ class StepResult:
     step (speculative decoding) gives each row num_accepted + 1 tokens, `emitted`, and the draft's proposals."""
 
     tokens: np.ndarray  # [n] int32: each row's last sampled token
-    logprobs: np.ndarray | None = None  # [n] float32 ([n, K + 1] verifying)
-    top_ids: np.ndarray | None = None  # [n, MAX_LOGPROBS] int32 ([n, K + 1, MAX_LOGPROBS] verifying)
-    top_logprobs: np.ndarray | None = None  # [n, MAX_LOGPROBS] float32 (likewise)
+    lp: TokenLogprobs | None = None  # numpy [n] ([n, K + 1] verifying): the tokens' log-probs, when asked for
     emitted: np.ndarray | None = None  # [n, K + 1] int32 verifying: accepted proposals, the target's token, -1
     num_accepted: np.ndarray | None = None  # [n] int32
     proposals: np.ndarray | None = None  # [n, K] int32: the draft loop's, for the next step
-    # a scoring step: per token row, the next prompt token's log-prob [T], the top ids [T, MAX_LOGPROBS] and their
-    # log-probs [T, MAX_LOGPROBS]; StepRows.scored says which rows are whose
-    prompt_scores: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # a scoring step: numpy [T], per token row the next prompt token's log-prob; StepRows.scored says whose
+    prompt_scores: TokenLogprobs | None = None
 
 
 def _score_spans(out: SchedulerOutput, scored: set[int]) -> list[tuple[int, Sequence, int, int]]:
@@ -517,10 +511,9 @@ class ModelRunner:
         tokens, out, self.kv_pool, self.draft_pool, scores = step(self.param_leaves, self.kv_pool, self.prev_tokens,
                                                                   self._arg(inputs.buf), extras, self.draft_leaves,
                                                                   self.draft_pool)
-        handle = StepHandle(rows, tokens, None, None, None, inputs.layout, time.perf_counter(), scores=scores)
+        handle = StepHandle(rows, tokens, None, inputs.layout, time.perf_counter(), scores=scores)
         if scores is not None:
-            for x in (scores.logprobs, scores.top_ids, scores.top_logprobs):
-                x.copy_to_host_async()
+            scores.copy_to_host_async()
         if isinstance(out, Unsampled) and not inputs.greedy_only:
             self.prev_tokens = tokens  # (the argmax: replaced by the sampler's tokens before any step reads them)
             self._pending = (handle, out, extras, inputs.want_logprobs)
@@ -564,9 +557,8 @@ class ModelRunner:
             for x in (out.tokens, out.num_accepted, out.proposals):
                 x.copy_to_host_async()
         if want_logprobs:
-            handle.logprobs, handle.top_ids, handle.top_logprobs = out.logprobs, out.top_ids, out.top_logprobs
-            for x in (out.logprobs, out.top_ids, out.top_logprobs):
-                x.copy_to_host_async()
+            handle.lp = out.lp
+            out.lp.copy_to_host_async()
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """The step's tokens (and log-probs, when asked for) on the host: waits for the step."""
@@ -576,13 +568,10 @@ class ModelRunner:
             raise handle.error
         n = len(handle.rows.seqs)
         result = StepResult(np.asarray(handle.tokens)[:n])
-        if handle.logprobs is not None:
-            result.logprobs = np.asarray(handle.logprobs)[:n]
-            result.top_ids = np.asarray(handle.top_ids)[:n]
-            result.top_logprobs = np.asarray(handle.top_logprobs)[:n]
+        if handle.lp is not None:
+            result.lp = handle.lp.rows(n)
         if handle.scores is not None:
-            s = handle.scores
-            result.prompt_scores = (np.asarray(s.logprobs), np.asarray(s.top_ids), np.asarray(s.top_logprobs))
+            result.prompt_scores = handle.scores.rows(handle.scores.logprobs.shape[0])
         if handle.verified is not None:
             v = handle.verified
             result.emitted = np.asarray(v.tokens)[:n]

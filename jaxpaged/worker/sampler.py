@@ -70,13 +70,40 @@ class SamplingMetadata:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "logprobs", "top_ids", "top_logprobs"], meta_fields=[])
+                   data_fields=["logprobs", "ranks", "top_ids", "top_logprobs"], meta_fields=[])
+@dataclasses.dataclass
+class TokenLogprobs:
+    """What a step gives back for tokens whose log-probs were asked for (the sampled ones, a verifying step's emitted
+    ones, a scored prompt's), under the model's distribution before any processing. `...` is the tokens' shape:
+    [S] for a sampling step, [S, K + 1] for a verifying one, [T] for a scoring one."""
+
+    logprobs: jax.Array  # [...] float32: each token's log-prob
+    ranks: jax.Array  # [...] int32: 1 + how many tokens of the vocabulary have a larger log-prob (vLLM counts ties
+    # as larger too: the tokens whose logit is >= this one's, this one included)
+    top_ids: jax.Array  # [..., MAX_LOGPROBS] int32: the most likely tokens, most likely first
+    top_logprobs: jax.Array  # [..., MAX_LOGPROBS] float32: their log-probs
+
+    @classmethod
+    def zeros(cls, lead: tuple[int, ...]) -> TokenLogprobs:
+        """What a step gives when no row asked for log-probs."""
+        return cls(jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.int32), jnp.zeros((*lead, MAX_LOGPROBS),
+                   jnp.int32), jnp.zeros((*lead, MAX_LOGPROBS), jnp.float32))
+
+    def rows(self, n: int) -> TokenLogprobs:
+        """The first n rows, on the host (numpy)."""
+        return TokenLogprobs(*(np.asarray(x)[:n] for x in (self.logprobs, self.ranks, self.top_ids,
+                                                            self.top_logprobs)))
+
+    def copy_to_host_async(self) -> None:
+        for x in (self.logprobs, self.ranks, self.top_ids, self.top_logprobs):
+            x.copy_to_host_async()
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "lp"], meta_fields=[])
 @dataclasses.dataclass
 class SamplerOutput:
     tokens: jax.Array  # [S] int32
-    logprobs: jax.Array  # [S] float32, of the chosen token under the model's distribution (0 unless want_logprobs)
-    top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 (zeros unless want_logprobs)
-    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32
+    lp: TokenLogprobs  # of the chosen tokens (zeros unless want_logprobs)
 
 
 def _first_max(x: jax.Array) -> jax.Array:
@@ -107,28 +134,29 @@ def _argmax(x: jax.Array, native: bool = False, width: int = 128) -> jax.Array:
     return jnp.minimum(chunk * width + inside, vocab - 1)
 
 
-def logprobs(logits: jax.Array, tokens: jax.Array, native: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logprobs(logits: jax.Array, tokens: jax.Array, native: bool = False) -> TokenLogprobs:
     """The log-probs a step returns, under the model's distribution: logits [..., V] float32, tokens [...] int32 (each
-    row's sampled token) -> (the tokens' log-probs [...] float32, the MAX_LOGPROBS most likely tokens [..., L] int32
-    and their log-probs [..., L] float32, most likely first).
+    row's sampled token) -> the tokens' log-probs and ranks, the MAX_LOGPROBS most likely tokens and their log-probs.
 
     A log-prob is (logit - max) - log(sum(exp(logit - max))) (jax.nn.log_softmax's formula); the top tokens are
-    jax.lax.top_k of the logits, so no [..., V] log-probs are written. With `native` (a step whose matmuls run
-    natively on CPU) by the native kernel in two passes over each row (`pallas_kernels.cpu_native.logprobs_native`:
-    the same tokens; the sum in float64, so the log-probs within ~1e-5 of XLA's float32 sum's)."""
+    jax.lax.top_k of the logits, so no [..., V] log-probs are written; a rank counts the logits at or above the
+    token's. With `native` (a step whose matmuls run natively on CPU) the log-probs and top tokens come from the
+    native kernel in two passes over each row (`pallas_kernels.cpu_native.logprobs_native`: the same tokens; the sum
+    in float64, so the log-probs within ~1e-5 of XLA's float32 sum's)."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
+    chosen_logit = jnp.take_along_axis(logits, tokens[..., None], axis=-1)  # [..., 1]
+    ranks = jnp.sum(logits >= chosen_logit, axis=-1, dtype=jnp.int32)
     if native:
         from pallas_kernels import cpu_native
 
         if cpu_native.available("logprobs"):
             chosen, vals, ids = cpu_native.logprobs_native(logits.reshape(-1, vocab), tokens.reshape(-1),
                                                            MAX_LOGPROBS)
-            return chosen.reshape(lead), ids.reshape(*lead, -1), vals.reshape(*lead, -1)
+            return TokenLogprobs(chosen.reshape(lead), ranks, ids.reshape(*lead, -1), vals.reshape(*lead, -1))
     top = jnp.max(logits, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     vals, ids = jax.lax.top_k(logits, MAX_LOGPROBS)
-    chosen = jnp.take_along_axis(logits, tokens[..., None], axis=-1)
-    return ((chosen - top) - lse)[..., 0], ids.astype(jnp.int32), (vals - top) - lse
+    return TokenLogprobs(((chosen_logit - top) - lse)[..., 0], ranks, ids.astype(jnp.int32), (vals - top) - lse)
 
 
 def _row_keys(seed_lo: jax.Array, seed_hi: jax.Array, step: jax.Array) -> jax.Array:
@@ -320,9 +348,7 @@ def greedy(logits: jax.Array, native: bool = False) -> SamplerOutput:
     """`sample`'s output for rows that are all greedy and ask for nothing else (no processing, no log-probs): each
     row's argmax, the same token `sample` picks for them, with no conditional (on a GPU every `lax.cond` makes the
     host wait for the device, see jaxpaged.worker.step). logits [S, V] float32."""
-    n = logits.shape[0]
-    return SamplerOutput(_argmax(logits, native).astype(jnp.int32), jnp.zeros((n,), jnp.float32),
-                         jnp.zeros((n, MAX_LOGPROBS), jnp.int32), jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
+    return SamplerOutput(_argmax(logits, native).astype(jnp.int32), TokenLogprobs.zeros(logits.shape[:1]))
 
 
 def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> SamplerOutput:
@@ -338,10 +364,6 @@ def sample(logits: jax.Array, s: SamplingMetadata, native: bool = False) -> Samp
     tokens = jax.lax.cond(asked, lambda x: _pick(process_logits(x, s, native), s, native),
                           lambda x: _pick(x, s, native), logits)
 
-    def without(raw):
-        n = raw.shape[0]
-        return (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((n, MAX_LOGPROBS), jnp.float32))
-
-    chosen, top_ids, top_lps = jax.lax.cond(s.want_logprobs, lambda x: logprobs(x, tokens, native), without, raw)
-    return SamplerOutput(tokens, chosen, top_ids, top_lps)
+    lp = jax.lax.cond(s.want_logprobs, lambda x: logprobs(x, tokens, native),
+                      lambda x: TokenLogprobs.zeros(x.shape[:1]), raw)
+    return SamplerOutput(tokens, lp)

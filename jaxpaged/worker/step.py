@@ -46,7 +46,7 @@ from jaxpaged.worker import sampler
 from jaxpaged.worker.attention import AttentionBackend, AttentionMetadata, KVPool
 from jaxpaged.worker.input_batch import EXTRAS, StepLayout
 from jaxpaged.worker.rejection_sampler import rejection_sample
-from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata
+from jaxpaged.worker.sampler import MAX_LOGPROBS, SamplerOutput, SamplingMetadata, TokenLogprobs
 
 NATIVE_MATMUL_ROWS = 1 << 20  # every step's: benchmarks/matmul.py compares the native kernel with XLA's dot by rows
 GPU_LAYER_MATMUL_ROWS = 256  # decode-sized steps (reasoned: weight-bound below, product-bound above; not yet timed)
@@ -79,8 +79,7 @@ def pick_bucket(buckets: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["tokens", "num_accepted", "proposals", "logprobs", "top_ids", "top_logprobs"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tokens", "num_accepted", "proposals", "lp"],
                    meta_fields=[])
 @dataclasses.dataclass
 class VerifiedOutput:
@@ -89,31 +88,19 @@ class VerifiedOutput:
     tokens: jax.Array  # [S, K + 1] int32: accepted proposals, the target's token, then -1
     num_accepted: jax.Array  # [S] int32: the row emits num_accepted + 1 tokens
     proposals: jax.Array  # [S, K] int32: the draft loop's proposals for the next step (zeros without a draft)
-    logprobs: jax.Array  # [S, K + 1] float32: each emitted token's log-prob (0 unless want_logprobs)
-    top_ids: jax.Array  # [S, K + 1, MAX_LOGPROBS] int32
-    top_logprobs: jax.Array  # [S, K + 1, MAX_LOGPROBS] float32
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["logprobs", "top_ids", "top_logprobs"],
-                   meta_fields=[])
-@dataclasses.dataclass
-class PromptScores:
-    """A scoring step's extra output (`StepLayout.prompt_scores`), per token row: the log-prob of the prompt token
-    that follows it (`score_targets`; garbage where that is -1) and the row's top MAX_LOGPROBS, from the model's raw
-    logits as the sampler's log-probs are."""
-
-    logprobs: jax.Array  # [T] float32
-    top_ids: jax.Array  # [T, MAX_LOGPROBS] int32
-    top_logprobs: jax.Array  # [T, MAX_LOGPROBS] float32
+    lp: TokenLogprobs  # [S, K + 1]: each emitted token's (zeros unless want_logprobs)
 
 
 SCORE_SLAB = 256  # token rows whose logits a scoring step holds at once ([rows, V] float32)
 
 
 def _prompt_scores(model, hidden: jax.Array, targets: jax.Array, native_matmul_rows: int, mesh: Mesh | None
-                   ) -> PromptScores:
-    """hidden [T, H], targets [T] int32 -> PromptScores: the LM head over every token row, SCORE_SLAB rows at a
-    time (T a multiple of 16, so a slab is the largest power of two up to SCORE_SLAB that divides T)."""
+                   ) -> TokenLogprobs:
+    """A scoring step's extra output (`StepLayout.prompt_scores`): per token row, the log-prob and rank of the prompt
+    token that follows it (`targets`; garbage where that is -1) and the row's top MAX_LOGPROBS, from the model's raw
+    logits as the sampler's log-probs are. hidden [T, H], targets [T] int32 -> TokenLogprobs of lead shape [T]: the
+    LM head over every token row, SCORE_SLAB rows at a time (T a multiple of 16, so a slab is the largest power of two
+    up to SCORE_SLAB that divides T)."""
     t = hidden.shape[0]
     c = next(c for c in (SCORE_SLAB, 128, 64, 32, 16, 8, 4, 2, 1) if t % c == 0)
 
@@ -124,12 +111,13 @@ def _prompt_scores(model, hidden: jax.Array, targets: jax.Array, native_matmul_r
         if mesh is not None and logits.shape[-1] % mesh.size == 0:
             logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
         logp = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(logp, jnp.maximum(tg, 0)[:, None], axis=1)[:, 0]
+        tg = jnp.maximum(tg, 0)[:, None]  # [c, 1]
+        rank = jnp.sum(logits >= jnp.take_along_axis(logits, tg, axis=1), axis=-1, dtype=jnp.int32)  # as the sampler's
         top_lp, top_ids = jax.lax.top_k(logp, MAX_LOGPROBS)
-        return chosen, top_ids.astype(jnp.int32), top_lp
+        return TokenLogprobs(jnp.take_along_axis(logp, tg, axis=1)[:, 0], rank, top_ids.astype(jnp.int32), top_lp)
 
-    chosen, ids, lps = jax.lax.map(slab, (hidden.reshape(t // c, c, -1), targets.reshape(t // c, c)))
-    return PromptScores(chosen.reshape(t), ids.reshape(t, MAX_LOGPROBS), lps.reshape(t, MAX_LOGPROBS))
+    out = jax.lax.map(slab, (hidden.reshape(t // c, c, -1), targets.reshape(t // c, c)))
+    return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["greedy", "logits", "sampling"], meta_fields=[])
@@ -197,7 +185,7 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
                attn: AttentionBackend, max_rows: int, mesh: Mesh | None = None, native_matmul_rows: int = 0,
                draft_layers: int = 0, draft: DraftSpec | None = None, split_sampler: bool = False
                ) -> tuple[jax.Array, SamplerOutput | VerifiedOutput | Unsampled, KVPool, KVPool | tuple,
-                          PromptScores | None]:
+                          TokenLogprobs | None]:
     """param_leaves: the model state's leaves; prev_tokens [max_rows] int32, the previous step's sampled tokens;
     buf [layout.size] int32; extras: the sampler's large arrays (`input_batch.EXTRAS`), [S, ...] each;
     draft_leaves, draft_pool: a separate draft model's state leaves and KV pool (empty tuples without one).
@@ -207,7 +195,7 @@ def _step_body(param_leaves: tuple, kv_pool: KVPool, prev_tokens: jax.Array, buf
     with `draft`, the draft model runs over the step's tokens (its pool holds what the target's holds) and proposes
     instead; a layout with draft_kv False skips it and its loop (no row of the step speculates soon).
     split_sampler: a step that does not verify returns `Unsampled` (its argmax as the tokens) instead of sampling.
-    Last, a scoring layout's `PromptScores` (None for other layouts)."""
+    Last, a scoring layout's prompt log-probs (`_prompt_scores`; None for other layouts)."""
     model = nnx.merge(graphdef, jax.tree.unflatten(treedef, param_leaves))  # inside the trace: no per-call cost
     host_ids, token_src, md, sm = layout.unpack(buf, extras)
     # A decoding row whose last token the host does not know yet reads it from the previous step's output.
@@ -304,12 +292,8 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
     def with_logprobs(raw):  # [S, K + 1, V]
         return sampler.logprobs(raw, jnp.maximum(v.tokens, 0), native)
 
-    def without(raw):
-        return (jnp.zeros((s, k + 1), jnp.float32), jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.int32),
-                jnp.zeros((s, k + 1, MAX_LOGPROBS), jnp.float32))
-
     with jax.named_scope("verify"):
-        chosen, top_ids, top_lps = jax.lax.cond(sm.want_logprobs, with_logprobs, without, raw)
+        lp = jax.lax.cond(sm.want_logprobs, with_logprobs, lambda raw: TokenLogprobs.zeros((s, k + 1)), raw)
     proposals = jnp.zeros((s, k), jnp.int32)
     if drafter is not None:
         model, attn, layers = drafter
@@ -323,7 +307,7 @@ def _verify(logits: jax.Array, kv_pool: KVPool, draft_pool: KVPool | tuple, buf:
             proposals, pool = _draft(model, pool, last, emit_pos + v.num_accepted, live, md.block_tables, k, attn,
                                      layers, native_matmul_rows, num_seqs, accepted, v.num_accepted == k)
         kv_pool, draft_pool = (pool, draft_pool) if layers else (kv_pool, pool)
-    return VerifiedOutput(v.tokens, v.num_accepted, proposals, chosen, top_ids, top_lps), kv_pool, draft_pool
+    return VerifiedOutput(v.tokens, v.num_accepted, proposals, lp), kv_pool, draft_pool
 
 
 def _draft(model, kv_pool: KVPool, first: jax.Array, first_pos: jax.Array, live: jax.Array, tables: jax.Array,

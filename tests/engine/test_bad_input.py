@@ -408,7 +408,10 @@ def test_detokenize_false_gives_the_same_tokens_without_text():
             outs += [got.outputs[0] for out in llm.engine.step() if (got := state.update(out)) is not None]
         parts = outs if kind == RequestOutputKind.DELTA else outs[-1:]  # deltas add up; the others are cumulative
         assert [t for o in parts for t in o.token_ids] == with_text.token_ids
-        assert [lp for o in parts for lp in o.logprobs] == with_text.logprobs and {o.text for o in outs} == {""}
+        assert {o.text for o in outs} == {""}
+        assert [{t: (e.logprob, e.rank, e.decoded_token) for t, e in lp.items()} for o in parts for lp in o.logprobs] \
+            == [{t: (e.logprob, e.rank, None) for t, e in lp.items()} for lp in with_text.logprobs]
+        assert all(e.decoded_token is not None for lp in with_text.logprobs for e in lp.values())
     with pytest.raises(ValueError, match="^detokenize=False cannot look for stop strings"):
         SamplingParams(stop=["x"], detokenize=False)
     with pytest.raises(TypeError, match="^detokenize"):

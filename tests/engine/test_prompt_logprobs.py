@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from jaxpaged import LLM, SamplingParams
-from tests.tiny_hf import make_tiny_hf_model
+from tests.logprob_checks import check_entries
+from tests.tiny_hf import make_tiny_hf_model, make_tiny_tokenizer
 
 K = 3
+TOKENIZER = make_tiny_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +38,12 @@ def make_llm(path, **kw) -> LLM:
 
 
 def check(out, prompt, ref) -> None:
-    """out.prompt_logprobs against transformers' log-softmax `ref` [len, V] of the same prompt."""
+    """out.prompt_logprobs against transformers' log-softmax `ref` [len, V] of the same prompt: log-probs, ranks (a
+    random prompt token's is far from 1), the top k in order; the tokens' texts (the test tokenizer's)."""
     got = out.prompt_logprobs
     assert got is not None and len(got) == len(prompt) and got[0] is None
-    for pos in range(1, len(prompt)):
-        entry, row = got[pos], ref[pos - 1]  # position pos is predicted by the logits at pos - 1
-        assert prompt[pos] in entry and abs(entry[prompt[pos]] - row[prompt[pos]]) < 1e-4
-        top = np.argsort(-row)[:K]
-        assert set(entry) == set(top.tolist()) | {prompt[pos]}, (pos, entry, top)
-        assert all(abs(entry[t] - row[t]) < 1e-4 for t in entry)
+    for pos in range(1, len(prompt)):  # position pos is predicted by the logits at pos - 1
+        check_entries(got[pos], prompt[pos], ref[pos - 1], K, 1e-4, TOKENIZER)
 
 
 @pytest.mark.parametrize("kw", [{}, {"async_scheduling": False}, {"max_num_batched_tokens": 16},

@@ -390,7 +390,8 @@ def float64_logprobs(logits: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
     "not logprobs_kernel()", reason="the native logprobs kernel could not be built"))], ids=["xla", "native"])
 def test_the_samplers_logprobs_are_the_float64_log_softmax_and_lax_top_k(native):
-    """`sampler.logprobs` (XLA, or the native kernel's two passes): the top tokens are jax.lax.top_k of the logits
+    """`sampler.logprobs` (XLA, or the native kernel's two passes): the ranks count the logits at or above the token's
+    (vLLM's); the top tokens are jax.lax.top_k of the logits
     exactly (ties by ascending index, -0 below +0, NaN first), their log-probs and the chosen token's within 1e-5 of
     the float64 log-softmax (2e-6 natively: its sum is float64), for rows that insert at every token (ascending), the
     widths around the kernel's 16-lane groups, Gemma's vocabulary, and a speculative step's [S, K + 1, V]."""
@@ -406,7 +407,10 @@ def test_the_samplers_logprobs_are_the_float64_log_softmax_and_lax_top_k(native)
     tol = 2e-6 if native else 1e-5
 
     def check(x, tokens):
-        chosen, ids, vals = fn(jnp.asarray(x), jnp.asarray(tokens))
+        out = fn(jnp.asarray(x), jnp.asarray(tokens))
+        chosen, ids, vals = out.logprobs, out.top_ids, out.top_logprobs
+        picked = np.take_along_axis(x, np.asarray(tokens)[..., None], -1)  # the rank counts the logits at or above
+        np.testing.assert_array_equal(np.asarray(out.ranks), np.sum(x >= picked, axis=-1))
         want_ids = np.asarray(jax.lax.top_k(jnp.asarray(x), MAX_LOGPROBS)[1])
         np.testing.assert_array_equal(np.asarray(ids), want_ids)
         ref = float64_logprobs(x)
@@ -458,9 +462,10 @@ def test_native_logprobs_give_xla_s_tokens_and_refuse_bad_input():
     s.want_logprobs = np.array(True)
     xla, native = (jax.jit(functools.partial(sampler.sample, native=n))(logits, s) for n in (False, True))
     np.testing.assert_array_equal(np.asarray(native.tokens), np.asarray(xla.tokens))
-    np.testing.assert_array_equal(np.asarray(native.top_ids), np.asarray(xla.top_ids))
-    np.testing.assert_allclose(np.asarray(native.logprobs), np.asarray(xla.logprobs), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(native.top_logprobs), np.asarray(xla.top_logprobs), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(native.lp.top_ids), np.asarray(xla.lp.top_ids))
+    np.testing.assert_array_equal(np.asarray(native.lp.ranks), np.asarray(xla.lp.ranks))
+    np.testing.assert_allclose(np.asarray(native.lp.logprobs), np.asarray(xla.lp.logprobs), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(native.lp.top_logprobs), np.asarray(xla.lp.top_logprobs), atol=1e-5)
     chosen, _, _ = logprobs_native(logits, jnp.array([-1, 3000, 0, 1, 2, 3], jnp.int32), 20)
     assert np.isnan(np.asarray(chosen)[:2]).all() and np.isfinite(np.asarray(chosen)[2:]).all()
     with pytest.raises(ValueError, match=r"logits must be \[S, V\] float32"):

@@ -178,8 +178,8 @@ def test_an_engine_whose_steps_run_the_kernel_gives_the_same_tokens(monkeypatch)
     assert calls  # the steps were traced with the kernel
     for a, b in zip(plain, kernel, strict=True):
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
-                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=1e-4)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
+                                   [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=1e-4)
 
 
 # ---- benchmarks/gpu_layer_matmul.py: what it times computes the same products; without a GPU it times nothing ----

@@ -307,8 +307,8 @@ def test_an_int8_engine_on_the_cuda_path_gives_the_xla_paths_tokens(monkeypatch)
     assert calls, "the steps were not traced with the kernel"
     for a, b in zip(xla, cuda, strict=True):
         assert a.token_ids == b.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
-                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=2e-3)
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.logprobs, a.token_ids, strict=True)],
+                                   [lp[t].logprob for lp, t in zip(b.logprobs, b.token_ids, strict=True)], atol=2e-3)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_k"])

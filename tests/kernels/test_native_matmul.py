@@ -283,7 +283,7 @@ def test_the_engine_runs_bf16_layer_matmuls_natively_with_xla_s_greedy_tokens(mo
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
             tok = next(iter(la))
-            assert abs(la[tok] - lb[tok]) < 0.05  # bf16 activations: rounding may differ by an ulp
+            assert abs(la[tok].logprob - lb[tok].logprob) < 0.05  # bf16 activations: rounding may differ by an ulp
 
 
 def test_no_native_matmul_under_a_mesh_or_off_cpu():

@@ -69,7 +69,7 @@ def test_own_model_through_the_engine_equals_its_dense_forward(model, prompts):
     expected = [dense_greedy(model, p, NEW_TOKENS) for p in prompts]
     for out, (_, ref) in zip(first, expected, strict=True):
         for token, lp in out.outputs[0].logprobs[0].items():
-            assert abs(lp - ref[token]) < 1e-4, (token, lp, ref[token])
+            assert abs(lp.logprob - ref[token]) < 1e-4, (token, lp, ref[token])
 
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -201,9 +201,9 @@ def test_engine_greedy_tokens_and_first_logprobs_match_transformers(llm, hf, hf_
     want_lp, want = hf_reference.logprobs(prompt), hf_reference.greedy(prompt)  # [V], NEW_TOKENS tokens
     first = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20),
                          use_tqdm=False)[0].outputs[0].logprobs[0]
-    assert max(first, key=first.get) == int(np.argmax(want_lp))
+    assert next(t for t, lp in first.items() if lp.rank == 1) == int(np.argmax(want_lp))
     for token, lp in first.items():
-        assert abs(lp - want_lp[token]) < LOGPROB_ATOL, (token, lp, want_lp[token])
+        assert abs(lp.logprob - want_lp[token]) < LOGPROB_ATOL, (token, lp, want_lp[token])
     got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                                   ignore_eos=True), use_tqdm=False)
     got = got[0].outputs[0].token_ids

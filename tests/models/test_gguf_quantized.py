@@ -100,7 +100,7 @@ def test_tiny_gguf_through_the_engine_kept_vs_dequantized_at_load(tmp_path, monk
     for a, b in zip(got, base, strict=True):
         first = b.outputs[0].token_ids[0]
         assert a.outputs[0].token_ids[0] == first
-        assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
+        assert abs(a.outputs[0].logprobs[0][first].logprob - b.outputs[0].logprobs[0][first].logprob) < 0.05
     assert sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got, base, strict=True)) >= 3
     stats = llm.stats()
     assert stats["quantization"] == "gguf" and stats["weight_format"] == "q4_1"

@@ -87,7 +87,7 @@ def test_int8_engine_agrees_with_bf16_greedy_and_logprobs():
     for a, b in zip(got, exact, strict=True):
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
         first = a.outputs[0].token_ids[0]
-        assert abs(a.outputs[0].logprobs[0][first] - b.outputs[0].logprobs[0][first]) < 0.05
+        assert abs(a.outputs[0].logprobs[0][first].logprob - b.outputs[0].logprobs[0][first].logprob) < 0.05
     stats = llm.stats()
     assert stats["quantization"] == "int8" and stats["weight_format"] == "int8"
     assert stats["weight_formats"]["int8"] > 0
@@ -187,7 +187,7 @@ def test_quantize_your_own_module_in_one_call():
     got = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     assert got.outputs[0].token_ids[:4] == want.outputs[0].token_ids[:4]
     first = want.outputs[0].token_ids[0]
-    assert abs(got.outputs[0].logprobs[0][first] - want.outputs[0].logprobs[0][first]) < 0.05
+    assert abs(got.outputs[0].logprobs[0][first].logprob - want.outputs[0].logprobs[0][first].logprob) < 0.05
     assert llm.stats()["weight_format"] == "int8"
 
 

@@ -58,7 +58,9 @@ def test_unrolled_steps_give_the_rolled_loops_tokens(monkeypatch, build):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert la.keys() == lb.keys()
-            np.testing.assert_allclose(list(la.values()), [lb[t] for t in la], rtol=1e-6, atol=1e-5)
+            assert [e.rank for e in la.values()] == [lb[t].rank for t in la]
+            np.testing.assert_allclose([e.logprob for e in la.values()], [lb[t].logprob for t in la], rtol=1e-6,
+                                       atol=1e-5)
 
     runner = llm.engine.runner
     n = len(jax.tree.leaves(runner.params))

@@ -80,7 +80,7 @@ def generations(llm: LLM, vocab: int) -> dict:
                                                       logprobs=1))):
         res = llm.generate(ps, params, use_tqdm=False)
         out[name] = [[c.token_ids for c in r.outputs] for r in res]
-        out[name + "_logprobs"] = [[[lp[t] for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
+        out[name + "_logprobs"] = [[[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)]
                                     for c in r.outputs] for r in res]
     again = llm.generate(ps[:2], greedy, use_tqdm=False)  # the shared prefix is cached now
     out["cached_tokens"] = [r.num_cached_tokens for r in again]
@@ -91,8 +91,8 @@ def generations(llm: LLM, vocab: int) -> dict:
     if llm.engine.spec is None:  # (prompt_logprobs are refused with speculative decoding)
         scored = llm.generate(ps[3:], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),
                               use_tqdm=False)
-        out["prompt_logprobs"] = [[d[t] for d, t in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:], strict=True)]
-                                  for r in scored]
+        out["prompt_logprobs"] = [[d[t].logprob for d, t in zip(r.prompt_logprobs[1:], r.prompt_token_ids[1:],
+                                                                   strict=True)] for r in scored]
     return out
 
 

@@ -221,6 +221,36 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     assert streamed[0].choices[0].logprobs.token_logprobs[:n] == lp.token_logprobs[:n]
 
 
+def test_vllm_prompt_logprobs_over_http(server, tokenizer):
+    """vLLM's prompt_logprobs field: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}}, the prompt's token first, then the top k ranked 1..k; the same log-probs as echo with logprobs
+    gives, whose top it does not widen. Chat puts them on the response, completions on each choice."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    n = len(ids)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0}
+    status, out = call(server, "POST", "/v1/completions", {**body, "prompt_logprobs": 3, "echo": True, "logprobs": 1})
+    assert status == 200, out
+    choice = out["choices"][0]
+    got, legacy = choice["prompt_logprobs"], choice["logprobs"]
+    assert len(got) == n and got[0] is None and legacy["token_logprobs"][0] is None
+    for j in range(1, n):
+        entries = list(got[j].items())
+        assert entries[0][0] == str(ids[j]) and entries[0][1]["decoded_token"] == tokenizer.decode([ids[j]])
+        assert abs(entries[0][1]["logprob"] - legacy["token_logprobs"][j]) < 1e-6
+        ranks = sorted(e["rank"] for t, e in entries if t != str(ids[j]) or e["rank"] <= 3)
+        assert ranks == [1, 2, 3] and entries[0][1]["rank"] >= 1
+        assert entries[0][1]["rank"] == 1 + sum(e["logprob"] > entries[0][1]["logprob"] + 1e-6 for _, e in entries
+                                                if e["rank"] <= 3) or entries[0][1]["rank"] > 3
+        assert len(legacy["top_logprobs"][j]) <= 2  # logprobs=1: the top one and the prompt's token
+    status, chat = call(server, "POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 1, "prompt_logprobs": 0,
+                                                                 "messages": CHAT})
+    assert status == 200, chat
+    scored = chat["prompt_logprobs"]
+    assert len(scored) == chat["usage"]["prompt_tokens"] and scored[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in scored[1:])  # k = 0: the token alone
+    assert "prompt_logprobs" not in chat["choices"][0]
+
+
 # ---- /pool --------------------------------------------------------------------------------------------------------
 
 def pool(server, **query) -> dict:

@@ -110,7 +110,10 @@ def test_json_object_guided_and_structured_outputs_fields(client):
     ({"allowed_token_ids": ["5"]}, "allowed_token_ids.0"),
     ({"priority": 1}, "priority"),  # this server schedules fcfs
     ({"priority": 1.5}, "priority"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),  # not over HTTP: echo with logprobs on completions
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed (vLLM's rule)
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),  # vLLM's "the whole vocabulary": at most 20 here
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
 ])
 def test_bad_structured_and_sampling_fields_are_400_naming_the_field(server, extra, param):
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):

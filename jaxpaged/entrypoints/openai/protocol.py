@@ -103,15 +103,16 @@ class _SamplingRequest(_Body):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens; -1: max_model_len
     allowed_token_ids: list[int] | None = None
     priority: int = Field(0, ge=-2**63, lt=2**63)  # lower first, with --scheduling-policy priority
-    prompt_logprobs: int | None = None  # vLLM's response field of that name is not given: refused (below)
+    # each prompt token's log-prob, rank and text, and the top k's (vLLM's; not streamed, as vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.prompt_logprobs is not None:
-            raise OpenAIError("prompt_logprobs is not supported over HTTP; on /v1/completions, echo with logprobs "
-                              "gives the prompt's log-probs (OpenAI's legacy way)", param="prompt_logprobs",
-                              code="unsupported_parameter")
+        if self.prompt_logprobs is not None and self.stream:
+            raise OpenAIError("prompt_logprobs is not available when stream is true (as in vLLM); on "
+                              "/v1/completions, echo with logprobs streams the prompt's log-probs in the first chunk",
+                              param="prompt_logprobs")
         if self.truncate_prompt_tokens == 0:
             raise OpenAIError("truncate_prompt_tokens must be -1 (the context length) or >= 1 (tokens kept), not 0",
                               param="truncate_prompt_tokens")

@@ -40,8 +40,8 @@ from jaxpaged.entrypoints.openai.protocol import (
 )
 from jaxpaged.entrypoints.openai.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, calls_from_required, tool_parser
-from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 # Threads that check and compile structured-output grammars (each waits on a grammar worker process, or compiles
@@ -135,8 +135,10 @@ class OpenAIServing:
                 prompts.append(_Prompt(None, list(p) if keep is None else truncate_prompt(list(p), keep)))
         max_tokens = self._max_tokens(prompts, body.max_tokens, "prompt")
         structured, grammar_param = await self._structured(body)
-        # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy scoring, e.g. lm-eval-harness)
-        prompt_logprobs = body.logprobs if body.echo else None
+        # echo with logprobs: the prompt's tokens get theirs too (OpenAI's legacy scoring, e.g. lm-eval-harness);
+        # vLLM's prompt_logprobs asks for them in its own shape
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         ctx = await self._start("cmpl", model, body.n, prompts,
                                 body.sampling_params(max_tokens, body.logprobs, structured, prompt_logprobs),
                                 grammar_param, body.priority)
@@ -151,9 +153,13 @@ class OpenAIServing:
                 if body.logprobs is not None:
                     lp = self._completion_logprobs(o, 0, len(echo))
                     if body.echo:
-                        lp = _joined(self._prompt_logprobs(prompts[k].token_ids, out.prompt_logprobs), lp)
-                choices.append({"index": k * body.n + o.index, "text": echo + o.text, "logprobs": lp,
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                        lp = _joined(self._prompt_logprobs(prompts[k].token_ids, out.prompt_logprobs, body.logprobs),
+                                     lp)
+                choice = {"index": k * body.n + o.index, "text": echo + o.text, "logprobs": lp,
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if body.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = _vllm_logprobs(out.prompt_logprobs, body.prompt_logprobs)
+                choices.append(choice)
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage(finals)}
 
@@ -169,8 +175,8 @@ class OpenAIServing:
                                       "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens")
         structured, grammar_param = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.engine_logprobs, structured), grammar_param,
-                                body.priority)
+                                body.sampling_params(max_tokens, body.engine_logprobs, structured,
+                                                     body.prompt_logprobs), grammar_param, body.priority)
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
@@ -183,8 +189,11 @@ class OpenAIServing:
             choices.append({"index": o.index, "message": message,
                             "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
                             "finish_reason": finish, "stop_reason": o.stop_reason})
-        return {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
-                "choices": choices, "usage": _usage([out])}
+        response = {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
+                    "choices": choices, "usage": _usage([out])}
+        if body.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
+            response["prompt_logprobs"] = _vllm_logprobs(out.prompt_logprobs, body.prompt_logprobs)
+        return response
 
     # ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) ----------------------------------------------------
 
@@ -253,7 +262,7 @@ class OpenAIServing:
             return None
         lp = self._completion_logprobs(o, st.tokens, st.chars) if body.logprobs is not None else None
         if lp is not None and echo:
-            lp = _joined(self._prompt_logprobs(ctx.prompts[k].token_ids, prompt_logprobs), lp)
+            lp = _joined(self._prompt_logprobs(ctx.prompts[k].token_ids, prompt_logprobs, body.logprobs), lp)
         st.started, st.done = True, finished
         st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
         return {"index": index, "text": echo + delta, "logprobs": lp, "finish_reason": o.finish_reason,
@@ -506,34 +515,35 @@ class OpenAIServing:
 
     def _completion_logprobs(self, o: CompletionOutput, start: int, text_offset: int) -> dict:
         """OpenAI's legacy logprobs of tokens start.. of one choice."""
-        return self._legacy_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], text_offset)
+        return self._legacy_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], text_offset, MAX_LOGPROBS)
 
-    def _legacy_logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int) -> dict:
-        """OpenAI's legacy logprobs object of tokens and their {token id: logprob} entries (None: a token without
-        one, an echoed prompt's first), their text starting at character `offset`."""
+    def _legacy_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int,
+                         k: int) -> dict:
+        """OpenAI's legacy logprobs object of tokens and their {token id: Logprob} entries (None: a token without
+        one, an echoed prompt's first), their text starting at character `offset`; each token's top k and itself."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for t, entry in zip(token_ids, entries, strict=False):
             s = self._token(t)[0]
             tokens.append(s)
-            token_logprobs.append(None if entry is None else entry.get(t))
-            top.append(None if entry is None else
-                       {self._token(i)[0]: lp for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
+            token_logprobs.append(None if entry is None else entry[t].logprob)
+            top.append(None if entry is None else {self._token(i)[0]: e.logprob for i, e in sorted(
+                entry.items(), key=lambda kv: -kv[1].logprob) if e.rank <= k or i == t})
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None) -> dict:
+    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None, k: int) -> dict:
         """OpenAI's legacy logprobs of the prompt's tokens (echo with logprobs): the first token has none."""
-        return self._legacy_logprobs(token_ids, prompt_logprobs or [None] * len(token_ids), 0)
+        return self._legacy_logprobs(token_ids, prompt_logprobs or [None] * len(token_ids), 0, k)
 
     def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int) -> dict:
         content = []
         for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
             s, b = self._token(t)
-            ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top_k]
-            content.append({"token": s, "logprob": lps.get(t), "bytes": list(b),
-                            "top_logprobs": [{"token": self._token(i)[0], "logprob": lp,
-                                              "bytes": list(self._token(i)[1])} for i, lp in ranked]})
+            ranked = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:top_k]
+            content.append({"token": s, "logprob": lps[t].logprob, "bytes": list(b),
+                            "top_logprobs": [{"token": self._token(i)[0], "logprob": e.logprob,
+                                              "bytes": list(self._token(i)[1])} for i, e in ranked]})
         return {"content": content}
 
 
@@ -659,6 +669,16 @@ def _token_text(tokenizer, token_id: int) -> tuple[str, bytes]:
     else:
         return text, text.encode()
     return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def _vllm_logprobs(entries: list[dict[int, Logprob] | None] | None, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs in a response: per position None (the first) or {token id: {logprob, rank,
+    decoded_token}} of the prompt's token (first) and the top k; -inf written -9999.0 as vLLM does (JSON has no
+    infinity)."""
+    return [None if entry is None else
+            {str(i): {"logprob": max(e.logprob, -9999.0), "rank": e.rank, "decoded_token": e.decoded_token}
+             for j, (i, e) in enumerate(entry.items()) if j == 0 or e.rank <= k}
+            for entry in entries or []]
 
 
 def _joined(first: dict, then: dict) -> dict:
