@@ -632,4 +632,4 @@ def _merge(old: EngineOutput, new: EngineOutput) -> EngineOutput:
             d.cumulative_logprob if d.cumulative_logprob is not None else kept.cumulative_logprob)
     return EngineOutput(new.request_id, list(deltas.values()), new.finished,
                         new.num_cached_tokens or old.num_cached_tokens, old.first_token_time or new.first_token_time,
-                        new.error)
+                        new.error, old.prompt_logprobs or new.prompt_logprobs)

@@ -147,6 +147,25 @@ def test_a_hand_off_that_raises_fails_its_request_alone(engine, aengine, monkeyp
     assert wait_for(lambda: aengine.stats()["num_used"] == 0 and aengine.stats()["num_in_flight"] == 0)
 
 
+def test_outputs_merged_for_a_slow_reader_keep_the_prompt_logprobs(aengine):
+    """A reader that takes its outputs late gets them merged into one: the prompt's log-probs, which come once, in
+    the output of the step that finished the prompt, are in it."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+
+    async def run():
+        stream = await aengine.add_request("slow-reader", [5, 6, 7, 8], params)
+        for _ in range(600):  # every step's output piles up unread, up to the finished one
+            await asyncio.sleep(0.05)
+            if stream._unread is not None and stream._unread.finished:
+                break
+        return [out async for out in stream]
+
+    outs = asyncio.run(run())
+    assert len(outs) == 1 and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
+    scored = outs[-1].prompt_logprobs
+    assert scored is not None and scored[0] is None and [next(iter(e)) for e in scored[1:]] == [6, 7, 8]
+
+
 def test_bad_request_raises_to_the_caller_and_the_loop_goes_on(aengine):
     async def run():
         with pytest.raises(ValueError, match="longer than the context"):
