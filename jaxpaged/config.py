@@ -73,6 +73,9 @@ class ModelConfig:
     rms_norm_unit_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight); weights stored as HF stores them
     post_norms: bool = False  # Gemma: RMSNorm on the attention and MLP outputs before each residual add
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # the sampling values of the model's generation_config.json that requests leaving them unset take (vLLM's
+    # generation_config="auto"): some of temperature, top_p, top_k, min_p, repetition_penalty, max_tokens
+    generation_defaults: dict[str, float | int] | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -27,11 +27,13 @@ from jaxpaged.worker.sampler import MAX_BANNED, MAX_LOGPROBS
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int, max_num_seqs: int,
                  grammars: GrammarCache, *, num_blocks: int, block_size: int, spec: SpeculativeConfig | None = None,
-                 drafts: bool = False, seed: int | None = None, policy: str = "fcfs"):
+                 drafts: bool = False, seed: int | None = None, policy: str = "fcfs",
+                 default_params: SamplingParams | None = None):
         """`num_blocks`, `block_size`: the KV pool's (a beam search must fit in it); `spec`: the engine's speculative
         decoding, `drafts` whether it proposes with a draft model (a row then keeps room for its proposals);
         `seed`: where the seeds of requests without one come from; `policy`: the scheduling policy (a request's
-        priority means something under "priority" only)."""
+        priority means something under "priority" only); `default_params`: what a request without sampling
+        parameters samples with (`Engine.default_sampling_params`)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids  # the engine's set, not a copy
@@ -42,12 +44,13 @@ class InputProcessor:
         self.spec, self.drafts = spec, drafts
         self._rng = np.random.default_rng(seed)
         self.policy = policy
+        self.default_params = default_params or SamplingParams()
 
     def request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                 arrival_time: float | None = None, priority: int = 0) -> Request:
         """A request with its first sequence (n > 1 forks after the prompt). Raises ValueError / TypeError naming the
         problem."""
-        params = SamplingParams() if params is None else params
+        params = self.default_params if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} {params!r}")
         self.check_priority(priority)

@@ -100,6 +100,13 @@ class Engine:
         self.config = config
         self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        # vLLM's generation_config="auto": the sampling fields the model's generation_config.json sets are the
+        # defaults of requests that leave them unset (SamplingParams' own defaults otherwise)
+        self.generation_defaults: dict[str, float | int] = dict(
+            getattr(self.model_config, "generation_defaults", None) or {}) if config.generation_config == "auto" else {}
+        if self.generation_defaults:
+            logger.info("requests that leave them unset sample with the model's generation_config.json values %s "
+                        "(generation_config='vllm' keeps vLLM's defaults)", self.generation_defaults)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         t0 = time.perf_counter()
@@ -125,7 +132,8 @@ class Engine:
                                      num_blocks=self.block_manager.num_blocks,
                                      block_size=self.cache_config.block_size, spec=self.spec,
                                      drafts=self.runner.drafts, seed=config.seed,
-                                     policy=self.scheduler_config.policy)
+                                     policy=self.scheduler_config.policy,
+                                     default_params=SamplingParams(**self.generation_defaults))
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         # The host pool of swapped-out blocks, one array per pool array (K, V[, a draft model's K, V]):
         # [L, num_cpu_blocks, BS, Hkv, D], made at the first swap-out, indexed by host block id.
@@ -150,6 +158,12 @@ class Engine:
             self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
             logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
                         len(self.runner.all_shapes()), self.startup_times["compile_s"])
+
+    @property
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request given no SamplingParams samples with: vLLM's defaults, over which the model's
+        generation_config.json sets some (EngineConfig.generation_config)."""
+        return self.inputs.default_params
 
     @property
     def tokenizer(self):

@@ -26,6 +26,7 @@ class EngineOptions(TypedDict, total=False):
     swap_space: float
     preemption_mode: str
     scheduling_policy: str
+    generation_config: str
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None

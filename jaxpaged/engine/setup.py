@@ -55,6 +55,10 @@ class EngineConfig:
     scheduling_policy: str = _option("fcfs", "which requests run first: fcfs (arrival order), or priority (each "
                                              "request's priority, lower first, then arrival; the lowest runs out "
                                              "first when the pool is short)", ("fcfs", "priority"))
+    generation_config: str = _option("auto", "request defaults: auto (the model's generation_config.json sets the "
+                                             "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
+                                             "of requests that leave them unset, as vLLM does), or vllm (vLLM's own "
+                                             "defaults, whatever the model says)", ("auto", "vllm"))
     max_num_seqs: int = _option(64, "sequences per step")
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
     max_prefill_tokens_while_decoding: int | None = _option(

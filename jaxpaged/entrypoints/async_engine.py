@@ -214,6 +214,16 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request given no SamplingParams samples with (`Engine.default_sampling_params`)."""
+        return self.engine.default_sampling_params
+
+    @property
+    def generation_defaults(self) -> dict[str, float | int]:
+        """`Engine.generation_defaults`: the sampling fields the model sets for requests that leave them unset."""
+        return self.engine.generation_defaults
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the model knows: [0, vocab_size)."""
         return self.engine.model_config.vocab_size
@@ -277,7 +287,8 @@ class AsyncEngine:
                                             f"(max_waiting={self.max_waiting}); retry later")
             self._streams.update(zip(ids, streams, strict=True))
             self._pending_adds += len(requests)
-            self._commands.append(_Add([(rid, prompt, params or SamplingParams()) for rid, prompt, params in requests],
+            default = self.default_sampling_params
+            self._commands.append(_Add([(rid, prompt, params or default) for rid, prompt, params in requests],
                                        time.monotonic(), done, priority))
             self._cond.notify()
         try:

@@ -140,6 +140,12 @@ class LLM:
         """The tokenizer prompts are encoded with (vLLM's name; the same as `tokenizer`)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams (vLLM's name): vLLM's defaults, over
+        which the model's generation_config.json sets its temperature, top_p, top_k, min_p, repetition_penalty and
+        max_tokens (unless the engine was built with generation_config="vllm")."""
+        return self.engine.default_sampling_params
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -151,7 +157,7 @@ class LLM:
         """
         prompts = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
                             f"{type(sampling_params).__name__} {sampling_params!r}")

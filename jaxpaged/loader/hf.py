@@ -98,7 +98,29 @@ def model_config_from_hf(cfg, generation_cfg: dict | None = None) -> ModelConfig
         attention_bias=bool(getattr(cfg, "attention_bias", False) or model_type == "qwen2"),
         qk_norm=model_type == "qwen3", sliding_window=_sliding_window(cfg, model_type),
         bos_token_id=bos[0] if bos else None,
-        eos_token_ids=_token_ids(gen.get("eos_token_id"), cfg.eos_token_id), architecture=model_type)
+        eos_token_ids=_token_ids(gen.get("eos_token_id"), cfg.eos_token_id), architecture=model_type,
+        generation_defaults=generation_defaults(gen))
+
+
+# generation_config.json's sampling fields that vLLM takes as request defaults, and their SamplingParams names
+_GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(gen: dict) -> dict[str, float | int] | None:
+    """The request defaults a generation_config.json sets (vLLM's generation_config="auto"), as SamplingParams
+    fields, checked as SamplingParams checks them (ValueError / TypeError naming the file's field); None if it sets
+    none."""
+    from jaxpaged.sampling_params import SamplingParams
+
+    found = {ours: gen[theirs] for theirs, ours in _GENERATION_FIELDS.items() if gen.get(theirs) is not None}
+    if not found:
+        return None
+    try:
+        SamplingParams(**found)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"generation_config.json: {e} (HF's name of max_tokens is max_new_tokens)") from e
+    return found
 
 
 def tensor_files(directory: str) -> list[str]:

@@ -68,6 +68,11 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
+# what a field the body leaves unset samples with when the model sets no default (max_tokens None: up to the context)
+_OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "max_tokens": None}
+
+
 class _SamplingRequest(_Body):
     """The sampling fields both endpoints share (OpenAI's names; top_k, min_p and the rest as vLLM extends them)."""
 
@@ -161,8 +166,15 @@ class _SamplingRequest(_Body):
         return _structured(spec, param), param
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None, prompt_logprobs: int | None = None,
+                        defaults: dict | None = None) -> SamplingParams:
+        """defaults: the model's values (`AsyncEngine.generation_defaults`, SamplingParams' names) of the fields the
+        body leaves unset: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens."""
+        d = {**_OPENAI_DEFAULTS, **(defaults or {})}
+
+        def given(field: str, value):
+            return d[field] if value is None else value
+
         if structured is None:
             structured = self.structured_output_request()[0]
         bias = None
@@ -174,14 +186,14 @@ class _SamplingRequest(_Body):
             bias = {int(k): v for k, v in self.logit_bias.items()}
         try:
             return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-                min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                n=self.n, temperature=given("temperature", self.temperature), top_p=given("top_p", self.top_p),
+                top_k=given("top_k", self.top_k), min_p=given("min_p", self.min_p), seed=self.seed,
+                max_tokens=given("max_tokens", max_tokens), min_tokens=self.min_tokens,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=given("repetition_penalty", self.repetition_penalty),
                 logit_bias=bias, bad_words=self.bad_words, allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=structured, prompt_logprobs=prompt_logprobs)
         except (TypeError, ValueError) as e:  # SamplingParams names the field first: "min_tokens=5 must be <= ..."

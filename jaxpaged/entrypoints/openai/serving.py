@@ -140,7 +140,8 @@ class OpenAIServing:
         asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
         prompt_logprobs = max(asked) if asked else None
         ctx = await self._start("cmpl", model, body.n, prompts,
-                                body.sampling_params(max_tokens, body.logprobs, structured, prompt_logprobs),
+                                body.sampling_params(max_tokens, body.logprobs, structured, prompt_logprobs,
+                                                     self.engine.generation_defaults),
                                 grammar_param, body.priority)
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
@@ -176,7 +177,8 @@ class OpenAIServing:
         structured, grammar_param = await self._structured(body)
         ctx = await self._start("chatcmpl", model, body.n, prompts,
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured,
-                                                     body.prompt_logprobs), grammar_param, body.priority)
+                                                     body.prompt_logprobs, self.engine.generation_defaults),
+                                grammar_param, body.priority)
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
