@@ -5,9 +5,9 @@ prefix) generated together under pressure (a small pool that preempts, chunked p
 n-grams or a self-draft, fp8 K/V, quantized weights, priority scheduling with a priority per request), and
 each request again alone; then the whole mix under pairs of settings that must not change any output (asynchronous
 scheduling on and off, speculation on and off (n-grams, a separate draft model), swap against recompute). Every
-output is compared exactly: tokens, text, finish reason, log-probs and prompt log-probs (to 5 decimals). The
-table's preemptions and accepted proposals are the run's together (of an A / B pair, B's). With speculation the mix's
-prompt_logprobs are dropped (the engine refuses the two together).
+output is compared exactly: tokens, text, finish reason, log-probs and prompt log-probs (to 5 decimals, with their
+ranks and texts). The table's preemptions and accepted proposals are the run's together (of an A / B pair, B's).
+With speculation the mix's prompt_logprobs are dropped (the engine refuses the two together).
 
 On a CPU whose bfloat16 matmuls run natively (AVX512_BF16) every row of a step sums the same way whatever the batch
 (docs/python_api.md, batch invariance), so every count below should be 0; elsewhere (float32, XLA's matmuls) the

@@ -31,6 +31,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
 
+    def finished(self) -> bool:
+        """Whether this sequence has ended (vLLM's method)."""
+        return self.finish_reason is not None
+
 
 @dataclasses.dataclass
 class RequestOutput:

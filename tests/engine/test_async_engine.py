@@ -62,6 +62,7 @@ def test_streamed_outputs_grow_and_match_the_engine_run_directly(engine):
     ae.close()
     ids = [o.outputs[0].token_ids for o in outs]
     assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert [o.outputs[0].finished() for o in outs] == [o.finished for o in outs]  # vLLM's CompletionOutput method
     assert all(later[:len(earlier)] == earlier for earlier, later in zip(ids, ids[1:], strict=False))
     assert ids[-1] == offline(engine, [5, 6, 7, 8], GREEDY)
 
