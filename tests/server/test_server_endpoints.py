@@ -251,6 +251,43 @@ def test_vllm_prompt_logprobs_over_http(server, tokenizer):
     assert "prompt_logprobs" not in chat["choices"][0]
 
 
+def test_vllm_return_token_ids_and_tokens_as_token_ids(server, client, tokenizer):
+    """vLLM's return_token_ids: the prompt's ids (per completions choice; on the chat response) and each choice's
+    generated ids, whole or, streamed, the prompt's in the first chunk and each chunk's new ids (adding up to the
+    whole); return_tokens_as_token_ids writes log-probs' tokens as `token_id:<id>`."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = client.completions.create(prompt=ids, **kw).choices[0]
+    assert choice.prompt_token_ids == ids and len(choice.token_ids) == 6
+    assert tokenizer.decode(choice.token_ids, skip_special_tokens=True).startswith(choice.text)  # (a split UTF-8
+    # character at the end is not text yet)
+    chunks = [c.choices[0] for c in client.completions.create(prompt=ids, stream=True, **kw) if c.choices]
+    assert chunks[0].prompt_token_ids == ids and all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [t for c in chunks for t in c.token_ids] == choice.token_ids
+
+    chat = client.chat.completions.create(messages=CHAT, **kw)
+    status, tok = call(server, "POST", "/tokenize", {"model": MODEL, "messages": CHAT})
+    assert status == 200 and chat.prompt_token_ids == tok["tokens"]
+    assert tokenizer.decode(chat.choices[0].token_ids, skip_special_tokens=True).startswith(
+        chat.choices[0].message.content)
+    stream = list(client.chat.completions.create(messages=CHAT, stream=True, **kw))
+    assert stream[0].prompt_token_ids == tok["tokens"]
+    assert [t for c in stream for ch in c.choices for t in (getattr(ch, "token_ids", None) or [])] == \
+        chat.choices[0].token_ids
+
+    as_ids = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    lp = client.completions.create(prompt=ids, model=MODEL, max_tokens=4, temperature=0, logprobs=2,
+                                   extra_body={**as_ids, "return_token_ids": True}).choices[0]
+    assert lp.logprobs.tokens == [f"token_id:{t}" for t in lp.token_ids]
+    assert all(all(k.startswith("token_id:") for k in top) for top in lp.logprobs.top_logprobs)
+    content = client.chat.completions.create(messages=CHAT, model=MODEL, max_tokens=4, temperature=0, logprobs=True,
+                                             top_logprobs=2, extra_body=as_ids).choices[0].logprobs.content
+    assert all(c.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in c.top_logprobs)
+               for c in content)
+    for bad in ({"return_token_ids": "yes"}, {"return_tokens_as_token_ids": 1}):
+        assert_400(call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", **bad}), next(iter(bad)))
+
+
 # ---- /pool --------------------------------------------------------------------------------------------------------
 
 def pool(server, **query) -> dict:

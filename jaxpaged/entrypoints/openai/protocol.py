@@ -110,6 +110,8 @@ class _SamplingRequest(_Body):
     priority: int = Field(0, ge=-2**63, lt=2**63)  # lower first, with --scheduling-policy priority
     # each prompt token's log-prob, rank and text, and the top k's (vLLM's; not streamed, as vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids in the response (vLLM's)
+    return_tokens_as_token_ids: bool = False  # log-probs' tokens written "token_id:<id>" (vLLM's)
 
     def check_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

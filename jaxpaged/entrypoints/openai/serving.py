@@ -64,6 +64,7 @@ class _ChoiceState:
 
     chars: int = 0
     tokens: int = 0
+    ids: int = 0  # token ids sent (return_token_ids)
     started: bool = False
     done: bool = False
 
@@ -146,20 +147,22 @@ class OpenAIServing:
         if body.stream:
             return ChunkStream(self._completion_chunks(ctx, body), ctx)
         finals = await ctx.finals()
-        choices = []
+        choices, as_ids = [], body.return_tokens_as_token_ids
         for k, out in enumerate(finals):
             echo = self._prompt_text(prompts[k]) if body.echo else ""
             for o in out.outputs:
                 lp = None
                 if body.logprobs is not None:
-                    lp = self._completion_logprobs(o, 0, len(echo))
+                    lp = self._completion_logprobs(o, 0, len(echo), as_ids)
                     if body.echo:
-                        lp = _joined(self._prompt_logprobs(prompts[k].token_ids, out.prompt_logprobs, body.logprobs),
-                                     lp)
+                        lp = _joined(self._prompt_logprobs(prompts[k].token_ids, out.prompt_logprobs, body.logprobs,
+                                                           as_ids), lp)
                 choice = {"index": k * body.n + o.index, "text": echo + o.text, "logprobs": lp,
                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                 if body.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = _vllm_logprobs(out.prompt_logprobs, body.prompt_logprobs)
+                if body.return_token_ids:  # vLLM's
+                    choice["prompt_token_ids"], choice["token_ids"] = prompts[k].token_ids, o.token_ids
                 choices.append(choice)
         return {"id": ctx.request_id, "object": "text_completion", "created": ctx.created, "model": model,
                 "choices": choices, "usage": _usage(finals)}
@@ -189,12 +192,16 @@ class OpenAIServing:
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
             choices.append({"index": o.index, "message": message,
-                            "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs else None,
-                            "finish_reason": finish, "stop_reason": o.stop_reason})
+                            "logprobs": self._chat_logprobs(o, 0, body.top_logprobs or 0,
+                                                            body.return_tokens_as_token_ids) if body.logprobs else None,
+                            "finish_reason": finish, "stop_reason": o.stop_reason,
+                            **({"token_ids": o.token_ids} if body.return_token_ids else {})})
         response = {"id": ctx.request_id, "object": "chat.completion", "created": ctx.created, "model": model,
                     "choices": choices, "usage": _usage([out])}
         if body.prompt_logprobs is not None:  # vLLM's: on the response, not per choice
             response["prompt_logprobs"] = _vllm_logprobs(out.prompt_logprobs, body.prompt_logprobs)
+        if body.return_token_ids:  # vLLM's
+            response["prompt_token_ids"] = prompts[0].token_ids
         return response
 
     # ---- tokenizer endpoints (vLLM's /tokenize and /detokenize) ----------------------------------------------------
@@ -262,13 +269,17 @@ class OpenAIServing:
         finished = o.finish_reason is not None
         if not (echo or delta or finished or (new_tokens and body.logprobs is not None)):
             return None
-        lp = self._completion_logprobs(o, st.tokens, st.chars) if body.logprobs is not None else None
+        as_ids = body.return_tokens_as_token_ids
+        lp = self._completion_logprobs(o, st.tokens, st.chars, as_ids) if body.logprobs is not None else None
         if lp is not None and echo:
-            lp = _joined(self._prompt_logprobs(ctx.prompts[k].token_ids, prompt_logprobs, body.logprobs), lp)
+            lp = _joined(self._prompt_logprobs(ctx.prompts[k].token_ids, prompt_logprobs, body.logprobs, as_ids), lp)
+        choice = {"index": index, "text": echo + delta, "logprobs": lp, "finish_reason": o.finish_reason,
+                  "stop_reason": o.stop_reason}
+        if body.return_token_ids and not st.started:  # vLLM's: the prompt's ids in the choice's first chunk
+            choice["prompt_token_ids"] = ctx.prompts[k].token_ids
         st.started, st.done = True, finished
         st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
-        return {"index": index, "text": echo + delta, "logprobs": lp, "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason}
+        return self._with_token_ids(body, choice, st, o)
 
     async def _chat_chunks(self, ctx: _Context, body: ChatCompletionRequest) -> AsyncIterator[dict]:
         states: dict[int, _ChoiceState] = {}
@@ -282,7 +293,8 @@ class OpenAIServing:
         prompt = len(ctx.prompts[0].token_ids)
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(body.n)],
-                    **({"usage": _counts(prompt, 0)} if body.continuous_usage else {}))  # cached: not known yet
+                    **({"usage": _counts(prompt, 0)} if body.continuous_usage else {}),  # cached: not known yet
+                    **({"prompt_token_ids": ctx.prompts[0].token_ids} if body.return_token_ids else {}))
         async with contextlib.aclosing(ctx.merged()) as merged:
             async for _, out in merged:
                 choices = [c for o in out.outputs if (c := self._chat_delta(body, o, states))]
@@ -337,9 +349,10 @@ class OpenAIServing:
         st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
         if not (delta or finished):
             return None
-        lp = self._chat_logprobs(o, 0, body.top_logprobs or 0) if body.logprobs and finished else None
-        return {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
-                "stop_reason": o.stop_reason}
+        lp = (self._chat_logprobs(o, 0, body.top_logprobs or 0, body.return_tokens_as_token_ids)
+              if body.logprobs and finished else None)
+        return self._with_token_ids(body, {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
+                                           "stop_reason": o.stop_reason}, st, o)
 
     def _chat_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
                     states: dict[int, _ChoiceState]) -> dict | None:
@@ -352,11 +365,13 @@ class OpenAIServing:
         finished = o.finish_reason is not None
         if not (delta or finished or (new_tokens and body.logprobs)):
             return None
-        lp = self._chat_logprobs(o, st.tokens, body.top_logprobs or 0) if body.logprobs else None
+        lp = (self._chat_logprobs(o, st.tokens, body.top_logprobs or 0, body.return_tokens_as_token_ids)
+              if body.logprobs else None)
         st.done = finished
         st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
-        return {"index": o.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        return self._with_token_ids(body, {"index": o.index, "delta": {"content": delta} if delta else {},
+                                           "logprobs": lp, "finish_reason": o.finish_reason,
+                                           "stop_reason": o.stop_reason}, st, o)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
@@ -507,46 +522,56 @@ class OpenAIServing:
         tok = self.engine.tokenizer
         return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
-    def _token(self, token_id: int) -> tuple[str, bytes]:
+    def _token(self, token_id: int, as_id: bool = False) -> tuple[str, bytes]:
         """A token's text for logprobs and its bytes. A token that is only part of a UTF-8 character (byte-level
-        BPE splits them) has no text of its own: it is written `bytes:\\xe2\\x80`, as OpenAI does."""
+        BPE splits them) has no text of its own: it is written `bytes:\\xe2\\x80`, as OpenAI does. as_id (vLLM's
+        return_tokens_as_token_ids): the text is `token_id:<id>`."""
         cached = self._token_cache.get(token_id)
         if cached is None:
             cached = self._token_cache[token_id] = _token_text(self.engine.tokenizer, token_id)
-        return cached
+        return (f"token_id:{token_id}", cached[1]) if as_id else cached
 
-    def _completion_logprobs(self, o: CompletionOutput, start: int, text_offset: int) -> dict:
+    def _completion_logprobs(self, o: CompletionOutput, start: int, text_offset: int, as_ids: bool) -> dict:
         """OpenAI's legacy logprobs of tokens start.. of one choice."""
-        return self._legacy_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], text_offset, MAX_LOGPROBS)
+        return self._legacy_logprobs(o.token_ids[start:], (o.logprobs or [])[start:], text_offset, MAX_LOGPROBS,
+                                     as_ids)
 
     def _legacy_logprobs(self, token_ids: list[int], entries: list[dict[int, Logprob] | None], offset: int,
-                         k: int) -> dict:
+                         k: int, as_ids: bool) -> dict:
         """OpenAI's legacy logprobs object of tokens and their {token id: Logprob} entries (None: a token without
-        one, an echoed prompt's first), their text starting at character `offset`; each token's top k and itself."""
+        one, an echoed prompt's first), their text starting at character `offset`; each token's top k and itself;
+        as_ids: tokens written `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         for t, entry in zip(token_ids, entries, strict=False):
-            s = self._token(t)[0]
+            s = self._token(t, as_ids)[0]
             tokens.append(s)
             token_logprobs.append(None if entry is None else entry[t].logprob)
-            top.append(None if entry is None else {self._token(i)[0]: e.logprob for i, e in sorted(
+            top.append(None if entry is None else {self._token(i, as_ids)[0]: e.logprob for i, e in sorted(
                 entry.items(), key=lambda kv: -kv[1].logprob) if e.rank <= k or i == t})
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None, k: int) -> dict:
+    def _prompt_logprobs(self, token_ids: list[int], prompt_logprobs: list | None, k: int, as_ids: bool) -> dict:
         """OpenAI's legacy logprobs of the prompt's tokens (echo with logprobs): the first token has none."""
-        return self._legacy_logprobs(token_ids, prompt_logprobs or [None] * len(token_ids), 0, k)
+        return self._legacy_logprobs(token_ids, prompt_logprobs or [None] * len(token_ids), 0, k, as_ids)
 
-    def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int) -> dict:
+    def _chat_logprobs(self, o: CompletionOutput, start: int, top_k: int, as_ids: bool) -> dict:
         content = []
         for t, lps in zip(o.token_ids[start:], (o.logprobs or [])[start:], strict=False):
-            s, b = self._token(t)
+            s, b = self._token(t, as_ids)
             ranked = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:top_k]
             content.append({"token": s, "logprob": lps[t].logprob, "bytes": list(b),
-                            "top_logprobs": [{"token": self._token(i)[0], "logprob": e.logprob,
+                            "top_logprobs": [{"token": self._token(i, as_ids)[0], "logprob": e.logprob,
                                               "bytes": list(self._token(i)[1])} for i, e in ranked]})
         return {"content": content}
+
+    @staticmethod
+    def _with_token_ids(body, choice: dict, st: _ChoiceState, o: CompletionOutput) -> dict:
+        """A stream chunk's choice with the token ids new since the choice's last chunk (vLLM's return_token_ids)."""
+        if body.return_token_ids:
+            choice["token_ids"], st.ids = o.token_ids[st.ids:], len(o.token_ids)
+        return choice
 
 
 @dataclasses.dataclass
