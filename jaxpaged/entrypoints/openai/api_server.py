@@ -61,6 +61,7 @@ from jaxpaged.entrypoints.openai.protocol import (
     parse_body,
 )
 from jaxpaged.entrypoints.openai.read_progress import ReadProgress, cap_buffers
+from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxpaged.entrypoints.openai.serving import ChunkStream, OpenAIServing
 from jaxpaged.runtime.tcmalloc import use_tcmalloc
 
@@ -411,7 +412,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               max_body_bytes: int = 4 * 2**20, *, metrics_without_auth: bool = False,
               max_prompt_chars: int | None = None, body_timeout: float = 30.0,
               write_timeout: float = 30.0, max_prompts_per_request: int = 64,
-              tool_call_parser: str | None = None) -> web.Application:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
     # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
     open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
@@ -419,7 +420,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
     app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes,
                           handler_args={"auto_decompress": False})
     app[ENGINE] = engine
-    app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser)
+    app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser,
+                                 reasoning_parser)
     app[LIFECYCLE] = Lifecycle()
     app[MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT] = body_timeout
@@ -544,6 +546,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help='parses tool calls out of chat outputs for tool_choice "auto" (required/named need none)')
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="a thinking model's <think> ... </think> goes to the chat message's reasoning_content, the "
+                        "rest to its content (deepseek_r1: reasoning first, its <think> in the prompt; qwen3: only "
+                        "when the model starts a think block)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -611,7 +617,8 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine, names, args.api_key, args.max_body_bytes, metrics_without_auth=args.metrics_without_auth,
                     max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
                     write_timeout=args.write_timeout,
-                    max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser)
+                    max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.keepalive_timeout))
     except OSError as e:  # e.g. the port is taken

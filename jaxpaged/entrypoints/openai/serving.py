@@ -38,6 +38,8 @@ from jaxpaged.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
+from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser
+from jaxpaged.entrypoints.openai.reasoning_parsers import reasoning_parser as make_reasoning_parser
 from jaxpaged.entrypoints.openai.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, calls_from_required, tool_parser
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
@@ -65,6 +67,7 @@ class _ChoiceState:
     chars: int = 0
     tokens: int = 0
     ids: int = 0  # token ids sent (return_token_ids)
+    reasoning_chars: int = 0  # reasoning sent (a reasoning parser)
     started: bool = False
     done: bool = False
 
@@ -74,10 +77,12 @@ class OpenAIServing:
     the longest text that could fit in max_model_len tokens (see `tokenization.py`)."""
 
     def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompt_chars: int | None = None,
-                 max_prompts_per_request: int = 64, tool_call_parser: str | None = None):
+                 max_prompts_per_request: int = 64, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.tool_parser = tool_parser(tool_call_parser)  # None: tool_choice "auto" is refused
+        self.reasoning_parser = make_reasoning_parser(reasoning_parser)  # None: reasoning stays in the content
         self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
@@ -182,13 +187,20 @@ class OpenAIServing:
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured,
                                                      body.prompt_logprobs, self.engine.generation_defaults),
                                 grammar_param, body.priority)
+        if self.reasoning_parser is not None and structured is None and body.tool_mode in ("none", "auto"):
+            # (a constrained output is the constraint's from its first token: no reasoning to take apart)
+            ctx.reasoning = self.reasoning_parser
+            ctx.thinking_prompt = ctx.reasoning.opens_in_prompt(self._decode(prompts[0].token_ids[-8:]))
         if body.stream:
             return ChunkStream(self._chat_chunks(ctx, body), ctx)
         (out,) = await ctx.finals()
         choices = []
         for o in out.outputs:
-            content, calls, finish = self._tool_calls(body, o)
+            reasoning, text = ctx.split(o.text, done=True)
+            content, calls, finish = self._tool_calls(body, o, text)
             message = {"role": "assistant", "content": content}
+            if ctx.reasoning is not None:
+                message["reasoning_content"] = reasoning or None
             if calls:
                 message["tool_calls"] = [c.as_openai() for c in calls]
             choices.append({"index": o.index, "message": message,
@@ -297,7 +309,7 @@ class OpenAIServing:
                     **({"prompt_token_ids": ctx.prompts[0].token_ids} if body.return_token_ids else {}))
         async with contextlib.aclosing(ctx.merged()) as merged:
             async for _, out in merged:
-                choices = [c for o in out.outputs if (c := self._chat_delta(body, o, states))]
+                choices = [c for o in out.outputs if (c := self._chat_delta(ctx, body, o, states))]
                 if out.finished:
                     final = out
                 if choices:
@@ -305,11 +317,13 @@ class OpenAIServing:
         if body.include_usage and final is not None:
             yield chunk([], usage=_usage([final]))
 
-    def _tool_calls(self, body: ChatCompletionRequest, o: CompletionOutput) -> tuple[str | None, list[ToolCall], str]:
-        """(content, tool calls, finish_reason) of a finished choice."""
+    def _tool_calls(self, body: ChatCompletionRequest, o: CompletionOutput,
+                    text: str) -> tuple[str | None, list[ToolCall], str]:
+        """(content, tool calls, finish_reason) of a finished choice whose text, its reasoning taken out, is
+        `text`."""
         mode = body.tool_mode
         if mode == "none" or o.finish_reason not in ("stop", "length"):
-            return o.text, [], o.finish_reason
+            return text, [], o.finish_reason
         try:
             if mode == "named":
                 return None, [ToolCall(body.tool_choice.function.name, o.text)], o.finish_reason
@@ -317,13 +331,14 @@ class OpenAIServing:
                 return None, calls_from_required(o.text), "tool_calls"
         except ValueError:  # cut off by max_tokens before the JSON closed
             return o.text, [], o.finish_reason
-        content, calls = self.tool_parser.extract(o.text)
+        content, calls = self.tool_parser.extract(text)
         return content, calls, "tool_calls" if calls else o.finish_reason
 
-    def _chat_tool_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
+    def _chat_tool_delta(self, ctx: _Context, body: ChatCompletionRequest, o: CompletionOutput,
                          states: dict[int, _ChoiceState]) -> dict | None:
         """Streaming with tools: a named function's arguments stream as they are generated (after one delta with
-        its id and name); "required" and "auto" outputs are parsed when the choice finishes."""
+        its id and name); "required" and "auto" outputs (and an "auto" one's reasoning) are parsed when the choice
+        finishes."""
         st = states.setdefault(o.index, _ChoiceState())
         if st.done:
             return None
@@ -339,8 +354,11 @@ class OpenAIServing:
             st.started = True
             finish = o.finish_reason
         elif finished:
-            content, calls, finish = self._tool_calls(body, o)
-            delta = {"content": content} if content else {}
+            reasoning, text = ctx.split(o.text, done=True)
+            content, calls, finish = self._tool_calls(body, o, text)
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if content:
+                delta["content"] = content
             if calls:
                 delta["tool_calls"] = [c.as_openai(index=i) for i, c in enumerate(calls)]
         else:
@@ -354,24 +372,29 @@ class OpenAIServing:
         return self._with_token_ids(body, {"index": o.index, "delta": delta, "logprobs": lp, "finish_reason": finish,
                                            "stop_reason": o.stop_reason}, st, o)
 
-    def _chat_delta(self, body: ChatCompletionRequest, o: CompletionOutput,
+    def _chat_delta(self, ctx: _Context, body: ChatCompletionRequest, o: CompletionOutput,
                     states: dict[int, _ChoiceState]) -> dict | None:
         if body.tool_mode != "none":
-            return self._chat_tool_delta(body, o, states)
+            return self._chat_tool_delta(ctx, body, o, states)
         st = states.setdefault(o.index, _ChoiceState())
         if st.done:
             return None
-        delta, new_tokens = o.text[st.chars:], o.token_ids[st.tokens:]
         finished = o.finish_reason is not None
-        if not (delta or finished or (new_tokens and body.logprobs)):
+        reasoning, text = ctx.split(o.text, done=finished)  # st.chars counts the content's characters
+        delta = {}
+        if reasoning and reasoning[st.reasoning_chars:]:
+            delta["reasoning_content"] = reasoning[st.reasoning_chars:]
+        if text[st.chars:]:
+            delta["content"] = text[st.chars:]
+        if not (delta or finished or (o.token_ids[st.tokens:] and body.logprobs)):
             return None
         lp = (self._chat_logprobs(o, st.tokens, body.top_logprobs or 0, body.return_tokens_as_token_ids)
               if body.logprobs else None)
         st.done = finished
-        st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
-        return self._with_token_ids(body, {"index": o.index, "delta": {"content": delta} if delta else {},
-                                           "logprobs": lp, "finish_reason": o.finish_reason,
-                                           "stop_reason": o.stop_reason}, st, o)
+        st.chars, st.tokens = max(st.chars, len(text)), len(o.token_ids)
+        st.reasoning_chars = max(st.reasoning_chars, len(reasoning or ""))
+        return self._with_token_ids(body, {"index": o.index, "delta": delta, "logprobs": lp,
+                                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}, st, o)
 
     # ---- helpers ------------------------------------------------------------------------------------------------
 
@@ -584,6 +607,14 @@ class _Context:
     streams: list[RequestStream]
     serving: OpenAIServing
     grammar_param: str | None = None  # the field whose grammar constrains the output (named if it fails midway)
+    reasoning: ReasoningParser | None = None  # a chat whose outputs' reasoning is taken apart from the content
+    thinking_prompt: bool = False  # its prompt ends inside a think block
+
+    def split(self, text: str, done: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of a choice's text so far (`ReasoningParser.split`); (None, text) without one."""
+        if self.reasoning is None:
+            return None, text
+        return self.reasoning.split(text, self.thinking_prompt, done)
 
     async def finals(self) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}

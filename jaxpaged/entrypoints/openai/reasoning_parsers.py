@@ -1,0 +1,63 @@
+"""A thinking model's reasoning apart from its answer, as vLLM's `--reasoning-parser` names them: the chat response
+gives the text inside <think> ... </think> as `reasoning_content` and the rest as `content`.
+
+    deepseek_r1  the reasoning runs from the output's start (a leading <think> dropped: DeepSeek-R1's template puts
+                 it in the prompt) to the first </think>; an output without </think> is all reasoning
+    qwen3        the same when the model thinks: its output starts with <think>, or the prompt ends with it
+                 (Qwen3-Thinking-2507's template); otherwise (enable_thinking false, whose template closes an empty
+                 think block in the prompt) all of it is content
+
+`split` is one function of the text so far, so a stream and a whole response split the same text the same way: while
+the text could still turn into a tag (it ends in "</thi", or is only "<th"), those characters wait for the next
+delta, and what each side shows only grows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+START, END = "<think>", "</think>"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    name: str
+    thinks_unless_told: bool  # deepseek_r1: reasoning first even without a leading <think>; qwen3: only with one
+
+    def opens_in_prompt(self, prompt_tail: str) -> bool:
+        """Whether a prompt ending in `prompt_tail` (its last characters) leaves the model inside a think block."""
+        return prompt_tail.rstrip().endswith(START)
+
+    def split(self, text: str, opened_in_prompt: bool, done: bool) -> tuple[str, str]:
+        """(reasoning, content) shown for `text`, a choice's output so far; done: it is the whole output."""
+        stripped = text.lstrip()
+        if stripped.startswith(START):
+            body = stripped[len(START):]
+        elif not done and START.startswith(stripped):  # empty, whitespace or "<thi": not decided yet
+            return "", ""
+        elif opened_in_prompt or self.thinks_unless_told:
+            body = text
+        else:
+            return "", text
+        end = body.find(END)
+        if end >= 0:
+            return body[:end], body[end + len(END):]
+        if done:
+            return body, ""
+        held = next((k for k in range(len(END) - 1, 0, -1) if body.endswith(END[:k])), 0)  # a tag's start, maybe
+        return body[:len(body) - held], ""
+
+
+REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", thinks_unless_told=True),
+                     "qwen3": ReasoningParser("qwen3", thinks_unless_told=False)}
+
+
+def reasoning_parser(name: str | None) -> ReasoningParser | None:
+    if name is None:
+        return None
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={name!r}; choose one of {', '.join(REASONING_PARSERS)}")
+    return REASONING_PARSERS[name]
+
+
+__all__ = ["REASONING_PARSERS", "ReasoningParser", "reasoning_parser"]
