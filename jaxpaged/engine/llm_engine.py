@@ -100,15 +100,16 @@ class Engine:
         self.config = config
         self.model_config = model.config  # ModelConfig, or a BYO model's ModelSpec fields
         self.eos_token_ids = set(self.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
         # vLLM's generation_config="auto": the sampling fields the model's generation_config.json sets are the
         # defaults of requests that leave them unset (SamplingParams' own defaults otherwise)
-        self.generation_defaults: dict[str, float | int] = dict(
-            getattr(self.model_config, "generation_defaults", None) or {}) if config.generation_config == "auto" else {}
+        model_defaults = getattr(self.model_config, "generation_defaults", None) or {}
+        self.generation_defaults: dict[str, float | int] = (dict(model_defaults) if config.generation_config == "auto"
+                                                            else {})
         if self.generation_defaults:
             logger.info("requests that leave them unset sample with the model's generation_config.json values %s "
                         "(generation_config='vllm' keeps vLLM's defaults)", self.generation_defaults)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
         t0 = time.perf_counter()
         self.runner, self.cache_config, self.scheduler_config, self.max_model_len = build_runner(model, config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.cache_config.block_size,

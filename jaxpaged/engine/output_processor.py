@@ -15,7 +15,15 @@ import dataclasses
 import time
 
 from jaxpaged.engine.detokenizer import Detokenizer
-from jaxpaged.outputs import CompletionOutput, EngineOutput, Logprob, RequestOutput, SampleLogprobs, SeqDelta
+from jaxpaged.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    SampleLogprobs,
+    SeqDelta,
+)
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -52,7 +60,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
         self.error: str | None = None
-        self.prompt_logprobs: list | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (log-probs' decoded_token)
 
     def update(self, out: EngineOutput) -> RequestOutput | None:

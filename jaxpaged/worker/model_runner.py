@@ -569,9 +569,9 @@ class ModelRunner:
         n = len(handle.rows.seqs)
         result = StepResult(np.asarray(handle.tokens)[:n])
         if handle.lp is not None:
-            result.lp = handle.lp.rows(n)
+            result.lp = handle.lp.on_host(n)
         if handle.scores is not None:
-            result.prompt_scores = handle.scores.rows(handle.scores.logprobs.shape[0])
+            result.prompt_scores = handle.scores.on_host()
         if handle.verified is not None:
             v = handle.verified
             result.emitted = np.asarray(v.tokens)[:n]

@@ -78,19 +78,21 @@ class TokenLogprobs:
     [S] for a sampling step, [S, K + 1] for a verifying one, [T] for a scoring one."""
 
     logprobs: jax.Array  # [...] float32: each token's log-prob
-    ranks: jax.Array  # [...] int32: 1 + how many tokens of the vocabulary have a larger log-prob (vLLM counts ties
-    # as larger too: the tokens whose logit is >= this one's, this one included)
+    # [...] int32: how many tokens of the vocabulary have a logit at or above the token's, itself included (vLLM's
+    # rank: 1 is the most likely; tokens tied with it count as ahead)
+    ranks: jax.Array
     top_ids: jax.Array  # [..., MAX_LOGPROBS] int32: the most likely tokens, most likely first
     top_logprobs: jax.Array  # [..., MAX_LOGPROBS] float32: their log-probs
 
     @classmethod
     def zeros(cls, lead: tuple[int, ...]) -> TokenLogprobs:
         """What a step gives when no row asked for log-probs."""
-        return cls(jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.int32), jnp.zeros((*lead, MAX_LOGPROBS),
-                   jnp.int32), jnp.zeros((*lead, MAX_LOGPROBS), jnp.float32))
+        top = (*lead, MAX_LOGPROBS)
+        return cls(jnp.zeros(lead, jnp.float32), jnp.zeros(lead, jnp.int32), jnp.zeros(top, jnp.int32),
+                   jnp.zeros(top, jnp.float32))
 
-    def rows(self, n: int) -> TokenLogprobs:
-        """The first n rows, on the host (numpy)."""
+    def on_host(self, n: int | None = None) -> TokenLogprobs:
+        """The first n rows (all of them: None) as numpy arrays."""
         return TokenLogprobs(*(np.asarray(x)[:n] for x in (self.logprobs, self.ranks, self.top_ids,
                                                             self.top_logprobs)))
 
