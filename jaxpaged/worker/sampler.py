@@ -142,19 +142,20 @@ def logprobs(logits: jax.Array, tokens: jax.Array, native: bool = False) -> Toke
 
     A log-prob is (logit - max) - log(sum(exp(logit - max))) (jax.nn.log_softmax's formula); the top tokens are
     jax.lax.top_k of the logits, so no [..., V] log-probs are written; a rank counts the logits at or above the
-    token's. With `native` (a step whose matmuls run natively on CPU) the log-probs and top tokens come from the
-    native kernel in two passes over each row (`pallas_kernels.cpu_native.logprobs_native`: the same tokens; the sum
-    in float64, so the log-probs within ~1e-5 of XLA's float32 sum's)."""
+    token's. With `native` (a step whose matmuls run natively on CPU) all of it comes from the native kernel in two
+    passes over each row (`pallas_kernels.cpu_native.logprobs_native`: the same tokens and ranks; the sum in float64,
+    so the log-probs within ~1e-5 of XLA's float32 sum's)."""
     lead, vocab = logits.shape[:-1], logits.shape[-1]
-    chosen_logit = jnp.take_along_axis(logits, tokens[..., None], axis=-1)  # [..., 1]
-    ranks = jnp.sum(logits >= chosen_logit, axis=-1, dtype=jnp.int32)
     if native:
         from pallas_kernels import cpu_native
 
         if cpu_native.available("logprobs"):
-            chosen, vals, ids = cpu_native.logprobs_native(logits.reshape(-1, vocab), tokens.reshape(-1),
-                                                           MAX_LOGPROBS)
-            return TokenLogprobs(chosen.reshape(lead), ranks, ids.reshape(*lead, -1), vals.reshape(*lead, -1))
+            chosen, ranks, vals, ids = cpu_native.logprobs_native(logits.reshape(-1, vocab), tokens.reshape(-1),
+                                                                  MAX_LOGPROBS)
+            return TokenLogprobs(chosen.reshape(lead), ranks.reshape(lead), ids.reshape(*lead, -1),
+                                 vals.reshape(*lead, -1))
+    chosen_logit = jnp.take_along_axis(logits, tokens[..., None], axis=-1)  # [..., 1]
+    ranks = jnp.sum(logits >= chosen_logit, axis=-1, dtype=jnp.int32)
     top = jnp.max(logits, axis=-1, keepdims=True)
     lse = jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
     vals, ids = jax.lax.top_k(logits, MAX_LOGPROBS)

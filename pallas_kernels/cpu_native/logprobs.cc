@@ -5,6 +5,7 @@
 //     logits   [S, V]  float32   a step's logits, as the model gave them
 //     tokens   [S]     int32     the token sampled in each row, in [0, V) (another index gives NaN)
 //     chosen   [S]     float32   log p(tokens[r]) of each row
+//     ranks    [S]     int32     how many logits of the row are >= tokens[r]'s, itself included (0 for a NaN one)
 //     values   [S, K]  float32   each row's K largest log-probs, largest first, 1 <= K <= min(V, 64)
 //     indices  [S, K]  int32     their tokens: jax.lax.top_k(logits, K)'s indices exactly (its total order of floats:
 //                                NaN above +inf, -0 below +0, equal logits by ascending index)
@@ -17,7 +18,8 @@
 // log-probs (benchmarks/sampler_draw.py): the [S, V] log-probs written, then sorted. Here a row is two passes and
 // writes nothing of size V: the top K of the logits, 16 keys at a time compared with the K-th key so far (a lane
 // strictly above it is inserted into the K sorted ones; random rows insert ~K ln(V / K) tokens in all), then the sum
-// of the exponentials. Rows are split over XLA's intra-op pool.
+// of the exponentials, which also counts the logits at or above the token's (its rank). Rows are split over XLA's
+// intra-op pool.
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -84,15 +86,19 @@ void RowTopK(const float* x, int64_t v, int64_t k, int32_t* indices) {
 }
 
 // sum_j exp(x[j] - m) in float64, for x[j] <= m (below exp(-87) a term is ~1e-38, not 0: V of them add < 1e-32 to a
-// sum of at least 1).
-double SumExp(const float* x, float m, int64_t v) {
+// sum of at least 1); and, in the same pass, how many x[j] >= t (`*at_or_above`; NaN compares false).
+double SumExp(const float* x, float m, int64_t v, float t, int64_t* at_or_above) {
   double sum = 0.0;
+  int64_t count = 0;
   int64_t j = 0;
 #if defined(__AVX512F__)
   const __m512 mv = _mm512_set1_ps(m);
+  const __m512 tv = _mm512_set1_ps(t);
   __m512 acc = _mm512_setzero_ps();  // per 16-element block in float32, then every 64 blocks' sum in float64
   for (; j + 16 <= v; j += 16) {
-    acc = _mm512_add_ps(acc, jaxpaged_native::Exp16NonPositive(_mm512_sub_ps(_mm512_loadu_ps(x + j), mv)));
+    const __m512 xj = _mm512_loadu_ps(x + j);
+    acc = _mm512_add_ps(acc, jaxpaged_native::Exp16NonPositive(_mm512_sub_ps(xj, mv)));
+    count += __builtin_popcount(_mm512_cmp_ps_mask(xj, tv, _CMP_GE_OQ));
     if ((j & 1023) == 1008) {
       sum += _mm512_reduce_add_ps(acc);
       acc = _mm512_setzero_ps();
@@ -100,23 +106,32 @@ double SumExp(const float* x, float m, int64_t v) {
   }
   sum += _mm512_reduce_add_ps(acc);
 #endif
-  for (; j < v; ++j) sum += std::exp(static_cast<double>(x[j]) - m);
+  for (; j < v; ++j) {
+    sum += std::exp(static_cast<double>(x[j]) - m);
+    count += x[j] >= t;
+  }
+  *at_or_above = count;
   return sum;
 }
 
-void RowLogprobs(const float* x, int64_t v, int64_t k, int32_t token, float* chosen, float* values,
+void RowLogprobs(const float* x, int64_t v, int64_t k, int32_t token, float* chosen, int32_t* rank, float* values,
                  int32_t* indices) {
   RowTopK(x, v, k, indices);
   const float m = x[indices[0]];  // the row's maximum (a NaN or inf in the row makes every log-prob NaN, as in XLA)
-  const float lse = static_cast<float>(std::log(SumExp(x, m, v)));
+  const bool valid = token >= 0 && token < v;
+  int64_t at_or_above = 0;
+  const float lse = static_cast<float>(
+      std::log(SumExp(x, m, v, valid ? x[token] : std::numeric_limits<float>::quiet_NaN(), &at_or_above)));
   for (int64_t i = 0; i < k; ++i) values[i] = (x[indices[i]] - m) - lse;
-  *chosen = token >= 0 && token < v ? (x[token] - m) - lse : std::numeric_limits<float>::quiet_NaN();
+  *chosen = valid ? (x[token] - m) - lse : std::numeric_limits<float>::quiet_NaN();
+  *rank = static_cast<int32_t>(at_or_above);
 }
 
 struct ParallelLogprobs {
   const float* logits;
   const int32_t* tokens;
   float* chosen;
+  int32_t* ranks;
   float* values;
   int32_t* indices;
   int64_t rows, v, k, per_item;
@@ -124,21 +139,22 @@ struct ParallelLogprobs {
   void Drain() {
     DrainRanges(work, rows, per_item, [&](int64_t lo, int64_t hi) {
       for (int64_t r = lo; r < hi; ++r)
-        RowLogprobs(logits + r * v, v, k, tokens[r], chosen + r, values + r * k, indices + r * k);
+        RowLogprobs(logits + r * v, v, k, tokens[r], chosen + r, ranks + r, values + r * k, indices + r * k);
     });
   }
 };
 
 ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi::Buffer<ffi::S32> tokens,
-                        ffi::Result<ffi::Buffer<ffi::F32>> chosen, ffi::Result<ffi::Buffer<ffi::F32>> values,
-                        ffi::Result<ffi::Buffer<ffi::S32>> indices) {
+                        ffi::Result<ffi::Buffer<ffi::F32>> chosen, ffi::Result<ffi::Buffer<ffi::S32>> ranks,
+                        ffi::Result<ffi::Buffer<ffi::F32>> values, ffi::Result<ffi::Buffer<ffi::S32>> indices) {
   const auto d = logits.dimensions();
   const auto dv = values->dimensions();
   const auto di = indices->dimensions();
   if (d.size() != 2 || dv.size() != 2 || di.size() != 2 || dv[0] != d[0] || di[0] != d[0] || di[1] != dv[1])
     return ffi::Error::InvalidArgument("logprobs: logits must be [S, V], values and indices [S, K]");
-  if (tokens.element_count() != static_cast<size_t>(d[0]) || chosen->element_count() != static_cast<size_t>(d[0]))
-    return ffi::Error::InvalidArgument("logprobs: tokens and chosen must be [S]");
+  if (tokens.element_count() != static_cast<size_t>(d[0]) || chosen->element_count() != static_cast<size_t>(d[0]) ||
+      ranks->element_count() != static_cast<size_t>(d[0]))
+    return ffi::Error::InvalidArgument("logprobs: tokens, chosen and ranks must be [S]");
   if (dv[1] < 1 || dv[1] > kMaxK || dv[1] > d[1])
     return ffi::Error::InvalidArgument("logprobs: K must be in [1, min(V, 64)]");
   if (d[1] >= (int64_t{1} << 31)) return ffi::Error::InvalidArgument("logprobs: V must be below 2^31");
@@ -146,6 +162,7 @@ ffi::Error LogprobsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits, ffi:
   state->logits = logits.typed_data();
   state->tokens = tokens.typed_data();
   state->chosen = chosen->typed_data();
+  state->ranks = ranks->typed_data();
   state->values = values->typed_data();
   state->indices = indices->typed_data();
   state->rows = d[0];
@@ -163,5 +180,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedLogprobs, LogprobsImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()    // logits
                                   .Arg<ffi::Buffer<ffi::S32>>()    // tokens
                                   .Ret<ffi::Buffer<ffi::F32>>()    // chosen
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // ranks
                                   .Ret<ffi::Buffer<ffi::F32>>()    // values
                                   .Ret<ffi::Buffer<ffi::S32>>());  // indices

@@ -298,11 +298,13 @@ def argmax_native(x: jax.Array) -> jax.Array:
     return _ffi_call("JaxpagedArgmax", jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x)
 
 
-def logprobs_native(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def logprobs_native(logits: jax.Array, tokens: jax.Array, k: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The log-probs a step returns, by logprobs.cc in two passes over each row of logits [S, V] float32, writing
-    nothing of size V: (chosen [S] float32: log p(tokens[r]); values [S, k] float32: the row's k largest log-probs,
-    largest first; indices [S, k] int32: jax.lax.top_k(logits, k)'s indices exactly). tokens [S] int32 in [0, V) (else
-    NaN). A log-prob is (logit - max) - log(sum(exp(logit - max))), the sum in float64. 1 <= k <= min(V, 64)."""
+    nothing of size V: (chosen [S] float32: log p(tokens[r]); ranks [S] int32: how many logits of the row are >=
+    tokens[r]'s, itself included; values [S, k] float32: the row's k largest log-probs, largest first; indices [S, k]
+    int32: jax.lax.top_k(logits, k)'s indices exactly). tokens [S] int32 in [0, V) (else NaN, rank 0). A log-prob is
+    (logit - max) - log(sum(exp(logit - max))), the sum in float64. 1 <= k <= min(V, 64)."""
     if logits.ndim != 2 or logits.dtype != jnp.float32:
         raise ValueError(f"logits must be [S, V] float32, got {logits.dtype}{list(logits.shape)}")
     s, v = logits.shape
@@ -311,8 +313,8 @@ def logprobs_native(logits: jax.Array, tokens: jax.Array, k: int) -> tuple[jax.A
     tokens = _int32("tokens", tokens, 1)
     if tokens.shape != (s,):
         raise ValueError(f"tokens must be [{s}], got shape {tokens.shape}")
-    out = (jax.ShapeDtypeStruct((s,), jnp.float32), jax.ShapeDtypeStruct((s, k), jnp.float32),
-           jax.ShapeDtypeStruct((s, k), jnp.int32))
+    out = (jax.ShapeDtypeStruct((s,), jnp.float32), jax.ShapeDtypeStruct((s,), jnp.int32),
+           jax.ShapeDtypeStruct((s, k), jnp.float32), jax.ShapeDtypeStruct((s, k), jnp.int32))
     return _ffi_call("JaxpagedLogprobs", out)(logits, tokens)
 
 

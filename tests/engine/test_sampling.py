@@ -466,8 +466,9 @@ def test_native_logprobs_give_xla_s_tokens_and_refuse_bad_input():
     np.testing.assert_array_equal(np.asarray(native.lp.ranks), np.asarray(xla.lp.ranks))
     np.testing.assert_allclose(np.asarray(native.lp.logprobs), np.asarray(xla.lp.logprobs), atol=1e-5)
     np.testing.assert_allclose(np.asarray(native.lp.top_logprobs), np.asarray(xla.lp.top_logprobs), atol=1e-5)
-    chosen, _, _ = logprobs_native(logits, jnp.array([-1, 3000, 0, 1, 2, 3], jnp.int32), 20)
+    chosen, ranks, _, _ = logprobs_native(logits, jnp.array([-1, 3000, 0, 1, 2, 3], jnp.int32), 20)
     assert np.isnan(np.asarray(chosen)[:2]).all() and np.isfinite(np.asarray(chosen)[2:]).all()
+    assert (np.asarray(ranks)[:2] == 0).all() and (np.asarray(ranks)[2:] >= 1).all()  # an id outside V: no rank
     with pytest.raises(ValueError, match=r"logits must be \[S, V\] float32"):
         logprobs_native(logits.astype(jnp.bfloat16), jnp.zeros(6, jnp.int32), 20)
     with pytest.raises(ValueError, match=r"tokens must be \[6\]"):

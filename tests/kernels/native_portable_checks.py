@@ -126,7 +126,8 @@ def check_norm_rope_argmax() -> None:
     # log-probs: lax.top_k's order (NaN first, ties by index), the float64 log-softmax's values
     finite = np.where(np.isfinite(logits), logits, -30.0).astype(np.float32)
     for x in (logits, finite):
-        chosen, vals, ids = cpu_native.logprobs_native(jnp.asarray(x), jnp.arange(5, dtype=jnp.int32), 20)
+        chosen, ranks, vals, ids = cpu_native.logprobs_native(jnp.asarray(x), jnp.arange(5, dtype=jnp.int32), 20)
+        np.testing.assert_array_equal(np.asarray(ranks), np.sum(x >= x[np.arange(5), np.arange(5)][:, None], -1))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(jax.lax.top_k(jnp.asarray(x), 20)[1]))
     x64 = finite.astype(np.float64)
     ref = x64 - x64.max(-1, keepdims=True) - np.log(np.exp(x64 - x64.max(-1, keepdims=True)).sum(-1, keepdims=True))
