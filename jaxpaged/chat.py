@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -49,14 +51,35 @@ def check_template_options(last_role: str | None, add_generation_prompt: bool, c
                                       "chat_template_kwargs")
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a Jinja template file's path, or the template itself (ValueError if it is neither)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value[:200]!r} is neither a file nor a Jinja template")
+
+
+def check_chat_template(template: str, tokenizer) -> None:
+    """Tries `template` on a one-message conversation, so a broken one fails at start-up (ValueError) and not on
+    every request."""
+    try:
+        apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)
+    except Exception as e:  # jinja's syntax and undefined-name errors, a template's own raise_exception
+        raise ValueError(f"the chat template fails on a one-message conversation: {e}") from e
+
+
 def apply_chat_template(tokenizer, conversation: list[dict], add_generation_prompt: bool = True,
                         tools: list[dict] | None = None, *, continue_final_message: bool = False,
-                        chat_template_kwargs: dict | None = None) -> list[int]:
+                        chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
     """Prompt token ids of `conversation`; `tools` (OpenAI function definitions) are rendered by the template.
     continue_final_message: the last (assistant) message is left open for the model to continue, as vLLM and
-    transformers do; chat_template_kwargs: more variables for the template (e.g. Qwen3's `enable_thinking`)."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    transformers do; chat_template_kwargs: more variables for the template (e.g. Qwen3's `enable_thinking`);
+    chat_template: a Jinja template used instead of the tokenizer's."""
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead (or give one: "
+                         "chat_template=, --chat-template)")
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise TypeError("a conversation must be a non-empty list of {'role', 'content'} dicts")
     for i, m in enumerate(conversation):
@@ -70,6 +93,7 @@ def apply_chat_template(tokenizer, conversation: list[dict], add_generation_prom
                            chat_template_kwargs)
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
                                         tools=tools, continue_final_message=continue_final_message,
+                                        **({"chat_template": chat_template} if chat_template else {}),
                                         **(chat_template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]

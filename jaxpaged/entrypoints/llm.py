@@ -236,26 +236,27 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, *, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """messages: one conversation [{"role", "content"}, ...] or a list of them; uses the chat template.
         tools: OpenAI function definitions, rendered by the template (as vLLM's `LLM.chat`; the text is returned as
         generated: constrain it with `SamplingParams(structured_outputs=...)` to get a valid call).
         continue_final_message: the last message, the assistant's, is continued (add_generation_prompt=False);
-        chat_template_kwargs: more variables for the template, e.g. {"enable_thinking": False} for Qwen3."""
+        chat_template_kwargs: more variables for the template, e.g. {"enable_thinking": False} for Qwen3;
+        chat_template: a Jinja template used instead of the tokenizer's (vLLM's)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         conversations = cast(list[list[dict]], [messages] if isinstance(messages[0], dict) else messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(
             conv, add_generation_prompt, tools, continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)} for conv in conversations]
+            chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, *, continue_final_message: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
         return apply_chat_template(self.tokenizer, conversation, add_generation_prompt, tools,
                                    continue_final_message=continue_final_message,
-                                   chat_template_kwargs=chat_template_kwargs)
+                                   chat_template_kwargs=chat_template_kwargs, chat_template=chat_template)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -323,9 +323,9 @@ def test_the_input_processor_refuses_a_request_on_its_own():
 
 
 def test_chat_template_options_continue_the_last_message_and_reach_the_template():
-    """vLLM's continue_final_message (the assistant's last message left open) and chat_template_kwargs (variables
-    for the template), in LLM.chat and apply_chat_template; options that cannot apply are ValueErrors naming the
-    field, before anything is rendered or queued."""
+    """vLLM's continue_final_message (the assistant's last message left open), chat_template_kwargs (variables for
+    the template) and chat_template (a template of the call's own), in LLM.chat and apply_chat_template; options
+    that cannot apply are ValueErrors naming the field, before anything is rendered or queued."""
     llm, tok = tokenizer_llm("{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
                              "{% if add_generation_prompt %}assistant: {% endif %}{% if shout %}loud {% endif %}")
     ask = [{"role": "user", "content": "tell a story"}]
@@ -337,6 +337,11 @@ def test_chat_template_options_continue_the_last_message_and_reach_the_template(
     out = llm.chat(begun, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
                    add_generation_prompt=False, continue_final_message=True)[0]
     assert out.prompt_token_ids == continued
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"  # vLLM's chat_template= (a call's own)
+    out = llm.chat(ask, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False,
+                   chat_template=own)[0]
+    assert out.prompt_token_ids == llm.apply_chat_template(ask, chat_template=own) == tok("<user>tell a story")[
+        "input_ids"]
     for kwargs, message in [
         ({"continue_final_message": True}, "cannot both be true"),
         ({"continue_final_message": True, "add_generation_prompt": False, "messages": ask}, "the assistant's"),

@@ -1,5 +1,6 @@
-"""vLLM's --reasoning-parser: a thinking model's <think> ... </think> goes to the chat message's reasoning_content,
-the rest to its content, the same streamed as whole."""
+"""Chat options of vLLM's server: --reasoning-parser (a thinking model's <think> ... </think> goes to the chat
+message's reasoning_content, the rest to its content, the same streamed as whole) and --chat-template (a template
+of one's own; a request's own is refused)."""
 
 from __future__ import annotations
 
@@ -46,35 +47,44 @@ def test_what_each_parser_calls_reasoning():
         reasoning_parser("r2")
 
 
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--reasoning-parser", "deepseek_r1")
+    logs = tmp_path_factory.mktemp("logs")
+    (logs / "template.jinja").write_text(TEMPLATE)
+    srv = Server(model_dir, logs / "server.log", "--reasoning-parser", "deepseek_r1",
+                 "--chat-template", str(logs / "template.jinja"))
     yield srv
     srv.stop()
 
 
-def test_the_server_gives_reasoning_apart_streamed_or_not(server):
-    """The tiny model writes no </think>: with deepseek_r1 all of its output is reasoning, the text a completion of
-    the same prompt gives; streamed, the reasoning deltas add up to it. A constrained output (a named tool) is the
-    constraint's: content, as without a parser."""
-    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Think."}], "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
-    status, out = post(f"{server.url}/v1/chat/completions", chat)
-    assert status == 200, out
-    message = out["choices"][0]["message"]
-    status, tok = post(f"{server.url}/tokenize", {"model": MODEL, "messages": chat["messages"]})
-    status, plain = post(f"{server.url}/v1/completions", {"model": MODEL, "prompt": tok["tokens"], "max_tokens": 8,
-                                                          "temperature": 0, "ignore_eos": True})
-    assert message["reasoning_content"] == plain["choices"][0]["text"] and message["content"] == ""
-    client = server.client()
-    chunks = list(client.chat.completions.create(stream=True, **{k: v for k, v in chat.items() if k != "ignore_eos"},
-                                                 extra_body={"ignore_eos": True}))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message["reasoning_content"]
-    assert not any(d.content for d in deltas)
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "integer"}}, "required": ["x"]}}}
-    status, named = post(f"{server.url}/v1/chat/completions", {**chat, "max_tokens": 20, "tools": [tool],
-                                                               "tool_choice": {"type": "function",
-                                                                               "function": {"name": "f"}}})
-    assert status == 200 and "reasoning_content" not in named["choices"][0]["message"], named
+def test_the_servers_chat_template_is_the_one_given_and_a_requests_own_is_refused(server, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Think."}]
+    status, tok = post(f"{server.url}/tokenize", {"model": MODEL, "messages": messages})
+    want = tokenizer("[system] Be brief.\n[user] Think.\n[assistant] ", add_special_tokens=False)["input_ids"]
+    assert status == 200 and tok["tokens"] == want, tok
+    for path in ("/tokenize", "/v1/chat/completions"):
+        status, out = post(f"{server.url}{path}", {"model": MODEL, "messages": messages, "chat_template": TEMPLATE})
+        assert status == 400 and out["error"]["param"] == "chat_template", out
+
+
+def test_a_bad_chat_template_is_refused_naming_the_flag(tokenizer, tmp_path):
+    import subprocess
+    import sys
+
+    from jaxpaged.chat import check_chat_template, load_chat_template
+    from tests import ROOT
+
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == TEMPLATE == load_chat_template(TEMPLATE)
+    with pytest.raises(ValueError, match="^--chat-template 'no template' is neither a file nor a Jinja template"):
+        load_chat_template("no template")
+    for broken in ("{% if %}", "{{ messages[0]['nope'] + 1 }}", "{{ raise_exception('no system role') }}"):
+        with pytest.raises(ValueError, match="^the chat template fails on a one-message conversation"):
+            check_chat_template(broken, tokenizer)
+    run = subprocess.run([sys.executable, str(ROOT / "server.py"), "--chat-template", "no template"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "error: --chat-template 'no template'" in run.stderr, run.stderr

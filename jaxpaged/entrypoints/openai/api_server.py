@@ -41,6 +41,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from jaxpaged.chat import check_chat_template, load_chat_template
 from jaxpaged.core.pool_view import MAX_CELLS
 from jaxpaged.entrypoints.async_engine import AsyncEngine, EngineStoppedError
 from jaxpaged.entrypoints.cli import (
@@ -412,7 +413,8 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               max_body_bytes: int = 4 * 2**20, *, metrics_without_auth: bool = False,
               max_prompt_chars: int | None = None, body_timeout: float = 30.0,
               write_timeout: float = 30.0, max_prompts_per_request: int = 64,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> web.Application:
+              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
+              chat_template: str | None = None) -> web.Application:
     # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
     open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
@@ -421,7 +423,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                           handler_args={"auto_decompress": False})
     app[ENGINE] = engine
     app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser,
-                                 reasoning_parser)
+                                 reasoning_parser, chat_template)
     app[LIFECYCLE] = Lifecycle()
     app[MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT] = body_timeout
@@ -546,6 +548,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish after SIGINT/SIGTERM")
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help='parses tool calls out of chat outputs for tool_choice "auto" (required/named need none)')
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (a file's path, or the template itself) used instead of the "
+                        "tokenizer's, for chat requests and /tokenize")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="a thinking model's <think> ... </think> goes to the chat message's reasoning_content, the "
                         "rest to its content (deepseek_r1: reasoning first, its <think> in the prompt; qwen3: only "
@@ -606,10 +611,19 @@ def run_server(args: argparse.Namespace) -> int:
         # multi-host: every process builds the engine; process 0 serves, the others run its steps
         if join_processes(args).process_id != 0:
             return run_worker_process(args)
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
         engine = AsyncEngine.from_options(args.model, max_waiting=args.max_waiting, **engine_options(args))
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if chat_template is not None:
+        try:
+            check_chat_template(chat_template, engine.tokenizer)
+        except ValueError as e:
+            print(f"error: --chat-template: {e}", file=sys.stderr)
+            engine.close()
+            finish_process_0(engine.engine.runner)
+            return 2
     # Loading leaves many long-lived objects (model, tokenizer, compiled steps): frozen, a full collection scans only
     # what serving allocates, instead of pausing every stream while it walks them all.
     gc.collect()
@@ -618,7 +632,7 @@ def run_server(args: argparse.Namespace) -> int:
                     max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
                     write_timeout=args.write_timeout,
                     max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, chat_template=chat_template)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.keepalive_timeout))
     except OSError as e:  # e.g. the port is taken

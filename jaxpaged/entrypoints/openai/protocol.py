@@ -334,6 +334,7 @@ class _ChatTemplateOptions(_Body):
 
     continue_final_message: bool = False  # the last message (the assistant's) is continued, not closed
     chat_template_kwargs: dict | None = None  # more variables for the template, e.g. {"enable_thinking": false}
+    chat_template: str | None = None  # vLLM's per-request template: refused (a client's Jinja would run here)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -343,6 +344,10 @@ class _ChatTemplateOptions(_Body):
         return v
 
     def check_template_options(self) -> None:
+        if self.chat_template is not None:
+            raise OpenAIError("chat_template in a request is not accepted: a client's template would run on the "
+                              "server (vLLM refuses it too unless told to trust it); start the server with "
+                              "--chat-template", param="chat_template", code="unsupported_parameter")
         if self.messages is None:
             return
         last = self.messages[-1].role

@@ -78,7 +78,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompt_chars: int | None = None,
                  max_prompts_per_request: int = 64, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, chat_template: str | None = None):
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.tool_parser = tool_parser(tool_call_parser)  # None: tool_choice "auto" is refused
@@ -86,7 +86,7 @@ class OpenAIServing:
         self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
-        self.prompt_tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len, max_prompt_chars)
+        self.prompt_tokenizer = PromptTokenizer(engine.tokenizer, engine.max_model_len, max_prompt_chars, chat_template)
         self.created = int(time.time())
         self._token_cache: dict[int, tuple[str, bytes]] = {}
         self._grammar_threads = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")

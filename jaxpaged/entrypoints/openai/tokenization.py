@@ -39,10 +39,12 @@ def default_max_prompt_chars(tokenizer, max_model_len: int) -> int:
 class PromptTokenizer:
     """`encode`, `apply_chat_template` and `decode` as coroutines that run on one worker thread."""
 
-    def __init__(self, tokenizer, max_model_len: int, max_chars: int | None = None):
+    def __init__(self, tokenizer, max_model_len: int, max_chars: int | None = None, chat_template: str | None = None):
+        """chat_template: a Jinja template used instead of the tokenizer's (--chat-template)."""
         if max_chars is not None and max_chars < 1:
             raise ValueError(f"max_prompt_chars={max_chars} must be >= 1")
         self._tokenizer = _private_copy(tokenizer)
+        self.chat_template = chat_template
         self.max_chars = max_chars or default_max_prompt_chars(tokenizer, max_model_len)
         # One worker: requests are tokenized one at a time, each with the whole tokenizer to itself.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxpaged-tokenizer")
@@ -64,7 +66,8 @@ class PromptTokenizer:
                                   chat_template_kwargs: dict | None = None) -> list[int]:
         return await self._run(functools.partial(
             apply_chat_template, continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs), self._tokenizer, conversation, add_generation_prompt, tools)
+            chat_template_kwargs=chat_template_kwargs, chat_template=self.chat_template), self._tokenizer, conversation,
+            add_generation_prompt, tools)
 
     async def token_strs(self, token_ids: list[int]) -> list[str]:
         """Each token's vocabulary entry (vLLM's `token_strs`: byte-level pieces as the vocabulary spells them)."""
