@@ -518,6 +518,18 @@ SERVER_PREFILL_TOKENS_WHILE_DECODING = 128
 SERVER_MAX_DECODE_SLOWDOWN = 1.7
 
 
+# vLLM `serve` flags that change nothing here, accepted so that a vLLM command line starts this server too; start-up
+# names each one given, with why it changes nothing.
+VLLM_FLAGS_WITHOUT_EFFECT = {
+    "trust_remote_code": "jaxpaged runs no code from a checkpoint: its models are its own",
+    "enforce_eager": "there are no CUDA graphs to turn off: each step is one compiled XLA executable",
+    "enable_chunked_prefill": "prompts are always chunked (--max-num-batched-tokens)",
+    "enable_auto_tool_choice": 'tool_choice "auto" is on whenever --tool-call-parser is given',
+    "disable_log_requests": "requests are not logged one by one",
+    "disable_log_stats": "no stats are logged periodically (/metrics and /stats have them)",
+}
+
+
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """The server's own flags (`--host`, `--port`, limits and timeouts); the engine's come from `add_engine_args`."""
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
@@ -556,6 +568,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "rest to its content (deepseek_r1: reasoning first, its <think> in the prompt; qwen3: only "
                         "when the model starts a think block)")
     p.add_argument("--log-level", default="INFO")
+    vllm = p.add_argument_group("vLLM flags accepted without effect (start-up says why)")
+    for name, why in VLLM_FLAGS_WITHOUT_EFFECT.items():
+        vllm.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=why)
 
 
 def check_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
@@ -570,6 +585,8 @@ def check_server_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> a
             p.error(f"--{name.replace('_', '-')} must be > 0 seconds")
     if not args.shutdown_grace >= 0:
         p.error("--shutdown-grace must be >= 0 seconds")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser (as in vLLM)")
     if args.max_prefill_tokens_while_decoding is None:
         args.max_prefill_tokens_while_decoding = min(SERVER_PREFILL_TOKENS_WHILE_DECODING, args.max_num_batched_tokens)
     if args.max_decode_slowdown is None:
@@ -605,6 +622,9 @@ def run_server(args: argparse.Namespace) -> int:
     """Builds the engine from parsed flags (`parse_args`, or `jaxpaged serve`) and serves until a signal; the exit
     code (0 clean, 1 a multi-host peer lost, 2 bad options or a port taken)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name, why in VLLM_FLAGS_WITHOUT_EFFECT.items():
+        if getattr(args, name, False):
+            logger.warning("--%s changes nothing here: %s", name.replace("_", "-"), why)
     names = args.served_model_name or [default_model_name(args.model)]
     try:
         use_compilation_cache(args)  # the process is ours: JAX's persistent cache makes the next start fast

@@ -1,6 +1,6 @@
-"""Chat options of vLLM's server: --reasoning-parser (a thinking model's <think> ... </think> goes to the chat
-message's reasoning_content, the rest to its content, the same streamed as whole) and --chat-template (a template
-of one's own; a request's own is refused)."""
+"""Options of vLLM's server: --reasoning-parser (a thinking model's <think> ... </think> goes to the chat message's
+reasoning_content, the rest to its content, the same streamed as whole), --chat-template (a template of one's own; a
+request's own is refused) and vLLM's flags that change nothing here (accepted, and start-up says why)."""
 
 from __future__ import annotations
 
@@ -85,6 +85,20 @@ def test_a_bad_chat_template_is_refused_naming_the_flag(tokenizer, tmp_path):
     for broken in ("{% if %}", "{{ messages[0]['nope'] + 1 }}", "{{ raise_exception('no system role') }}"):
         with pytest.raises(ValueError, match="^the chat template fails on a one-message conversation"):
             check_chat_template(broken, tokenizer)
-    run = subprocess.run([sys.executable, str(ROOT / "server.py"), "--chat-template", "no template"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, str(ROOT / "server.py"), "--chat-template", "no template",
+                          "--trust-remote-code", "--enforce-eager"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
     assert run.returncode == 2 and "error: --chat-template 'no template'" in run.stderr, run.stderr
+    # vLLM's flags without effect here: accepted, each named at start-up with why
+    assert "--trust-remote-code changes nothing here: jaxpaged runs no code from a checkpoint" in run.stderr
+    assert "--enforce-eager changes nothing here" in run.stderr and "--disable-log-stats" not in run.stderr
+
+
+def test_vllm_flags_without_effect_are_accepted():
+    from jaxpaged.entrypoints.openai.api_server import VLLM_FLAGS_WITHOUT_EFFECT, parse_args
+
+    flags = [f"--{name.replace('_', '-')}" for name in VLLM_FLAGS_WITHOUT_EFFECT]
+    args = parse_args([*flags, "--tool-call-parser", "hermes"])
+    assert all(getattr(args, name) for name in VLLM_FLAGS_WITHOUT_EFFECT)
+    with pytest.raises(SystemExit):  # vLLM's rule: auto tool choice needs a parser
+        parse_args(["--enable-auto-tool-choice"])
