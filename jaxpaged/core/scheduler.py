@@ -22,7 +22,8 @@ Policy (first-come-first-served), in one of two forms picked by the attention ba
   go back ahead of every request that arrived after them, so earlier requests are never starved by later ones.
 - `policy="priority"` (vLLM's priority scheduling) orders all of the above by (priority, arrival) instead of arrival
   alone: the waiting queue admits the lowest priority value first, and preemption takes the running request with
-  the highest value, the newest among equals. Swapped requests still come back before any waiting one is admitted.
+  the highest value, the newest among equals; a swapped request comes back before the waiting ones that come after
+  it in that order (under fcfs: all of them).
 
 Asynchronous scheduling: `schedule` commits the step it returns at once (num_computed_tokens advanced, a placeholder
 counted for every token the step samples), so the next step can be scheduled before this one's tokens reach the
@@ -245,8 +246,10 @@ class Scheduler:
         out.changed_tables = self.block_manager.pop_changed_tables()
 
     def _swap_in(self, out: SchedulerOutput) -> None:
-        # Swapped requests arrived before every waiting one (under fcfs): bring them back first.
-        while self.swapped and self.seats_taken + _seats(self.swapped[0]) <= self.config.max_num_seqs:
+        # Swapped requests arrived before every waiting one (under fcfs): bring them back first; under priority
+        # scheduling, not before a waiting request that comes first (`_waiting_first`).
+        while (self.swapped and not self._waiting_first()
+               and self.seats_taken + _seats(self.swapped[0]) <= self.config.max_num_seqs):
             seq = self.swapped[0]
             if not self.block_manager.can_swap_in([seq.seq_id]):
                 break
@@ -254,6 +257,12 @@ class Scheduler:
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
+
+    def _waiting_first(self) -> bool:
+        """Under priority scheduling, whether the first waiting request comes before the first swapped one (a lower
+        priority value, or an equal one and an earlier arrival); under fcfs never (swapped requests arrived first)."""
+        return (self.config.policy == "priority" and bool(self.waiting) and bool(self.swapped)
+                and _order(self.waiting[0]) < _order(self.swapped[0]))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine reports how long a scheduled step took on the device (for the pacer)."""
@@ -290,7 +299,7 @@ class Scheduler:
                 budget = self._try_prefill(seq, budget, out, preempt=True, unit=unit)
             if budget < unit:
                 return
-        while self.waiting and not self.swapped and budget >= unit:
+        while self.waiting and (not self.swapped or self._waiting_first()) and budget >= unit:
             seq = self.waiting[0]
             if seq.num_placeholders or self.seats_taken + _seats(seq) > self.config.max_num_seqs:
                 return  # a preempted sequence whose last token is still on the device waits for it

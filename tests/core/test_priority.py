@@ -71,3 +71,32 @@ def test_preemption_takes_the_highest_priority_value_not_the_newest(policy, vict
         if preempted:
             break
     assert preempted[:1] == [victim]
+
+
+def test_a_waiting_request_that_comes_first_is_admitted_before_a_swapped_one_returns():
+    """Under fcfs swapped requests return before any waiting one (they arrived first); under priority a waiting
+    request with a lower value starts before a swapped one with a higher value is brought back."""
+    bm = BlockManager(4, BLOCK, enable_prefix_caching=False, num_cpu_blocks=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64,
+                                      policy="priority"),
+                      CacheConfig(block_size=BLOCK, num_blocks=4, preemption_mode="swap", swap_space=1.0), bm)
+    for rid, priority in enumerate([9, 5]):
+        sched.add(request(rid, priority, prompt_len=BLOCK, max_tokens=12))
+    for _ in range(12):
+        out = sched.schedule()
+        for s in out.scheduled:
+            if s.samples:
+                s.seq.resolve(3)
+        if out.preempted:
+            break
+    assert [s.request_id for s in sched.swapped] == ["0"]  # the higher value went to the host pool
+    sched.add(request(2, 0, prompt_len=4, max_tokens=2))  # arrives later, comes first
+    out = sched.schedule()
+    assert "2" in [s.seq.request_id for s in out.scheduled] and not out.blocks_to_swap_in
+    assert [s.request_id for s in sched.swapped] == ["0"]
+    for s in out.scheduled:
+        if s.samples:
+            s.seq.resolve(3)
+    for _ in range(60):  # the rest runs out, request 0 among it, and every block comes back
+        step(sched)
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks - 1
