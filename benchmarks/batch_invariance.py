@@ -54,6 +54,8 @@ ALONE = {
     "int8": {"num_blocks": 120, "max_num_seqs": 8, "quantization": "int8"},
     "priority": {"num_blocks": 40, "max_num_seqs": 8, "max_num_batched_tokens": 256,
                  "scheduling_policy": "priority"},
+    "priority/swap": {"num_blocks": 48, "max_num_seqs": 8, "max_num_batched_tokens": 256,
+                      "scheduling_policy": "priority", "preemption_mode": "swap", "swap_space": 0.1},
 }
 
 

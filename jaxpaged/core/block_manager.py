@@ -429,11 +429,12 @@ class BlockManager:
     def is_swapped(self, seq_id) -> bool:
         return seq_id in self.cpu_tables
 
-    def can_swap_in(self, seq_ids: Iterable) -> bool:
+    def can_swap_in(self, seq_ids: Iterable, headroom: int = 0) -> bool:
+        """Whether the swapped group fits on the device with `headroom` blocks still free after it."""
         seq_ids = list(seq_ids)
         if not all(s in self.cpu_tables for s in seq_ids):
             return False
-        return len(self._distinct(self.cpu_tables[s] for s in seq_ids)) <= self.num_free_blocks
+        return len(self._distinct(self.cpu_tables[s] for s in seq_ids)) + headroom <= self.num_free_blocks
 
     def swap_in(self, seq_ids: Iterable) -> list[tuple[int, int]]:
         """Brings a swapped group back onto the device; returns the (host block, device block) copies to make."""

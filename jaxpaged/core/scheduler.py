@@ -251,12 +251,21 @@ class Scheduler:
         while (self.swapped and not self._waiting_first()
                and self.seats_taken + _seats(self.swapped[0]) <= self.config.max_num_seqs):
             seq = self.swapped[0]
-            if not self.block_manager.can_swap_in([seq.seq_id]):
+            if not self.block_manager.can_swap_in([seq.seq_id], self._swap_in_headroom(seq)):
                 break
             out.blocks_to_swap_in += self.block_manager.swap_in([seq.seq_id])
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
+
+    def _swap_in_headroom(self, seq: Sequence) -> int:
+        """Blocks that must stay free beside `seq` swapped back in. Under priority scheduling a request that comes
+        after every running one would be the first preempted when one of them needs a block: it comes back only with
+        a block free for each of them, or it would go out and in again every step. Otherwise none (under fcfs it
+        arrived before them: they would go first)."""
+        if self.config.policy != "priority" or not self.running or _order(seq) < _order(self.running[-1]):
+            return 0
+        return len(self.running)
 
     def _waiting_first(self) -> bool:
         """Under priority scheduling, whether the first waiting request comes before the first swapped one (a lower

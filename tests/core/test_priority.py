@@ -97,6 +97,19 @@ def test_a_waiting_request_that_comes_first_is_admitted_before_a_swapped_one_ret
     for s in out.scheduled:
         if s.samples:
             s.seq.resolve(3)
+    swap_outs = 0
     for _ in range(60):  # the rest runs out, request 0 among it, and every block comes back
-        step(sched)
+        out = sched.schedule()
+        if out is None:
+            break
+        swap_outs += bool(out.blocks_to_swap_out)
+        for s in out.scheduled:
+            if s.samples:
+                s.seq.resolve(3)
+                if len(s.seq.output_token_ids) >= s.seq.params.max_tokens:
+                    sched.finish(s.seq, "length")
+        bm.check_invariants()
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks - 1
+    # request 0, the last in priority order, is not brought back while request 1 still needs the room: swapped in
+    # then, it would be the first preempted again, in and out every step
+    assert swap_outs == 0
