@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 
 @dataclasses.dataclass(slots=True)
@@ -19,6 +20,26 @@ class Logprob:
 # per position: {token id: Logprob} of the position's token and the top k (vLLM's SampleLogprobs, PromptLogprobs)
 SampleLogprobs = list[dict[int, Logprob]]
 PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+
+
+class PositionLogprobs(NamedTuple):
+    """One position's log-probs as the engine hands them over (the output processor makes the `Logprob` dict, with
+    each token's text, off the engine's thread): the position's token, its log-prob and rank, and the top k."""
+
+    token: int
+    logprob: float
+    rank: int
+    top_ids: list[int]  # [k], most likely first (ranks 1..k)
+    top_logprobs: list[float]  # [k]
+
+    def entries(self, texts: dict[int, str] | None = None) -> dict[int, Logprob]:
+        """{token id: Logprob}: the token's entry first, then the top k's (vLLM's order; the token's entry is the
+        top's when it is among them); `texts`: each token's decoded_token (None: not decoded)."""
+        text = (lambda i: None) if texts is None else texts.get
+        out = {self.token: Logprob(self.logprob, self.rank, text(self.token))}
+        for rank, (i, value) in enumerate(zip(self.top_ids, self.top_logprobs, strict=True), start=1):
+            out[i] = Logprob(value, rank, text(i))
+        return out
 
 
 @dataclasses.dataclass
@@ -58,7 +79,7 @@ class SeqDelta:
     index: int  # the sample's index (n > 1) or the hypothesis' rank (beam search)
     token_ids: list[int]
     logprobs: list[float] | None = None  # each new token's log-prob
-    top_logprobs: SampleLogprobs | None = None  # each new token's entries (decoded_token None: not decoded yet)
+    top_logprobs: list[PositionLogprobs] | None = None  # each new token's
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # beam search: the hypothesis' sum
@@ -75,4 +96,4 @@ class EngineOutput:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     error: str | None = None  # the request failed inside the engine (the other requests went on)
-    prompt_logprobs: PromptLogprobs | None = None  # once, complete (SamplingParams.prompt_logprobs); not decoded
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # once, complete (SamplingParams.prompt_logprobs)

@@ -13,7 +13,7 @@ import enum
 import itertools
 import time
 
-from jaxpaged.outputs import PromptLogprobs, SampleLogprobs
+from jaxpaged.outputs import PositionLogprobs
 from jaxpaged.sampling_params import SamplingParams
 
 
@@ -44,7 +44,7 @@ class Sequence:
     seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_ids))
     num_placeholders: int = 0  # sampled tokens the device has and the host does not yet (async scheduling)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    output_top_logprobs: SampleLogprobs = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit of the first prefill
     status: SequenceStatus = SequenceStatus.WAITING
@@ -154,9 +154,9 @@ class Request:
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
     allowed_mask: object | None = None  # allowed_token_ids as a bitmask [ceil(V / 32)] int32 (the engine's)
-    # prompt_logprobs: one entry per prompt position scored so far ({token id: Logprob}, the prompt's own token
-    # first; None for the first token), complete at num_prompt_tokens entries; None when not asked for
-    prompt_logprobs: PromptLogprobs | None = None
+    # prompt_logprobs: one entry per prompt position scored so far (None for the first token), complete at
+    # num_prompt_tokens entries; None when not asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt_logprobs_sent: bool = False  # handed out in an output already
     # Its new tokens go out after every step (output kind not FINAL_ONLY, or stop strings for the output processor
     # to look for); else once, when it finishes.

@@ -36,7 +36,7 @@ from jaxpaged.engine.input_processor import InputProcessor
 from jaxpaged.engine.setup import EngineConfig, build_runner
 from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
 from jaxpaged.models import check_model, families
-from jaxpaged.outputs import EngineOutput, Logprob, SeqDelta
+from jaxpaged.outputs import EngineOutput, PositionLogprobs, SeqDelta
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode import ngram
 from jaxpaged.spec_decode.gate import SpeculationGate
@@ -885,14 +885,10 @@ class Engine:
         }
 
 
-def _entries(lp: TokenLogprobs, row: int | tuple[int, int], k: int, token: int) -> dict[int, Logprob]:
-    """{token id: Logprob} of `token` (row `row` of a step's log-probs, on the host) then of the row's top k, ranked
-    1..k (vLLM's order: `token` first; its entry is the top's when it is among them)."""
-    entries = {token: Logprob(float(lp.logprobs[row]), int(lp.ranks[row]))}
-    for rank, (i, value) in enumerate(zip(lp.top_ids[row][:k].tolist(), lp.top_logprobs[row][:k].tolist(),
-                                          strict=True), start=1):
-        entries[i] = Logprob(value, rank)
-    return entries
+def _entries(lp: TokenLogprobs, row: int | tuple[int, int], k: int, token: int) -> PositionLogprobs:
+    """Row `row` of a step's log-probs (on the host) for `token`, with the row's top k."""
+    return PositionLogprobs(token, float(lp.logprobs[row]), int(lp.ranks[row]), lp.top_ids[row][:k].tolist(),
+                            lp.top_logprobs[row][:k].tolist())
 
 
 def _masked(req: Request) -> bool:

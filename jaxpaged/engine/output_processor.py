@@ -19,6 +19,7 @@ from jaxpaged.outputs import (
     CompletionOutput,
     EngineOutput,
     Logprob,
+    PositionLogprobs,
     PromptLogprobs,
     RequestOutput,
     SampleLogprobs,
@@ -115,15 +116,16 @@ class RequestState:
         if delta.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
 
-    def _decoded(self, entries: dict[int, Logprob]) -> dict[int, Logprob]:
-        """A position's log-prob entries with each token's text (vLLM's decoded_token: the token decoded alone), or
-        as they are when nothing is decoded (detokenize=False, no tokenizer)."""
+    def _decoded(self, position: PositionLogprobs) -> dict[int, Logprob]:
+        """A position's `Logprob` dict, each token's text in it (vLLM's decoded_token: the token decoded alone) unless
+        nothing is decoded (detokenize=False, no tokenizer)."""
         if self.tokenizer is None or not self.params.detokenize:
-            return entries
+            return position.entries()
         texts = self._token_texts
-        for i in entries.keys() - texts.keys():
-            texts[i] = self.tokenizer.decode([i])
-        return {i: Logprob(e.logprob, e.rank, texts[i]) for i, e in entries.items()}
+        for i in (position.token, *position.top_ids):
+            if i not in texts:
+                texts[i] = self.tokenizer.decode([i])
+        return position.entries(texts)
 
     def take_stopped(self) -> list[int]:
         """Indices of the sequences a stop string ended since the last call, which the engine still runs."""
