@@ -98,6 +98,19 @@ def post(url: str, body: dict | bytes, headers: dict | None = None) -> tuple[int
     return request("POST", url, body if isinstance(body, bytes) else json.dumps(body).encode(), headers)
 
 
+def assert_idle(url: str, headers: dict | None = None, timeout: float = 10.0) -> None:
+    """The server at `url` holds nothing: no request in flight, running or waiting, no KV block in use (a refused
+    request left nothing behind)."""
+    deadline = time.time() + timeout
+    while True:
+        stats = request("GET", f"{url}/stats", None, headers)[1]
+        idle = stats["num_in_flight"] == stats["num_used"] == stats["num_running"] == stats["num_waiting"] == 0
+        if idle or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, stats
+
+
 def connect(server: Server, rcvbuf: int | None = None) -> socket.socket:
     sock = socket.socket()
     if rcvbuf is not None:  # a small window: the server's writes block sooner when this client does not read

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import pytest
 
-from tests.server.harness import MODEL, PROMPT, Server, post, request
+from tests.server.harness import MODEL, PROMPT, Server, assert_idle, post, request
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
 
@@ -286,6 +286,7 @@ def test_vllm_return_token_ids_and_tokens_as_token_ids(server, client, tokenizer
                for c in content)
     for bad in ({"return_token_ids": "yes"}, {"return_tokens_as_token_ids": 1}):
         assert_400(call(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", **bad}), next(iter(bad)))
+    assert_idle(server.url, AUTH)
 
 
 # ---- /pool --------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_parser
-from tests.server.harness import MODEL, Server, post
+from tests.server.harness import MODEL, Server, assert_idle, post
 
 OUTPUTS = ["<think>\nweigh it up\n</think>\n\nThe answer is 4.", "plain answer", "weighing</think>answer",
            "  <think>a</think", "<think>never closed", "<thi", "", "\n<think></think>x</think>y", "a </thin b"]
@@ -69,6 +69,7 @@ def test_the_servers_chat_template_is_the_one_given_and_a_requests_own_is_refuse
     for path in ("/tokenize", "/v1/chat/completions"):
         status, out = post(f"{server.url}{path}", {"model": MODEL, "messages": messages, "chat_template": TEMPLATE})
         assert status == 400 and out["error"]["param"] == "chat_template", out
+    assert_idle(server.url)
 
 
 def test_a_bad_chat_template_is_refused_naming_the_flag(tokenizer, tmp_path):

@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.harness import MODEL, Server, post
+from tests.server.harness import MODEL, Server, assert_idle, post
 from tests.tiny_hf import make_tiny_hf_model
 
 pytestmark = pytest.mark.slow  # starts processes or loads a real model: docs/testing.md
@@ -120,6 +120,7 @@ def test_bad_structured_and_sampling_fields_are_400_naming_the_field(server, ext
         status, out = post(f"{server.url}{path}", {"model": MODEL, "max_tokens": 5, **body, **extra})
         assert status == 400, out
         assert out["error"]["param"] == param, out
+    assert_idle(server.url)
 
 
 def test_sampling_controls_over_http(client, server):
