@@ -78,8 +78,7 @@ class SeqDelta:
 
     index: int  # the sample's index (n > 1) or the hypothesis' rank (beam search)
     token_ids: list[int]
-    logprobs: list[float] | None = None  # each new token's log-prob
-    top_logprobs: list[PositionLogprobs] | None = None  # each new token's
+    top_logprobs: list[PositionLogprobs] | None = None  # each new token's log-prob, rank and top k
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None  # beam search: the hypothesis' sum

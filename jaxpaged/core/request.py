@@ -43,7 +43,6 @@ class Sequence:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     seq_id: int = dataclasses.field(default_factory=lambda: next(_seq_ids))
     num_placeholders: int = 0  # sampled tokens the device has and the host does not yet (async scheduling)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_top_logprobs: list[PositionLogprobs] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hit of the first prefill

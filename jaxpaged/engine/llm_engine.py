@@ -618,7 +618,6 @@ class Engine:
 
     @staticmethod
     def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int | tuple[int, int]) -> None:
-        seq.output_logprobs.append(float(result.lp.logprobs[row]))
         seq.output_top_logprobs.append(_entries(result.lp, row, seq.params.logprobs, token))
 
     def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: TokenLogprobs) -> None:
@@ -650,7 +649,6 @@ class Engine:
             seq.num_emitted = done
             logprobs = seq.params.logprobs is not None
             deltas.append(SeqDelta(seq.sample_index, seq.token_ids[seq.num_prompt_tokens + start:],
-                                   seq.output_logprobs[start:] if logprobs else None,
                                    seq.output_top_logprobs[start:] if logprobs else None,
                                    seq.finish_reason, seq.stop_reason))
         prompt_logprobs = None

@@ -31,8 +31,8 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 @dataclasses.dataclass
 class _SeqState:
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] | None = None
     top_logprobs: SampleLogprobs | None = None
+    logprob_sum: float = 0.0  # of its tokens' log-probs (cumulative_logprob)
     detokenizer: Detokenizer | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -85,7 +85,7 @@ class RequestState:
         if seq is None:
             seq = self.seqs[delta.index] = _SeqState()
             if self.params.logprobs is not None:
-                seq.logprobs, seq.top_logprobs = [], []
+                seq.top_logprobs = []
             if self.incremental and self.tokenizer is not None:
                 p = self.params
                 seq.detokenizer = Detokenizer(self.tokenizer, p.skip_special_tokens, p.stop,
@@ -97,9 +97,10 @@ class RequestState:
         last = len(delta.token_ids) - 1
         for j, token in enumerate(delta.token_ids):
             seq.token_ids.append(token)
-            if seq.logprobs is not None and delta.logprobs is not None:
-                seq.logprobs.append(delta.logprobs[j])
-                seq.top_logprobs.append(self._decoded(delta.top_logprobs[j]))
+            if seq.top_logprobs is not None and delta.top_logprobs is not None:
+                position = delta.top_logprobs[j]
+                seq.logprob_sum += position.logprob
+                seq.top_logprobs.append(self._decoded(position))
             if seq.detokenizer is None:
                 continue
             detok = seq.detokenizer
@@ -142,7 +143,7 @@ class RequestState:
             text = self._text(seq, done)
             tokens, logprobs = seq.token_ids, seq.top_logprobs
             cum = seq.cumulative_logprob if seq.cumulative_logprob is not None else (
-                float(sum(seq.logprobs)) if seq.logprobs is not None else None)
+                seq.logprob_sum if seq.top_logprobs is not None else None)
             if delta:  # what is new since this sequence's previous output
                 sent_tokens, sent_chars = seq.sent_tokens, seq.sent_chars
                 seq.sent_tokens, seq.sent_chars = len(tokens), max(sent_chars, len(text))

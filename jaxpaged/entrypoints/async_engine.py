@@ -637,7 +637,6 @@ def _merge(old: EngineOutput, new: EngineOutput) -> EngineOutput:
             continue
         deltas[d.index] = SeqDelta(
             d.index, kept.token_ids + d.token_ids,
-            None if kept.logprobs is None else kept.logprobs + (d.logprobs or []),
             None if kept.top_logprobs is None else kept.top_logprobs + (d.top_logprobs or []),
             d.finish_reason, d.stop_reason,
             d.cumulative_logprob if d.cumulative_logprob is not None else kept.cumulative_logprob)
