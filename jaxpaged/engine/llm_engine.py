@@ -618,7 +618,7 @@ class Engine:
 
     @staticmethod
     def _append_logprobs(seq: Sequence, token: int, result: StepResult, row: int | tuple[int, int]) -> None:
-        seq.output_top_logprobs.append(_entries(result.lp, row, seq.params.logprobs, token))
+        seq.output_top_logprobs.append(_position_logprobs(result.lp, row, seq.params.logprobs, token))
 
     def _add_prompt_logprobs(self, scored: list[tuple[Sequence, int, int, int]], scores: TokenLogprobs) -> None:
         """A scoring step's prompt log-probs, appended to each scored request's (position by position: a chunk
@@ -629,7 +629,7 @@ class Engine:
                 continue  # aborted or failed meanwhile (chunks are scored in order: never a gap)
             k, have = req.params.prompt_logprobs, req.prompt_logprobs
             for j in range(len(have) - start - 1, count):  # the positions not scored yet
-                have.append(_entries(scores, r0 + j, k, seq.token_ids[start + j + 1]))
+                have.append(_position_logprobs(scores, r0 + j, k, seq.token_ids[start + j + 1]))
 
     def _output(self, req: Request, finished: bool) -> EngineOutput:
         """The request's new tokens since its last output (all of them, once, for FINAL_ONLY)."""
@@ -883,7 +883,7 @@ class Engine:
         }
 
 
-def _entries(lp: TokenLogprobs, row: int | tuple[int, int], k: int, token: int) -> PositionLogprobs:
+def _position_logprobs(lp: TokenLogprobs, row: int | tuple[int, int], k: int, token: int) -> PositionLogprobs:
     """Row `row` of a step's log-probs (on the host) for `token`, with the row's top k."""
     return PositionLogprobs(token, float(lp.logprobs[row]), int(lp.ranks[row]), lp.top_ids[row][:k].tolist(),
                             lp.top_logprobs[row][:k].tolist())

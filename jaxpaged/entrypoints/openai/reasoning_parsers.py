@@ -21,7 +21,6 @@ START, END = "<think>", "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class ReasoningParser:
-    name: str
     thinks_unless_told: bool  # deepseek_r1: reasoning first even without a leading <think>; qwen3: only with one
 
     def opens_in_prompt(self, prompt_tail: str) -> bool:
@@ -48,8 +47,8 @@ class ReasoningParser:
         return body[:len(body) - held], ""
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", thinks_unless_told=True),
-                     "qwen3": ReasoningParser("qwen3", thinks_unless_told=False)}
+REASONING_PARSERS = {"deepseek_r1": ReasoningParser(thinks_unless_told=True),
+                     "qwen3": ReasoningParser(thinks_unless_told=False)}
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:
