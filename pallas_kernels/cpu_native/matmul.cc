@@ -48,6 +48,12 @@
 #include <string>
 #include <type_traits>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define JAXPAGED_MATMUL_AMX 1  // the AMX path below
+#include <sys/syscall.h>  // arch_prctl, to be granted AMX's tile state
+#include <unistd.h>
+#endif
+
 #include "vec_math.h"
 #include "work_queue.h"
 #include "xla/ffi/api/ffi.h"
@@ -270,13 +276,190 @@ void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* buffer) {
   for (; r + kGluRows <= p.m; r += kGluRows) GluRowBlock<kGluRows>(p, gate, up, r, c0, width);
   if (r < p.m) WithRows<kGluRows - 1>(p.m - r, [&](auto rows) { GluRowBlock<rows>(p, gate, up, r, c0, width); });
 }
+
+#if defined(JAXPAGED_MATMUL_AMX)
+// The AMX path (CPUs with AMX-BF16: Intel Xeon from Sapphire Rapids on). One TDPBF16PS multiplies a 16 x 32 tile of
+// x by a 32 x 16 tile of weights (16 pairs of k, VNNI-interleaved as the packed panel already is: a B tile is one
+// 64-byte half of 16 consecutive 128-byte pair rows, stride 128) into a 16 x 16 float32 tile: 8,192 products in one
+// instruction, where VDPBF16PS does 32. Each panel's 32 columns are two B tiles; rows of x go in blocks of 16, two
+// blocks at a time, so the 8 tile registers are: 4 accumulators (2 row blocks x 2 halves), 2 of x, 2 of weights.
+// A GLU runs the panel's halves one after the other: accumulators gate and up for 2 row blocks, 2 of x, 1 of gate
+// weights, 1 of up weights.
+//
+// Every row of a call goes through the same instructions in the same order of k (a partial last block of rows is
+// read from a zero-padded copy), so a row's result does not depend on how many rows share the call (the engine's
+// batch invariance). It needs K % 32 == 0 (every model dimension here); other K run the AVX-512 path, for all rows.
+
+struct alignas(64) TileConfig {  // LDTILECFG's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux gives a process AMX's tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+// asked once. False on an older kernel or a CPU without AMX (the build targets this CPU, so only the first).
+bool AmxPermitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// JAXPAGED_NATIVE_AMX=0 keeps the AVX-512 path (read on each call: benchmarks/matmul.py compares the two).
+bool AmxWanted() {
+  const char* v = std::getenv("JAXPAGED_NATIVE_AMX");
+  return !(v && v[0] == '0' && v[1] == '\0') && AmxPermitted();
+}
+
+// Every tile 64 bytes wide: float32 accumulators 16 x 16, x 16 x 32 bf16, weights 16 pairs x 16 columns. With
+// fewer than 16 rows in all (`rows` < 16, a decode step of a few sequences), the first block's x and accumulator
+// tiles are configured `rows` high and x is read in place: a short tile takes fewer cycles, and each row's products
+// are the same instructions as in a full one.
+void ConfigureTiles(int64_t rows) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  if (rows < 16) c.rows[0] = c.rows[1] = c.rows[4] = static_cast<uint8_t>(rows);
+  _tile_loadconfig(&c);
+}
+
+// Where row block b of x starts (16 rows, stride K): in x, or, for a partial last block, in the zero-padded copy.
+struct RowBlocks {
+  const uint16_t* x;
+  const uint16_t* tail;  // [16, K]: rows [16 * full, M) of x, then zeros; x itself when M < 16; null when M % 16 == 0
+  int64_t k, full, total;  // x's row length; blocks wholly in x; all blocks
+  const uint16_t* operator[](int64_t b) const { return b < full ? x + b * 16 * k : tail; }
+};
+
+// Rows [r0, r0 + n) of a [32, 32]-float buffer of accumulators (two row blocks x two halves), to out's columns
+// [c0, c0 + width).
+void StoreRows(const Problem& p, const float* acc, int64_t r0, int64_t n, int64_t c0, int64_t width) {
+  const int64_t w_lo = std::min<int64_t>(width, 16), w_hi = std::max<int64_t>(width - 16, 0);
+  const __mmask16 m_lo = static_cast<__mmask16>((1u << w_lo) - 1), m_hi = static_cast<__mmask16>((1u << w_hi) - 1);
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 lo = _mm512_load_ps(acc + r * 32), hi = _mm512_load_ps(acc + r * 32 + 16);
+    const int64_t at = (r0 + r) * p.n + c0;
+    if (p.out_f32) {
+      float* o = static_cast<float*>(p.out) + at;
+      _mm512_mask_storeu_ps(o, m_lo, lo);
+      if (w_hi) _mm512_mask_storeu_ps(o + 16, m_hi, hi);
+    } else {
+      uint16_t* o = static_cast<uint16_t*>(p.out) + at;
+      _mm256_mask_storeu_epi16(o, m_lo, (__m256i)_mm512_cvtneps_pbh(lo));
+      if (w_hi) _mm256_mask_storeu_epi16(o + 16, m_hi, (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+  }
+}
+
+// Row blocks b and (kTwo) b + 1 of the panel at `packed` into acc [32][32] floats.
+template <bool kTwo>
+__attribute__((noinline)) void AmxRowBlocks(const Problem& p, const char* packed, const uint16_t* a0,
+                                            const uint16_t* a1, float* acc) {
+  const int64_t stride = p.k * 2;  // bytes per row of x
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < p.k / 32; ++kb) {
+    const char* w = packed + kb * 16 * 128;
+    _tile_loadd(6, w, 128);
+    _tile_loadd(7, w + 64, 128);
+    _tile_loadd(4, a0 + kb * 32, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwo) {
+      _tile_loadd(5, a1 + kb * 32, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  if (kTwo) {
+    _tile_stored(2, acc + 16 * 32, 128);
+    _tile_stored(3, acc + 16 * 32 + 16, 128);
+  }
+}
+
+void AmxPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t width, __m512i* buffer) {
+  const char* packed = reinterpret_cast<const char*>(PanelOf(p, p.w, c0, width, buffer));
+  alignas(64) float acc[32 * 32];
+  for (int64_t b = 0; b < rows.total; b += 2) {
+    const bool two = b + 1 < rows.total;
+    if (two)
+      AmxRowBlocks<true>(p, packed, rows[b], rows[b + 1], acc);
+    else
+      AmxRowBlocks<false>(p, packed, rows[b], nullptr, acc);
+    StoreRows(p, acc, b * 16, std::min<int64_t>(p.m - b * 16, 32), c0, width);
+  }
+}
+
+// The GLU's half h (16 columns from c0 + 16 h) for row blocks b and (kTwo) b + 1: gate into g, up into u, [32][16].
+template <bool kTwo>
+__attribute__((noinline)) void AmxGluRowBlocks(const Problem& p, const char* gate, const char* up,
+                                               const uint16_t* a0, const uint16_t* a1, float* g, float* u) {
+  const int64_t stride = p.k * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (kTwo) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t kb = 0; kb < p.k / 32; ++kb) {
+    _tile_loadd(6, gate + kb * 16 * 128, 128);
+    _tile_loadd(7, up + kb * 16 * 128, 128);
+    _tile_loadd(4, a0 + kb * 32, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (kTwo) {
+      _tile_loadd(5, a1 + kb * 32, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, g, 64);
+  _tile_stored(1, u, 64);
+  if (kTwo) {
+    _tile_stored(2, g + 16 * 16, 64);
+    _tile_stored(3, u + 16 * 16, 64);
+  }
+}
+
+void AmxGluPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t width, __m512i* buffer) {
+  const char* gate = reinterpret_cast<const char*>(PanelOf(p, p.w, c0, width, buffer));
+  const char* up = reinterpret_cast<const char*>(PanelOf(p, p.w_up, c0, width, buffer + p.k));
+  alignas(64) float g[32 * 16], u[32 * 16];
+  for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(width - 16 * h, 16)) - 1);
+    for (int64_t b = 0; b < rows.total; b += 2) {
+      if (b + 1 < rows.total)
+        AmxGluRowBlocks<true>(p, gate + 64 * h, up + 64 * h, rows[b], rows[b + 1], g, u);
+      else
+        AmxGluRowBlocks<false>(p, gate + 64 * h, up + 64 * h, rows[b], nullptr, g, u);
+      const int64_t n = std::min<int64_t>(p.m - b * 16, 32);
+      for (int64_t r = 0; r < n; ++r) {
+        const __m512 y = _mm512_mul_ps(ActBf16(p.act, RoundToBf16(_mm512_load_ps(g + r * 16))),
+                                       RoundToBf16(_mm512_load_ps(u + r * 16)));
+        const int64_t at = (b * 16 + r) * p.n + c0 + 16 * h;
+        if (p.out_f32)
+          _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
+        else
+          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+      }
+    }
+  }
+}
+#endif
 #else
 constexpr bool kFast = false;
 #endif
 
 struct ParallelMatmul {
   Problem p;
-  int64_t total;
+  bool amx = false;  // the AMX path (decided once per call, in Run, so that every worker takes the same)
   WorkQueue work;
 
   void Drain() {
@@ -287,8 +470,32 @@ struct ParallelMatmul {
     std::unique_ptr<void, void (*)(void*)> buffer(std::aligned_alloc(64, p.k * (p.w_up ? 128 : 64)), std::free);
     __m512i* packed = static_cast<__m512i*>(buffer.get());
 #endif
+#if defined(JAXPAGED_MATMUL_AMX)
+    std::unique_ptr<uint16_t[]> tail;
+    RowBlocks rows{p.x, nullptr, p.k, p.m / 16, (p.m + 15) / 16};
+    if (amx) {
+      if (p.m < 16) {  // one short block, read in place
+        rows.tail = p.x;
+      } else if (p.m % 16) {  // the partial last block of rows, zero-padded to 16
+        tail.reset(new uint16_t[16 * p.k]());
+        std::memcpy(tail.get(), p.x + rows.full * 16 * p.k, (p.m % 16) * p.k * sizeof(uint16_t));
+        rows.tail = tail.get();
+      }
+      ConfigureTiles(p.m);  // tile configuration is per thread
+    }
+#endif
     for (; i < work.total; i = work.Claim()) {
       const int64_t c0 = i * kPanel, width = std::min(kPanel, p.n - c0);
+#if defined(JAXPAGED_MATMUL_AMX)
+      if (amx) {
+        if (p.w_up)
+          AmxGluPanel(p, rows, c0, width, packed);
+        else
+          AmxPanel(p, rows, c0, width, packed);
+        work.Finish();
+        continue;
+      }
+#endif
 #if defined(__AVX512BF16__)
       if (p.w_up)
         GluPanel(p, c0, width, packed);
@@ -299,6 +506,9 @@ struct ParallelMatmul {
 #endif
       work.Finish();
     }
+#if defined(JAXPAGED_MATMUL_AMX)
+    if (amx) _tile_release();  // back to the init state: cheaper context switches for this worker
+#endif
   }
 };
 
@@ -344,6 +554,9 @@ ffi::Error Run(ffi::ThreadPool pool, std::shared_ptr<ParallelMatmul> state) {
     return ffi::Error::Success();
   }
   state->work.total = (p.n + kPanel - 1) / kPanel;
+#if defined(JAXPAGED_MATMUL_AMX)
+  state->amx = p.k % 32 == 0 && AmxWanted();
+#endif
   RunOnPool(pool, state);
   return ffi::Error::Success();
 }
@@ -372,6 +585,15 @@ ffi::Error MatmulGluImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer 
 }  // namespace
 
 extern "C" int JaxpagedMatmulIsFast() { return kFast ? 1 : 0; }
+
+// 1 when a call with K % 32 == 0 takes the AMX path now (built for AMX, granted by the kernel, not turned off).
+extern "C" int JaxpagedMatmulUsesAmx() {
+#if defined(JAXPAGED_MATMUL_AMX)
+  return AmxWanted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedMatmul, MatmulImpl,
                               ffi::Ffi::Bind()

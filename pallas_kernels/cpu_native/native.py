@@ -53,6 +53,13 @@ def matmul_is_fast() -> bool:
     return available("matmul") and bool(library("matmul").JaxpagedMatmulIsFast())
 
 
+def matmul_uses_amx() -> bool:
+    """Whether `matmul_native` (and `matmul_glu_native`) with K a multiple of 32 run on AMX tiles here: built for a
+    CPU with AMX-BF16, granted the tile state by the OS, and not turned off by JAXPAGED_NATIVE_AMX=0 (read on each
+    call; benchmarks/matmul.py compares the two paths)."""
+    return matmul_is_fast() and bool(library("matmul").JaxpagedMatmulUsesAmx())
+
+
 def _int32(name: str, x, ndim: int) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
@@ -387,6 +394,6 @@ def native_else_reference(*args, strict: bool = False, **kwargs) -> jax.Array:
 
 
 __all__ = ["available", "unavailable_reason", "paged_attention_native", "native_else_reference", "write_kv_native",
-           "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "prepack_weight",
-           "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native", "argmax_native",
-           "logprobs_native", "penalties_native", "top_p_threshold_native", "gumbel_argmax_native"]
+           "set_blocks_native", "matmul_native", "matmul_glu_native", "matmul_is_fast", "matmul_uses_amx",
+           "prepack_weight", "unpack_weight", "cache_dir", "rms_norm_native", "add_round_native", "rope_native",
+           "argmax_native", "logprobs_native", "penalties_native", "top_p_threshold_native", "gumbel_argmax_native"]

@@ -1,7 +1,9 @@
 """The native CPU bf16 matmul (pallas_kernels/cpu_native/matmul.cc) against exact products and XLA's dot, its
 errors, and the engine's use of it: bf16 layer matmuls run natively on a CPU with AVX512_BF16 (never under a
 tensor-parallel mesh), with the same greedy tokens as XLA's dot gives. Its gated-MLP form, act(x @ w_gate) *
-(x @ w_up) in one pass, against XLA's unfused bfloat16 computation of the same."""
+(x @ w_up) in one pass, against the same activation of its plain products and XLA's unfused bfloat16 computation.
+On a CPU with AMX-BF16 the checks that take `path` run on both of the kernel's paths: AMX tiles (the default there)
+and AVX-512 (JAXPAGED_NATIVE_AMX=0)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,17 @@ pytestmark = pytest.mark.skipif(not cpu_native.available("matmul"),
                                 reason=f"native matmul unavailable: {cpu_native.unavailable_reason('matmul')}")
 MATMUL_TARGET, GLU_TARGET = "jaxpaged_matmul", "jaxpaged_matmul_glu"  # the FFI targets of matmul.cc's handlers
 fast = pytest.mark.skipif(not cpu_native.matmul_is_fast(), reason="no AVX512_BF16 path on this CPU")
+PATHS = ["default", "avx512"] if cpu_native.matmul_uses_amx() else ["default"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    """The kernel's path under test: what this CPU runs by default, and AVX-512 where that default is AMX (the
+    kernel reads JAXPAGED_NATIVE_AMX on each call)."""
+    if request.param == "avx512":
+        monkeypatch.setenv("JAXPAGED_NATIVE_AMX", "0")
+        assert not cpu_native.matmul_uses_amx()
+    return request.param
 
 
 def bf16(rng, *shape, scale=1.0):
@@ -36,7 +49,7 @@ def exact(x, w):
 # rows not a multiple of the 12-row register block, columns not a multiple of the 32-column panel
 @pytest.mark.parametrize("m, k, n", [(1, 2, 1), (5, 32, 7), (13, 64, 40), (25, 576, 192), (64, 1536, 576),
                                      (130, 96, 97)])
-def test_float32_out_is_the_exact_product_within_float32_accumulation(m, k, n):
+def test_float32_out_is_the_exact_product_within_float32_accumulation(m, k, n, path):
     rng = np.random.default_rng(m * n + k)
     x, w = bf16(rng, m, k), bf16(rng, 3, k, n, scale=k ** -0.5)
     for layer in (0, 2):
@@ -47,7 +60,7 @@ def test_float32_out_is_the_exact_product_within_float32_accumulation(m, k, n):
 
 
 @pytest.mark.parametrize("m, k, n", [(3, 8, 33), (48, 576, 1536), (64, 576, 576), (2048, 576, 192)])
-def test_bfloat16_out_is_the_float32_result_rounded_to_nearest_even(m, k, n):
+def test_bfloat16_out_is_the_float32_result_rounded_to_nearest_even(m, k, n, path):
     rng = np.random.default_rng(k + n)
     x, w = bf16(rng, m, k), bf16(rng, k, n, scale=k ** -0.5)
     f32 = cpu_native.matmul_native(x, w, 0, jnp.float32)
@@ -68,9 +81,10 @@ def test_a_stacked_weight_is_read_at_its_layer_and_the_layer_is_clipped():
                                       np.asarray(cpu_native.matmul_native(x, w[want], 0, jnp.float32)))
 
 
-def test_nan_and_inf_propagate():
-    x = jnp.ones((2, 4), jnp.bfloat16).at[0, 1].set(jnp.nan).at[1, 2].set(jnp.inf)
-    w = jnp.ones((4, 3), jnp.bfloat16)
+@pytest.mark.parametrize("k", [4, 64])  # K % 32: the AMX path where there is one
+def test_nan_and_inf_propagate(k, path):
+    x = jnp.ones((2, k), jnp.bfloat16).at[0, 1].set(jnp.nan).at[1, 2].set(jnp.inf)
+    w = jnp.ones((k, 3), jnp.bfloat16)
     out = np.asarray(cpu_native.matmul_native(x, w, 0, jnp.float32))
     assert np.isnan(out[0]).all() and np.isposinf(out[1]).all()
 
@@ -112,21 +126,39 @@ def test_layer_matmul_uses_the_kernel_only_inside_native_matmul_and_up_to_its_ro
 @fast
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("m, k, n", [(1, 2, 1), (13, 64, 40), (25, 576, 1536), (130, 96, 97)])
-def test_glu_equals_xla_s_unfused_bfloat16_mlp(activation, m, k, n):
-    """Rows not a multiple of the 12-row block, columns not a multiple of the 16-column panel, a stacked weight
-    read at its layer: bitwise XLA's act(x @ w_gate) * (x @ w_up) in bfloat16 (every operation rounded, as JAX does;
-    exp and tanh agree after rounding to bfloat16 on these values)."""
+def test_glu_is_the_activation_of_its_products_as_xla_s_unfused_bfloat16_mlp(activation, m, k, n, path):
+    """Rows not a multiple of the register or tile blocks, columns not a multiple of the 32-column panel, a stacked
+    weight read at its layer: bitwise JAX's bfloat16 act(x @ w_gate) * (x @ w_up) (every operation rounded, as JAX
+    does; exp and tanh agree after rounding to bfloat16 on these values) of the plain kernel's products; and XLA's
+    unfused computation within a few bfloat16 roundings (XLA's dot sums in its own order, which depends on the CPU:
+    on AMD Zen 4 it gave these bits exactly, on an Intel Xeon with AMX it does not)."""
     rng = np.random.default_rng(m + k + n)
     x = bf16(rng, m, k, scale=2.0)
     w_gate, w_up = bf16(rng, 3, k, n, scale=k ** -0.5), bf16(rng, 3, k, n, scale=k ** -0.5)
     got = cpu_native.matmul_glu_native(x, w_gate, w_up, 2, activation)
-    want = ACTIVATIONS[activation](matmul(x, w_gate[2])) * matmul(x, w_up[2])
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    products = ACTIVATIONS[activation](cpu_native.matmul_native(x, w_gate, 2)) * cpu_native.matmul_native(x, w_up, 2)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(products, np.float32))
+    xla = np.asarray(ACTIVATIONS[activation](matmul(x, w_gate[2])) * matmul(x, w_up[2]), np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), xla, rtol=2 ** -5, atol=2 ** -8)
+
+
+@fast
+@pytest.mark.parametrize("k, n", [(64, 40), (576, 192), (96, 97)])
+def test_a_row_s_result_does_not_depend_on_the_rows_beside_it(k, n, path):
+    """The engine's batch invariance rests on this: row r of a call with M rows has the same bits for every M
+    (fewer rows than a tile or register block, a partial last block, several blocks), plain and GLU."""
+    rng = np.random.default_rng(k + n)
+    x, w = bf16(rng, 70, k), bf16(rng, 1, k, n, scale=k ** -0.5)
+    full = np.asarray(cpu_native.matmul_native(x, w, 0, jnp.float32))
+    glu = np.asarray(cpu_native.matmul_glu_native(x, w, w, 0), np.float32)
+    for m in (1, 5, 13, 16, 17, 33, 48):
+        np.testing.assert_array_equal(np.asarray(cpu_native.matmul_native(x[:m], w, 0, jnp.float32)), full[:m])
+        np.testing.assert_array_equal(np.asarray(cpu_native.matmul_glu_native(x[:m], w, w, 0), np.float32), glu[:m])
 
 
 @pytest.mark.parametrize("rows", [0, 5, 13, 40, -3])
-def test_only_the_live_rows_are_computed_and_the_padding_rows_are_zeros(rows):
+def test_only_the_live_rows_are_computed_and_the_padding_rows_are_zeros(rows, path):
     """A bucketed step's padding rows (from `rows` on; clipped to [0, M]) come out as zeros and the live ones as
     without the argument, for the plain matmul (bfloat16 and float32 out) and the GLU, with `rows` traced."""
     import jax
@@ -157,7 +189,7 @@ def test_glu_bad_arguments_raise_value_error_naming_them():
 
 @pytest.mark.parametrize("m", [1, 5, 13, 64])
 @pytest.mark.parametrize("k, n", [(64, 96), (576, 192), (1536, 576)])
-def test_a_prepacked_weight_gives_the_same_bits_as_the_weight_as_stored(m, k, n):
+def test_a_prepacked_weight_gives_the_same_bits_as_the_weight_as_stored(m, k, n, path):
     """`prepack_weight` ([L, K, N] -> [L, N/32, K/2, 64], the kernel's panel layout) and back is the identity; the
     kernels read it in place with the same results as from the stored weight (plain, float32 out, live rows, GLU),
     at every layer."""
@@ -293,3 +325,15 @@ def test_no_native_matmul_under_a_mesh_or_off_cpu():
     assert step_module.native_matmul_rows(Mesh(np.array(jax.devices()[:1]), ("tp",))) == 0
     assert step_module.native_matmul_rows(None) == (step_module.NATIVE_MATMUL_ROWS
                                                              if cpu_native.matmul_is_fast() else 0)
+
+
+@fast
+def test_the_start_up_line_names_the_matmul_s_amx_path_when_it_runs(monkeypatch):
+    from pallas_kernels.cpu_native import build
+
+    amx = cpu_native.matmul_uses_amx()
+    line = build.describe(["matmul"])
+    assert line.startswith("native CPU kernels in use: matmul (AMX);" if amx else "native CPU kernels in use: matmul;")
+    monkeypatch.setenv("JAXPAGED_NATIVE_AMX", "0")
+    assert not cpu_native.matmul_uses_amx()
+    assert build.describe(["matmul"]).startswith("native CPU kernels in use: matmul;")
