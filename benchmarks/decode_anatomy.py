@@ -1,6 +1,7 @@
-"""Where a batch-1 decode step's time goes, per weight format: XLA's own timing of every operation of the step.
+"""Where a decode step's time goes, per weight format: XLA's own timing of every operation of the step.
 
-One greedy request (a 32-token prompt, --decode-tokens new tokens) per format through `LLM` (bf16 = quantization
+One greedy request (a 32-token prompt, --decode-tokens new tokens; --batch N: N requests at once, with
+--prompt-tokens each) per format through `LLM` (bf16 = quantization
 None, gguf = the file's blocks kept, int8), traced with jax.profiler (the CPU runtime records each operation it
 runs). Each operation is named by what it runs: the native kernels by their FFI target and output shape (the
 quantized matmuls `jaxpaged_qmatmul*`, the bf16 ones `jaxpaged_matmul*`, attention, K/V writes, norms, rope,
@@ -12,6 +13,8 @@ time.
 
     python benchmarks/decode_anatomy.py                          # bf16 and gguf, default model (SmolLM2 Q4_1)
     python benchmarks/decode_anatomy.py --formats bf16 int8 gguf --decode-tokens 48
+    python benchmarks/decode_anatomy.py --formats bf16 --batch 48 --prompt-tokens 160   # the throughput workload's
+                                                                  # decode steps (48 sequences, its mean prompt)
 Writes benchmarks/results/decode_anatomy.json (or --out) with lscpu's CPU name and the load average.
 """
 
@@ -38,11 +41,11 @@ def ffi_targets(executable) -> dict[str, str]:
     return names
 
 
-def decode_anatomy(llm, prompt, decode_tokens: int) -> dict:
+def decode_anatomy(llm, prompts: list, decode_tokens: int) -> dict:
     from jaxpaged import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
-    llm.generate([prompt], params, use_tqdm=False)  # compiled, warm
+    llm.generate(prompts, params, use_tqdm=False)  # compiled, warm
     runner = llm.engine.runner
     executable_of, keys = runner._executable, collections.Counter()
 
@@ -52,7 +55,7 @@ def decode_anatomy(llm, prompt, decode_tokens: int) -> dict:
 
     runner._executable = counted
     before = llm.stats()
-    events = trace_events(lambda: llm.generate([prompt], params, use_tqdm=False), 1)
+    events = trace_events(lambda: llm.generate(prompts, params, use_tqdm=False), 1)
     after = llm.stats()
     runner._executable = executable_of
     names = ffi_targets(runner._executables[keys.most_common(1)[0][0]])  # the decode steps' executable
@@ -96,6 +99,8 @@ def main():
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "gguf"], choices=["bf16", "int8", "gguf"])
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding at once")
+    ap.add_argument("--prompt-tokens", type=int, default=32, help="each request's prompt")
     ap.add_argument("--out", default="benchmarks/results/decode_anatomy.json")
     args = ap.parse_args()
     from jaxpaged import LLM
@@ -103,13 +108,18 @@ def main():
     load_before = os.getloadavg()
     results = {}
     for fmt in args.formats:
-        llm = LLM(args.model, quantization=None if fmt == "bf16" else fmt, dtype="bfloat16", max_num_seqs=8,
-                  max_model_len=512, kv_cache_memory="64MiB", enable_prefix_caching=False, show_progress=False)
-        prompt = {"prompt_token_ids": workload_prompts(llm.tokenizer, 1, seed=1, min_len=32, max_len=32)[0]}
-        r = decode_anatomy(llm, prompt, args.decode_tokens)
+        tokens = args.prompt_tokens + args.decode_tokens
+        llm = LLM(args.model, quantization=None if fmt == "bf16" else fmt, dtype="bfloat16",
+                  max_num_seqs=max(8, args.batch), max_model_len=max(512, tokens),
+                  kv_cache_memory=f"{max(64, args.batch * tokens // 32)}MiB", enable_prefix_caching=False,
+                  show_progress=False)
+        prompts = [{"prompt_token_ids": p} for p in workload_prompts(
+            llm.tokenizer, args.batch, seed=1, min_len=args.prompt_tokens, max_len=args.prompt_tokens)]
+        r = decode_anatomy(llm, prompts, args.decode_tokens)
         r["weight_mib"] = llm.stats()["weight_bytes"] / 2**20
         results[fmt] = r
-        print(f"\n{fmt}: weights {r['weight_mib']:.1f} MiB; a decode step (median of {r['decode_steps_traced']}): "
+        print(f"\n{fmt}: weights {r['weight_mib']:.1f} MiB; a decode step of {args.batch} sequences (median of "
+              f"{r['decode_steps_traced']}): "
               f"{r['span_ms']:.2f} ms traced; untraced wait {r['device_wait_ms']:.2f} ms, "
               f"host {r['host_ms']:.2f} ms")
         print_table(r["parts"], [("what", "operation (target, output)", "s"), ("calls", "calls/step", "d"),
