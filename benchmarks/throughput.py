@@ -50,7 +50,7 @@ from export_hf import hf_directory  # noqa: E402
 CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}  # --penalties
 ENV_RECORDED = ("XLA_FLAGS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
-                "LD_PRELOAD", "JAX_PLATFORMS", "JAXPAGED_CACHE_DIR")
+                "LD_PRELOAD", "JAX_PLATFORMS", "JAXPAGED_CACHE_DIR", "JAXPAGED_NATIVE_AMX")
 
 
 class PeakRSS:
