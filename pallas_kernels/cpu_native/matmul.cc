@@ -364,11 +364,14 @@ inline void PrefetchWeights(const char* w) {
   }
 }
 
-// Row blocks b and (kTwo) b + 1 of the panel at `packed` into acc [32][32] floats.
+// x's row blocks at a0 and (kTwo) a1 times two weight tiles, each 16 pair rows of 64 bytes at stride 128 from
+// w6 and w7 (the two halves of a panel, or the same half of a GLU's gate and up): accumulator 0 = a0 x w6,
+// 1 = a0 x w7, 2 = a1 x w6, 3 = a1 x w7, stored as floats at out[t] with `stride` bytes per row.
 template <bool kTwo>
-__attribute__((noinline)) void AmxRowBlocks(const Problem& p, const char* packed, const uint16_t* a0,
-                                            const uint16_t* a1, float* acc) {
-  const int64_t stride = p.k * 2;  // bytes per row of x
+__attribute__((noinline)) void AmxRowBlocks(const Problem& p, const char* w6, const char* w7, const uint16_t* a0,
+                                            const uint16_t* a1, float* const (&out)[4], int64_t stride) {
+  const int64_t x_stride = p.k * 2;  // bytes per row of x
+  const bool apart = w7 != w6 + 64;  // two weights (a GLU's): prefetch the rows of both
   _tile_zero(0);
   _tile_zero(1);
   if (kTwo) {
@@ -377,25 +380,35 @@ __attribute__((noinline)) void AmxRowBlocks(const Problem& p, const char* packed
   }
   const int64_t kbs = p.k / 32;
   for (int64_t kb = 0; kb < kbs; ++kb) {
-    const char* w = packed + kb * 16 * 128;
-    if (kb + kAmxAhead < kbs) PrefetchWeights(w + kAmxAhead * 16 * 128);
-    _tile_loadd(6, w, 128);
-    _tile_loadd(7, w + 64, 128);
-    _tile_loadd(4, a0 + kb * 32, stride);
+    const int64_t at = kb * 16 * 128;
+    if (kb + kAmxAhead < kbs) {
+      PrefetchWeights(w6 + at + kAmxAhead * 16 * 128);
+      if (apart) PrefetchWeights(w7 + at + kAmxAhead * 16 * 128);
+    }
+    _tile_loadd(6, w6 + at, 128);
+    _tile_loadd(7, w7 + at, 128);
+    _tile_loadd(4, a0 + kb * 32, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (kTwo) {
-      _tile_loadd(5, a1 + kb * 32, stride);
+      _tile_loadd(5, a1 + kb * 32, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
+  _tile_stored(0, out[0], stride);
+  _tile_stored(1, out[1], stride);
   if (kTwo) {
-    _tile_stored(2, acc + 16 * 32, 128);
-    _tile_stored(3, acc + 16 * 32 + 16, 128);
+    _tile_stored(2, out[2], stride);
+    _tile_stored(3, out[3], stride);
   }
+}
+
+// Row blocks two at a time over a panel's two halves: acc [32][32] floats (rows of two blocks x 32 columns).
+template <bool kTwo>
+void AmxPanelRows(const Problem& p, const char* packed, const uint16_t* a0, const uint16_t* a1, float* acc) {
+  float* const out[4] = {acc, acc + 16, acc + 16 * 32, acc + 16 * 32 + 16};
+  AmxRowBlocks<kTwo>(p, packed, packed + 64, a0, a1, out, 128);
 }
 
 void AmxPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t width, __m512i* buffer) {
@@ -404,46 +417,10 @@ void AmxPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t width
   for (int64_t b = 0; b < rows.total; b += 2) {
     const bool two = b + 1 < rows.total;
     if (two)
-      AmxRowBlocks<true>(p, packed, rows[b], rows[b + 1], acc);
+      AmxPanelRows<true>(p, packed, rows[b], rows[b + 1], acc);
     else
-      AmxRowBlocks<false>(p, packed, rows[b], nullptr, acc);
+      AmxPanelRows<false>(p, packed, rows[b], nullptr, acc);
     StoreRows(p, acc, b * 16, std::min<int64_t>(p.m - b * 16, 32), c0, width);
-  }
-}
-
-// The GLU's half h (16 columns from c0 + 16 h) for row blocks b and (kTwo) b + 1: gate into g, up into u, [32][16].
-template <bool kTwo>
-__attribute__((noinline)) void AmxGluRowBlocks(const Problem& p, const char* gate, const char* up,
-                                               const uint16_t* a0, const uint16_t* a1, float* g, float* u) {
-  const int64_t stride = p.k * 2;
-  _tile_zero(0);
-  _tile_zero(1);
-  if (kTwo) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  const int64_t kbs = p.k / 32;
-  for (int64_t kb = 0; kb < kbs; ++kb) {
-    if (kb + kAmxAhead < kbs) {
-      PrefetchWeights(gate + (kb + kAmxAhead) * 16 * 128);
-      PrefetchWeights(up + (kb + kAmxAhead) * 16 * 128);
-    }
-    _tile_loadd(6, gate + kb * 16 * 128, 128);
-    _tile_loadd(7, up + kb * 16 * 128, 128);
-    _tile_loadd(4, a0 + kb * 32, stride);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (kTwo) {
-      _tile_loadd(5, a1 + kb * 32, stride);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, g, 64);
-  _tile_stored(1, u, 64);
-  if (kTwo) {
-    _tile_stored(2, g + 16 * 16, 64);
-    _tile_stored(3, u + 16 * 16, 64);
   }
 }
 
@@ -454,10 +431,12 @@ void AmxGluPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t wi
   for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {
     const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(width - 16 * h, 16)) - 1);
     for (int64_t b = 0; b < rows.total; b += 2) {
+      // the half's gate into g and up into u, [32][16] each
+      float* const out[4] = {g, u, g + 16 * 16, u + 16 * 16};
       if (b + 1 < rows.total)
-        AmxGluRowBlocks<true>(p, gate + 64 * h, up + 64 * h, rows[b], rows[b + 1], g, u);
+        AmxRowBlocks<true>(p, gate + 64 * h, up + 64 * h, rows[b], rows[b + 1], out, 64);
       else
-        AmxGluRowBlocks<false>(p, gate + 64 * h, up + 64 * h, rows[b], nullptr, g, u);
+        AmxRowBlocks<false>(p, gate + 64 * h, up + 64 * h, rows[b], nullptr, out, 64);
       const int64_t n = std::min<int64_t>(p.m - b * 16, 32);
       for (int64_t r = 0; r < n; ++r) {
         const __m512 y = _mm512_mul_ps(ActBf16(p.act, RoundToBf16(_mm512_load_ps(g + r * 16))),
