@@ -147,6 +147,19 @@ void PackPanel(const Problem& p, const uint16_t* w, int64_t c0, int64_t width, _
   }
 }
 
+// The lanes of a panel's 16-column half h (0 or 1) that are columns of the output: the first width - 16 h of them.
+inline __mmask16 HalfMask(int64_t width, int64_t h) {
+  return static_cast<__mmask16>((1u << std::clamp<int64_t>(width - 16 * h, 0, 16)) - 1);
+}
+
+// 16 float32 values to out's elements [at, at + 16) where `mask` has a lane: as they are, or rounded to bfloat16.
+inline void Store16(const Problem& p, int64_t at, __mmask16 mask, __m512 v) {
+  if (p.out_f32)
+    _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, v);
+  else
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 // Register blocks are kept out of line (noinline): inlined into the work loop, g++ kept the accumulators of an 8-row
 // GLU tail on the stack, a store per product (benchmarks/matmul.py, gated MLP at 32 rows).
 template <int R>
@@ -167,20 +180,12 @@ __attribute__((noinline)) void RowBlock(const Problem& p, const __m512i* packed,
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
     }
   }
-  const int64_t w_lo = std::min<int64_t>(width, 16), w_hi = std::max<int64_t>(width - 16, 0);
-  const __mmask16 m_lo = static_cast<__mmask16>((1u << w_lo) - 1), m_hi = static_cast<__mmask16>((1u << w_hi) - 1);
+  const __mmask16 m_lo = HalfMask(width, 0), m_hi = HalfMask(width, 1);
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     const int64_t at = (r0 + r) * p.n + c0;
-    if (p.out_f32) {
-      float* o = static_cast<float*>(p.out) + at;
-      _mm512_mask_storeu_ps(o, m_lo, acc[r][0]);
-      if (w_hi) _mm512_mask_storeu_ps(o + 16, m_hi, acc[r][1]);
-    } else {
-      uint16_t* o = static_cast<uint16_t*>(p.out) + at;
-      _mm256_mask_storeu_epi16(o, m_lo, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));
-      if (w_hi) _mm256_mask_storeu_epi16(o + 16, m_hi, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));
-    }
+    Store16(p, at, m_lo, acc[r][0]);
+    if (m_hi) Store16(p, at + 16, m_hi, acc[r][1]);
   }
 }
 
@@ -257,14 +262,10 @@ __attribute__((noinline)) void GluRowBlock(const Problem& p, const __m512i* gate
     }
   }
   for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {  // the panel's two 16-column halves
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(width - 16 * h, 16)) - 1);
+    const __mmask16 mask = HalfMask(width, h);
     for (int r = 0; r < R; ++r) {
       const __m512 y = _mm512_mul_ps(ActBf16(p.act, RoundToBf16(g[r][h])), RoundToBf16(u[r][h]));
-      const int64_t at = (r0 + r) * p.n + c0 + 16 * h;
-      if (p.out_f32)
-        _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
-      else
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+      Store16(p, (r0 + r) * p.n + c0 + 16 * h, mask, y);
     }
   }
 }
@@ -335,20 +336,11 @@ struct RowBlocks {
 // Rows [r0, r0 + n) of a [32, 32]-float buffer of accumulators (two row blocks x two halves), to out's columns
 // [c0, c0 + width).
 void StoreRows(const Problem& p, const float* acc, int64_t r0, int64_t n, int64_t c0, int64_t width) {
-  const int64_t w_lo = std::min<int64_t>(width, 16), w_hi = std::max<int64_t>(width - 16, 0);
-  const __mmask16 m_lo = static_cast<__mmask16>((1u << w_lo) - 1), m_hi = static_cast<__mmask16>((1u << w_hi) - 1);
+  const __mmask16 m_lo = HalfMask(width, 0), m_hi = HalfMask(width, 1);
   for (int64_t r = 0; r < n; ++r) {
-    const __m512 lo = _mm512_load_ps(acc + r * 32), hi = _mm512_load_ps(acc + r * 32 + 16);
     const int64_t at = (r0 + r) * p.n + c0;
-    if (p.out_f32) {
-      float* o = static_cast<float*>(p.out) + at;
-      _mm512_mask_storeu_ps(o, m_lo, lo);
-      if (w_hi) _mm512_mask_storeu_ps(o + 16, m_hi, hi);
-    } else {
-      uint16_t* o = static_cast<uint16_t*>(p.out) + at;
-      _mm256_mask_storeu_epi16(o, m_lo, (__m256i)_mm512_cvtneps_pbh(lo));
-      if (w_hi) _mm256_mask_storeu_epi16(o + 16, m_hi, (__m256i)_mm512_cvtneps_pbh(hi));
-    }
+    Store16(p, at, m_lo, _mm512_load_ps(acc + r * 32));
+    if (m_hi) Store16(p, at + 16, m_hi, _mm512_load_ps(acc + r * 32 + 16));
   }
 }
 
@@ -429,7 +421,7 @@ void AmxGluPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t wi
   const char* up = reinterpret_cast<const char*>(PanelOf(p, p.w_up, c0, width, buffer + p.k));
   alignas(64) float g[32 * 16], u[32 * 16];
   for (int64_t h = 0; h < 2 && 16 * h < width; ++h) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(width - 16 * h, 16)) - 1);
+    const __mmask16 mask = HalfMask(width, h);
     for (int64_t b = 0; b < rows.total; b += 2) {
       // the half's gate into g and up into u, [32][16] each
       float* const out[4] = {g, u, g + 16 * 16, u + 16 * 16};
@@ -441,11 +433,7 @@ void AmxGluPanel(const Problem& p, const RowBlocks& rows, int64_t c0, int64_t wi
       for (int64_t r = 0; r < n; ++r) {
         const __m512 y = _mm512_mul_ps(ActBf16(p.act, RoundToBf16(_mm512_load_ps(g + r * 16))),
                                        RoundToBf16(_mm512_load_ps(u + r * 16)));
-        const int64_t at = (b * 16 + r) * p.n + c0 + 16 * h;
-        if (p.out_f32)
-          _mm512_mask_storeu_ps(static_cast<float*>(p.out) + at, mask, y);
-        else
-          _mm256_mask_storeu_epi16(static_cast<uint16_t*>(p.out) + at, mask, (__m256i)_mm512_cvtneps_pbh(y));
+        Store16(p, (b * 16 + r) * p.n + c0 + 16 * h, mask, y);
       }
     }
   }
