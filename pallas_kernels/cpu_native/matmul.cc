@@ -50,8 +50,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define JAXPAGED_MATMUL_AMX 1  // the AMX path below
-#include <sys/syscall.h>  // arch_prctl, to be granted AMX's tile state
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 #include "vec_math.h"
@@ -63,6 +62,10 @@ using jaxpaged_native::Bf16ToFloat;
 using jaxpaged_native::FloatToBf16;
 using jaxpaged_native::RunOnPool;
 using jaxpaged_native::WorkQueue;
+#if defined(JAXPAGED_MATMUL_AMX)
+using jaxpaged_native::AmxWanted;
+using jaxpaged_native::TileConfig;
+#endif
 #if defined(__AVX512F__)
 using jaxpaged_native::Exp16;
 using jaxpaged_native::Tanh16;
@@ -290,29 +293,6 @@ void GluPanel(const Problem& p, int64_t c0, int64_t width, __m512i* buffer) {
 // Every row of a call goes through the same instructions in the same order of k (a partial last block of rows is
 // read from a zero-padded copy), so a row's result does not depend on how many rows share the call (the engine's
 // batch invariance). It needs K % 32 == 0 (every model dimension here); other K run the AVX-512 path, for all rows.
-
-struct alignas(64) TileConfig {  // LDTILECFG's 64-byte operand, palette 1
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux gives a process AMX's tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
-// asked once. False on an older kernel or a CPU without AMX (the build targets this CPU, so only the first).
-bool AmxPermitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// JAXPAGED_NATIVE_AMX=0 keeps the AVX-512 path (read on each call: benchmarks/matmul.py compares the two).
-bool AmxWanted() {
-  const char* v = std::getenv("JAXPAGED_NATIVE_AMX");
-  return !(v && v[0] == '0' && v[1] == '\0') && AmxPermitted();
-}
 
 // Every tile 64 bytes wide: float32 accumulators 16 x 16, x 16 x 32 bf16, weights 16 pairs x 16 columns. With
 // fewer than 16 rows in all (`rows` < 16, a decode step of a few sequences), the first block's x and accumulator

@@ -32,6 +32,8 @@
 //                 q = round(x / d)), and VPDPBUSD multiplies u (unsigned) by q (signed) 4 k at a time into int32;
 //                 per block, out += s * d * dot + m * d * sum(q). The activations lose what int8 per 32 loses
 //                 (~0.4% of each block's largest value at most), as llama.cpp's CPU path does for every type.
+//                 On a CPU with AMX-INT8 blocks of 16 rows take TDPBSUD instead (the same bits; JAXPAGED_NATIVE_AMX=0
+//                 keeps VPDPBUSD for all rows).
 //   kBf16Dot (1)  the codes dequantized in registers (s * u + m in float32, rounded to bfloat16, the numbers a
 //                 dequantized-at-load bf16 model has) and multiplied by bf16 x with VDPBF16PS.
 // Why native: XLA CPU would convert the whole weight to a full-width temporary before its dot on every call (a pass
@@ -46,6 +48,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -59,6 +62,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define JAXPAGED_QMATMUL_BF16 1
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define JAXPAGED_QMATMUL_AMX 1  // kInt8Dot's blocks of 16 rows on AMX tiles (below)
+#include "amx.h"
+#endif
 #endif
 
 #include "vec_math.h"
@@ -68,6 +75,10 @@ namespace ffi = xla::ffi;
 #if JAXPAGED_QMATMUL_VNNI
 using jaxpaged_native::Exp16;
 using jaxpaged_native::Tanh16;
+#endif
+#if JAXPAGED_QMATMUL_AMX
+using jaxpaged_native::AmxWanted;
+using jaxpaged_native::TileConfig;
 #endif
 
 namespace {
@@ -130,12 +141,22 @@ inline int64_t ScaleBytes(int64_t mode) {  // per (group, block); kChannel: per 
 
 // ---- the problem ----------------------------------------------------------------------------------------------------
 
+// An array of n T, uninitialised (phase 1 writes every element it reads), 64-byte aligned: an AMX tile's 32-byte
+// row of x must not straddle two cache lines.
+template <typename T>
+struct AlignedArray {
+  std::unique_ptr<T[], void (*)(void*)> ptr{nullptr, std::free};
+  void resize(size_t n) { ptr.reset(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))); }
+  T* data() const { return ptr.get(); }
+  T& operator[](size_t i) const { return ptr[i]; }
+};
+
 // The activations as the products read them: int8 codes [m, kp], d and d * sum(q) per block [m, blocks], and the sum
 // of the latter per row [m] (kInt8Dot); bf16 [m, kp] (kBf16Dot).
 struct Activations {
-  std::vector<int8_t> qx;
-  std::vector<float> dx, sx, sx_row;
-  std::vector<uint16_t> xb;
+  AlignedArray<int8_t> qx;
+  AlignedArray<float> dx, sx, sx_row;
+  AlignedArray<uint16_t> xb;
 };
 
 struct QState {
@@ -143,6 +164,7 @@ struct QState {
   int64_t m = 0, m_all = 0, k = 0, kp = 0, n = 0, groups = 0, blocks = 0;
   int bits = 4;
   int64_t scale_mode = kBlockF16, mode = kInt8Dot;
+  bool amx = false;  // kInt8Dot's full blocks of 16 rows on AMX tiles (decided once per call, in Run)
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;
   const uint8_t* up_codes = nullptr;  // a gated MLP's (JaxpagedQMatmulGlu): codes and scales are the gate's
@@ -415,6 +437,22 @@ inline void StoreRow(const QState& p, int64_t r, int64_t g, __m512 y) {
                              (__m256i)_mm512_cvtneps_pbh(y));
 }
 
+// One block's integer dot products `dot` (as float32, exact) of one row with 16 columns, added to the row's acc: by
+// d (the row's activation scale of the block) for kChannel, by s * d and m * d * sum(q) for the others; `d` and `sx`
+// point at the row's and block's entries of the activations' dx and sx. Both ways of computing the dot products
+// (VPDPBUSD, TDPBSUD) end here, so they give the same bits.
+template <int Scale>
+inline __m512 AddBlock(__m512 acc, __m512 dot, __m512 s, __m512 m, const float* d, const float* sx) {
+  if constexpr (Scale == kChannel) return _mm512_fmadd_ps(dot, _mm512_set1_ps(*d), acc);
+  acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(*d)), acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(*sx), acc);
+}
+
+// kChannel's scale and offset, once per row r at the end: s * (acc - 128 * sum over blocks of d * sum(q)).
+inline __m512 FinishChannel(const QState& p, __m512 acc, __m512 s, int64_t r) {
+  return _mm512_mul_ps(s, _mm512_sub_ps(acc, _mm512_set1_ps(128.0f * p.a->sx_row[r])));
+}
+
 // kInt8Dot: the dot products of rows [r0, r0 + R) with the 16 columns of group g of the weight (the up weight with
 // `up`) into acc. Per block: the codes loaded (and unpacked) once, then per row two chains of 4 VPDPBUSD (the row's
 // 4-byte groups of q broadcast from memory) and the block's scaling.
@@ -443,20 +481,13 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
       d1 = _mm512_dpbusd_epi32(d1, w[5], _mm512_set1_epi32(q[5]));
       d0 = _mm512_dpbusd_epi32(d0, w[6], _mm512_set1_epi32(q[6]));
       d1 = _mm512_dpbusd_epi32(d1, w[7], _mm512_set1_epi32(q[7]));
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-      const float d = dx[(r0 + r) * p.blocks + b];
-      if constexpr (Scale == kChannel) {
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(d), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(r0 + r) * p.blocks + b]), acc[r]);
-      }
+      const int64_t at = (r0 + r) * p.blocks + b;
+      acc[r] = AddBlock<Scale>(acc[r], _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)), s, m, dx + at, sx + at);
     }
   }
   if constexpr (Scale == kChannel) {
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_mul_ps(s, _mm512_sub_ps(acc[r], _mm512_set1_ps(128.0f * p.a->sx_row[r0 + r])));
+    for (int r = 0; r < R; ++r) acc[r] = FinishChannel(p, acc[r], s, r0 + r);
   }
 }
 
@@ -481,8 +512,14 @@ inline __m512 ActVec(int64_t act, __m512 g) {
   return r(_mm512_mul_ps(g, r(_mm512_mul_ps(r(_mm512_add_ps(t, one)), _mm512_set1_ps(0.5f)))));
 }
 
-// Rows [r0, r0 + R) x group g: the plain product, or with Glu act(gate) * up (each product rounded to bfloat16
-// first when out is bfloat16, as the unfused bf16 model's are).
+// A gated MLP's output from its two products: act(gate) * up, each product rounded to bfloat16 first when out is
+// bfloat16 (as the unfused bf16 model's are).
+inline __m512 GluOut(const QState& p, __m512 gate, __m512 up) {
+  if (p.out_f32) return _mm512_mul_ps(ActVec<false>(p.act, gate), up);
+  return _mm512_mul_ps(ActVec<true>(p.act, RoundBf16(gate)), RoundBf16(up));
+}
+
+// Rows [r0, r0 + R) x group g: the plain product, or with Glu the gated MLP's output.
 template <int R, int Bits, int Scale, bool Glu>
 __attribute__((noinline)) void Int8Rows(const QState& p, int64_t r0, int64_t g) {
   __m512 acc[R];
@@ -491,16 +528,154 @@ __attribute__((noinline)) void Int8Rows(const QState& p, int64_t r0, int64_t g) 
     __m512 up[R];
     Int8Dots<R, Bits, Scale>(p, r0, g, true, up);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      if (p.out_f32)
-        acc[r] = _mm512_mul_ps(ActVec<false>(p.act, acc[r]), up[r]);
-      else
-        acc[r] = _mm512_mul_ps(ActVec<true>(p.act, RoundBf16(acc[r])), RoundBf16(up[r]));
-    }
+    for (int r = 0; r < R; ++r) acc[r] = GluOut(p, acc[r], up[r]);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) StoreRow(p, r0 + r, g, acc[r]);
 }
+
+#if JAXPAGED_QMATMUL_AMX
+// The AMX path (CPUs with AMX-INT8: Intel Xeon from Sapphire Rapids on), for blocks of 16 rows. One TDPBSUD
+// multiplies a 16 x 32 tile of x's int8 codes (16 rows, one block of k, read in place from the prepared
+// activations) by an 8 x 64-byte tile of the weight's codes (one block of a group: the 8 vectors of 16 columns x 4 k
+// that the VNNI path loads, read in place for 8 bits, unpacked for 4) into 16 x 16 int32 dot products: 8,192
+// products, where a VPDPBUSD does 64. The scales are per block of 32 k (the activations' always), so each block's
+// dot products are stored from their tile and scaled by AddBlock as the VNNI path's are: the same integers (exact
+// sums of 32 products of 8 bits) and the same float32 operations on them, so the same bits, and which rows take
+// which path (blocks of 16 here, the rest VNNI) changes no row's result. Two row blocks x two groups at a time, so
+// the 8 tiles are: 0-3 the dot products (row block i, group j at 2i + j), 4-5 x of the row blocks, 6-7 the codes.
+constexpr int64_t kAmxRows = 16;
+
+void ConfigureTiles() {  // per thread
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 4 * kGroup;  // int32 [16, 16]
+  for (int t = 4; t < 6; ++t) c.rows[t] = kAmxRows, c.colsb[t] = kBlock;      // int8 [16, 32]
+  for (int t = 6; t < 8; ++t) c.rows[t] = kBlock / 4, c.colsb[t] = 64;        // u8 [8, 16 x 4]
+  _tile_loadconfig(&c);
+}
+
+// Where a block's codes tile is read: the codes themselves (8 bits), or their nibbles unpacked into `unpacked`
+// (512 bytes, 64-byte aligned).
+template <int Bits>
+inline const uint8_t* TileCodes(const uint8_t* codes, uint8_t* unpacked) {
+  if constexpr (Bits == 8) return codes;
+  __m512i v[8];
+  LoadCodes<4>(codes, v);
+#pragma GCC unroll 8
+  for (int q = 0; q < 8; ++q) _mm512_store_si512(unpacked + 64 * q, v[q]);
+  return unpacked;
+}
+
+// Rows [r0, r0 + 16) (and [r0 + 16, r0 + 32) with TwoRows) x group g (and g + 1 with TwoGroups) of the weight (the
+// up weight with `up`), scaled per block into acc [32 rows][2 groups][16 columns] (float32; the first block's
+// products are added to zeros, as Int8Dots' are).
+template <int Bits, int Scale, bool TwoRows, bool TwoGroups>
+__attribute__((noinline)) void AmxDots(const QState& p, int64_t r0, int64_t g, bool up, float* acc) {
+  constexpr int kRowBlocks = TwoRows ? 2 : 1, kGroups = TwoGroups ? 2 : 1;
+  alignas(64) int32_t dots[2][4][kAmxRows * kGroup];  // blocks of k in turn: [row block * 2 + group]
+  alignas(64) uint8_t unpacked[2][2][512];
+  const int8_t* x = p.a->qx.data() + r0 * p.kp;
+  const float *dx = p.a->dx.data() + r0 * p.blocks, *sx = p.a->sx.data() + r0 * p.blocks;
+  const int64_t step = CodeBytes(Bits);
+  const uint8_t* codes[2] = {p.GroupCodes(g, up), p.GroupCodes(TwoGroups ? g + 1 : g, up)};
+  __m512 s[2], m[2];
+  if constexpr (Scale == kChannel) {
+    for (int j = 0; j < kGroups; ++j) LoadScales<Bits, Scale>(p, g + j, 0, up, &s[j], &m[j]);
+  }
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    int32_t(*dot)[kAmxRows * kGroup] = dots[b & 1];
+    _tile_zero(0);
+    if constexpr (TwoGroups) _tile_zero(1);
+    if constexpr (TwoRows) _tile_zero(2);
+    if constexpr (TwoRows && TwoGroups) _tile_zero(3);
+    _tile_loadd(6, TileCodes<Bits>(codes[0] + b * step, unpacked[b & 1][0]), 64);
+    if constexpr (TwoGroups) _tile_loadd(7, TileCodes<Bits>(codes[1] + b * step, unpacked[b & 1][1]), 64);
+    _tile_loadd(4, x + b * kBlock, p.kp);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (TwoGroups) _tile_dpbsud(1, 4, 7);
+    if constexpr (TwoRows) {
+      _tile_loadd(5, x + kAmxRows * p.kp + b * kBlock, p.kp);
+      _tile_dpbsud(2, 5, 6);
+      if constexpr (TwoGroups) _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, dot[0], 64);
+    if constexpr (TwoGroups) _tile_stored(1, dot[1], 64);
+    if constexpr (TwoRows) _tile_stored(2, dot[2], 64);
+    if constexpr (TwoRows && TwoGroups) _tile_stored(3, dot[3], 64);
+    for (int j = 0; j < kGroups; ++j) {
+      if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g + j, b, up, &s[j], &m[j]);
+      for (int i = 0; i < kRowBlocks; ++i) {
+#pragma GCC unroll 16
+        for (int r = 0; r < kAmxRows; ++r) {
+          float* a = acc + ((i * kAmxRows + r) * 2 + j) * kGroup;
+          const int64_t at = (i * kAmxRows + r) * p.blocks + b;
+          const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dot[2 * i + j] + kGroup * r));
+          _mm512_store_ps(a, AddBlock<Scale>(b ? _mm512_load_ps(a) : _mm512_setzero_ps(), d, s[j], m[j], dx + at,
+                                             sx + at));
+        }
+      }
+    }
+  }
+  if constexpr (Scale == kChannel) {
+    for (int i = 0; i < kRowBlocks; ++i)
+      for (int r = 0; r < kAmxRows; ++r)
+        for (int j = 0; j < kGroups; ++j) {
+          float* a = acc + ((i * kAmxRows + r) * 2 + j) * kGroup;
+          _mm512_store_ps(a, FinishChannel(p, _mm512_load_ps(a), s[j], r0 + i * kAmxRows + r));
+        }
+  }
+}
+
+// AmxDots' blocks and the output (the gated MLP's with p.act >= 0).
+template <int Bits, int Scale, bool TwoRows, bool TwoGroups>
+void AmxRows(const QState& p, int64_t r0, int64_t g) {
+  alignas(64) float acc[2 * kAmxRows * 2 * kGroup], up[2 * kAmxRows * 2 * kGroup];
+  AmxDots<Bits, Scale, TwoRows, TwoGroups>(p, r0, g, false, acc);
+  if (p.act >= 0) AmxDots<Bits, Scale, TwoRows, TwoGroups>(p, r0, g, true, up);
+  for (int64_t r = 0; r < (TwoRows ? 2 : 1) * kAmxRows; ++r) {
+    for (int j = 0; j < (TwoGroups ? 2 : 1); ++j) {
+      const int64_t at = (r * 2 + j) * kGroup;
+      __m512 y = _mm512_load_ps(acc + at);
+      if (p.act >= 0) y = GluOut(p, y, _mm512_load_ps(up + at));
+      StoreRow(p, r0 + r, g + j, y);
+    }
+  }
+}
+
+// Rows [r0, r1) x `groups` (1 or 2) groups from g: the whole blocks of 16 rows; returns how many rows it did.
+template <int Bits, int Scale>
+int64_t AmxGroupsOf(const QState& p, int64_t r0, int64_t r1, int64_t g, int64_t groups) {
+  int64_t r = r0;
+  for (; r + 2 * kAmxRows <= r1; r += 2 * kAmxRows) {
+    if (groups == 2)
+      AmxRows<Bits, Scale, true, true>(p, r, g);
+    else
+      AmxRows<Bits, Scale, true, false>(p, r, g);
+  }
+  if (r + kAmxRows <= r1) {
+    if (groups == 2)
+      AmxRows<Bits, Scale, false, true>(p, r, g);
+    else
+      AmxRows<Bits, Scale, false, false>(p, r, g);
+    r += kAmxRows;
+  }
+  return r - r0;
+}
+
+int64_t AmxGroups(const QState& p, int64_t r0, int64_t r1, int64_t g, int64_t groups) {
+  const bool four = p.bits == 4;
+  switch (p.scale_mode) {
+    case kChannel: return four ? AmxGroupsOf<4, kChannel>(p, r0, r1, g, groups)
+                               : AmxGroupsOf<8, kChannel>(p, r0, r1, g, groups);
+    case kBlockSym: return four ? AmxGroupsOf<4, kBlockSym>(p, r0, r1, g, groups)
+                                : AmxGroupsOf<8, kBlockSym>(p, r0, r1, g, groups);
+    case kBlockF16: return four ? AmxGroupsOf<4, kBlockF16>(p, r0, r1, g, groups)
+                                : AmxGroupsOf<8, kBlockF16>(p, r0, r1, g, groups);
+    default: return four ? AmxGroupsOf<4, kBlockF32>(p, r0, r1, g, groups)
+                         : AmxGroupsOf<8, kBlockF32>(p, r0, r1, g, groups);
+  }
+}
+#endif
 
 #if JAXPAGED_QMATMUL_BF16
 // The weight from its code u (as float32): s * (u - offset) for kChannel and kBlockSym, s * u + m (two roundings)
@@ -628,6 +803,7 @@ struct PhaseWork {
   std::condition_variable cv;
 
   void Drain() {
+    [[maybe_unused]] bool tiles = false;  // this thread's tiles configured
     for (int64_t i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
       if (phase == 1) {
         QState& p = parts->front();
@@ -638,14 +814,26 @@ struct PhaseWork {
         while (j >= (*parts)[part].col_items) j -= (*parts)[part++].col_items;
         const QState& p = (*parts)[part];
         const int64_t r0 = (i / chunk_items) * kChunkRows, r1 = std::min(r0 + kChunkRows, p.m);
-        const int64_t g0 = j * p.item_groups;
-        for (int64_t g = g0; g < std::min(g0 + p.item_groups, p.live_groups); ++g) Group(p, r0, r1, g);
+        const int64_t g0 = j * p.item_groups, g1 = std::min(g0 + p.item_groups, p.live_groups);
+#if JAXPAGED_QMATMUL_AMX
+        if (p.amx) {  // two groups at a time: their blocks of 16 rows on tiles, the rest VNNI (the same numbers)
+          if (!tiles) ConfigureTiles(), tiles = true;
+          for (int64_t g = g0; g < g1; g += 2) {
+            const int64_t groups = std::min<int64_t>(2, g1 - g), done = AmxGroups(p, r0, r1, g, groups);
+            for (int64_t h = g; h < g + groups; ++h) Group(p, r0 + done, r1, h);
+          }
+        } else
+#endif
+        for (int64_t g = g0; g < g1; ++g) Group(p, r0, r1, g);
       }
       if (done.fetch_add(1) + 1 == total) {
         std::lock_guard<std::mutex> lock(mu);
         cv.notify_all();
       }
     }
+#if JAXPAGED_QMATMUL_AMX
+    if (tiles) _tile_release();  // back to the init state: cheaper context switches for this worker
+#endif
   }
 };
 
@@ -735,8 +923,14 @@ ffi::Error Run(ffi::ThreadPool& pool, const std::shared_ptr<Parts>& parts) {
   // (a 576-column one is 3 items); more rows are compute-bound and take items of one panel, which share evenly
   // (docs/quantization.md has the measurements).
   int64_t chunk_items = 0;
+#if JAXPAGED_QMATMUL_AMX
+  const bool amx = p.mode == kInt8Dot && p.m >= kAmxRows && AmxWanted();
+#else
+  const bool amx = false;
+#endif
   for (QState& part : *parts) {
     part.a = p.a;
+    part.amx = amx;
     part.live_groups = (part.n + kGroup - 1) / kGroup;
     part.item_groups = p.m <= kStreamRows ? kStreamGroups : kPanelGroups;
     part.col_items = (part.live_groups + part.item_groups - 1) / part.item_groups;
@@ -803,6 +997,15 @@ ffi::Error QMatmul3Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }  // namespace
 
 extern "C" int JaxpagedQMatmulIsFast() { return kFast ? 1 : 0; }
+
+// 1 when kInt8Dot's blocks of 16 rows take the AMX path now (built for AMX, granted by the kernel, not turned off).
+extern "C" int JaxpagedQMatmulUsesAmx() {
+#if JAXPAGED_QMATMUL_AMX
+  return AmxWanted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 
 extern "C" int JaxpagedQMatmulHasBf16Dot() {
 #if JAXPAGED_QMATMUL_BF16

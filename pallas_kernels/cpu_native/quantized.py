@@ -28,6 +28,12 @@ def qmatmul_is_fast() -> bool:
     return native.available("qmatmul") and bool(native.library("qmatmul").JaxpagedQMatmulIsFast())
 
 
+def qmatmul_uses_amx() -> bool:
+    """Whether mode "int8" multiplies blocks of 16 rows on AMX tiles now (an AMX-INT8 CPU, JAXPAGED_NATIVE_AMX not 0):
+    the same numbers as its VNNI path."""
+    return qmatmul_is_fast() and bool(native.library("qmatmul").JaxpagedQMatmulUsesAmx())
+
+
 def qmatmul_has_bf16_dot() -> bool:
     """Whether mode "bf16" has its AVX512_BF16 path here (else plain loops)."""
     return native.available("qmatmul") and bool(native.library("qmatmul").JaxpagedQMatmulHasBf16Dot())
@@ -134,5 +140,5 @@ def reference_int8(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 __all__ = ["qmatmul_native", "qmatmul3_native", "qmatmul_glu_native",
-           "qmatmul_is_fast", "qmatmul_has_bf16_dot", "quantize_activations",
+           "qmatmul_is_fast", "qmatmul_uses_amx", "qmatmul_has_bf16_dot", "quantize_activations",
            "reference_int8"]

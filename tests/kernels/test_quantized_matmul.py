@@ -1,7 +1,8 @@
 """The native matmul by quantized weights (pallas_kernels/cpu_native/qmatmul.cc) against numpy: every format (int8
 per channel, Q8_0, Q4_0, Q4_1, Q4_K's float32 scales, 8-bit codes with a float16 or float32 min), odd sizes, 1 to
-130 rows, stacked layers, live rows, both ways to multiply (int8 activations with VPDPBUSD; bf16 dequantized in
-registers), the fused gated MLP, its plain-loop build (no AVX-512), and its errors. The weights are random codes and
+130 rows, stacked layers, live rows, both ways to multiply (int8 activations with VPDPBUSD, or on a CPU with AMX-INT8
+TDPBSUD for blocks of 16 rows; bf16 dequantized in registers), the fused gated MLP, its plain-loop build (no
+AVX-512), and its errors. The weights are random codes and
 scales; the reference dequantizes them in numpy (`quant.dequantize`) and multiplies in float64."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pallas_kernels.cpu_native.quantized import (
     qmatmul_has_bf16_dot,
     qmatmul_is_fast,
     qmatmul_native,
+    qmatmul_uses_amx,
     quantize_activations,
     reference_int8,
 )
@@ -161,6 +163,32 @@ def test_three_products_in_one_call_equal_three_calls(fmt, m):
             want = np.asarray(quant.qmatmul(x, w, 1, rows=rows), np.float32)
             np.testing.assert_array_equal(np.asarray(y, np.float32), want)
             assert not np.asarray(y, np.float32)[rows:].any()
+
+
+@pytest.mark.skipif(not qmatmul_uses_amx(), reason="no AMX-INT8 path on this CPU")
+@pytest.mark.parametrize("fmt", list(FORMS))
+def test_amx_tiles_give_the_vnni_path_s_bits(fmt, monkeypatch):
+    """Mode "int8" on AMX tiles (blocks of 16 rows; the default on an AMX-INT8 CPU) and on VPDPBUSD alone
+    (JAXPAGED_NATIVE_AMX=0, read per call): the same integer dot products scaled by the same float32 operations, so
+    the same bits, for plain products, the fused gated MLP and three products in one call; at 16 rows, at 37 (two
+    blocks and 5 rows left to the VNNI path), past the 128-row work chunk, with K of one block and an odd one."""
+    rng = np.random.default_rng(5)
+    for m, k in ((16, 32), (37, 96), (150, 160), (48, 50)):
+        gate, up = (panels(random_weight(rng, fmt, 2, k, 130)) for _ in range(2))
+        small = panels(random_weight(rng, fmt, 2, k, 33))
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        runs = []
+        for amx in ("1", "0"):
+            monkeypatch.setenv("JAXPAGED_NATIVE_AMX", amx)
+            assert qmatmul_uses_amx() == (amx == "1")
+            runs.append([np.asarray(y, np.float32) for y in (
+                quant.qmatmul(x, gate, 1, jnp.float32), quant.qmatmul(x, gate, 0),
+                quant.qglu(x, gate, up, 1, "silu"), *quant.qmatmul3(x, (gate, small, up), 0, rows=m - 3))])
+        for got, want in zip(*runs, strict=True):
+            np.testing.assert_array_equal(got, want)
+        w = np.asarray(quant.dequantize(gate, np.float32, 1))
+        bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(f64(w))) + 1e-6
+        assert np.all(np.abs(runs[0][0] - reference_int8(np.asarray(x, np.float32), w)) <= bound)
 
 
 def test_a_wide_product_shares_several_groups_per_item():
