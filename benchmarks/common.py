@@ -112,7 +112,7 @@ def cpu_name() -> str:
     out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = {ln.split(":", 1)[0].strip(): ln.split(":", 1)[1].strip() for ln in out.splitlines() if ":" in ln}
     flags = fields.get("Flags", "").split()
-    extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
+    extras = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
     family = f" family {fields['CPU family']} model {fields.get('Model', '?')}" if "CPU family" in fields else ""
     return f"{fields.get('Model name', '?')}{family} ({', '.join(extras) or 'no avx512'})"
 

@@ -19,10 +19,8 @@ the same workload's batch and throughput.
 from __future__ import annotations
 
 import argparse
-import platform
-import subprocess
 
-from common import StepSampler, print_table, timed, write_json
+from common import StepSampler, cpu_name, print_table, timed, write_json
 from workload import NEW_TOKENS, workload_prompts
 
 
@@ -30,15 +28,6 @@ def parse_bytes(value: str) -> int:
     from jaxpaged.config import parse_bytes as parse
 
     return parse(value)
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        out = ""
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("Model name", platform.processor() or "?").strip()
 
 
 CONFIGS = {"contiguous": ("contiguous", 16), "paged8": ("paged", 8), "paged16": ("paged", 16),

@@ -27,11 +27,9 @@ import argparse
 import gc
 import math
 import os
-import platform
-import subprocess
 import time
 
-from common import print_table, write_json
+from common import cpu_name, print_table, write_json
 
 BASELINE = ("bfloat16", "none")
 PROMPTS = [
@@ -52,15 +50,6 @@ PROMPTS = [
     "Photosynthesis converts",
     "Write a short apology email for missing a meeting.",
 ]
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-    except OSError:
-        out = ""
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("Model name", platform.processor() or "?").strip()
 
 
 def model_path(name: str) -> str:
