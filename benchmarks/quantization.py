@@ -249,12 +249,16 @@ def engine_part(args) -> tuple[list[dict], list[dict]]:
                 runs[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
         base_tp = statistics.median(runs["bf16"])
         for name, r in runs.items():
+            ratios = [t / b for t, b in zip(r, runs["bf16"], strict=True)]  # each round against its bf16 run
             throughput_rows.append({"format": name, "tok_s": statistics.median(r), "tok_s_max": max(r),
-                                    "speedup": statistics.median(r) / base_tp})
+                                    "speedup": statistics.median(r) / base_tp, "round_speedup_min": min(ratios),
+                                    "round_speedup_max": max(ratios), "rounds": r})
         print(f"\nThroughput workload: {args.throughput_prompts} prompts of {THROUGHPUT_MIN_LEN}-{THROUGHPUT_MAX_LEN} "
               f"tokens, {args.throughput_new_tokens} new tokens each, {args.throughput_rounds} round(s)")
         print_table(throughput_rows, [("format", "format", "s"), ("tok_s", "output tok/s", ".1f"),
-                                      ("tok_s_max", "best", ".1f"), ("speedup", "x bf16", ".2f")])
+                                      ("tok_s_max", "best", ".1f"), ("speedup", "x bf16", ".2f"),
+                                      ("round_speedup_min", "round x bf16 min", ".2f"),
+                                      ("round_speedup_max", "max", ".2f")])
     return decode_rows, throughput_rows
 
 
