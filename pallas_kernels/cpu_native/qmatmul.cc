@@ -89,6 +89,7 @@ constexpr int64_t kPanelGroups = 4;    // groups per panel (64 columns): G is a 
 constexpr int64_t kStreamRows = 8;     // a product of at most this many rows streams its weight (memory-bound):
 constexpr int64_t kStreamGroups = 16;  // its work items are this many groups (256 columns), not a panel's 4
 constexpr int64_t kChunkRows = 128;    // rows per work item
+constexpr int64_t kAhead = 8;          // at up to kStreamRows rows, codes are prefetched this many blocks ahead
 constexpr int kRows = 8;               // rows per register block
 
 enum ScaleMode : int64_t { kChannel = 0, kBlockSym = 1, kBlockF16 = 2, kBlockF32 = 3 };
@@ -467,6 +468,11 @@ inline void Int8Dots(const QState& p, int64_t r0, int64_t g, bool up, __m512* ac
   __m512 s = _mm512_setzero_ps(), m = _mm512_setzero_ps();
   if constexpr (Scale == kChannel) LoadScales<Bits, Scale>(p, g, 0, up, &s, &m);
   for (int64_t b = 0; b < p.blocks; ++b) {
+    if (p.m <= kStreamRows) {  // a pass over the weight: its codes kAhead blocks on asked for now
+      const char* next = reinterpret_cast<const char*>(codes + (b + kAhead) * step);
+#pragma GCC unroll 8
+      for (int64_t line = 0; line < step; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+    }
     __m512i w[8];
     LoadCodes<Bits>(codes + b * step, w);
     if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g, b, up, &s, &m);
