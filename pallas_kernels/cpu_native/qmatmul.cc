@@ -608,16 +608,19 @@ __attribute__((noinline)) void AmxDots(const QState& p, int64_t r0, int64_t g, b
     if constexpr (TwoGroups) _tile_stored(1, dot[1], 64);
     if constexpr (TwoRows) _tile_stored(2, dot[2], 64);
     if constexpr (TwoRows && TwoGroups) _tile_stored(3, dot[3], 64);
-    for (int j = 0; j < kGroups; ++j) {
-      if constexpr (Scale != kChannel) LoadScales<Bits, Scale>(p, g + j, b, up, &s[j], &m[j]);
-      for (int i = 0; i < kRowBlocks; ++i) {
+    if constexpr (Scale != kChannel) {
+      for (int j = 0; j < kGroups; ++j) LoadScales<Bits, Scale>(p, g + j, b, up, &s[j], &m[j]);
+    }
+    for (int i = 0; i < kRowBlocks; ++i) {
 #pragma GCC unroll 16
-        for (int r = 0; r < kAmxRows; ++r) {
+      for (int r = 0; r < kAmxRows; ++r) {
+        const int64_t at = (i * kAmxRows + r) * p.blocks + b;
+        const float d_r = dx[at], sx_r = sx[at];  // read once for both groups (acc's stores could alias them)
+        for (int j = 0; j < kGroups; ++j) {
           float* a = acc + ((i * kAmxRows + r) * 2 + j) * kGroup;
-          const int64_t at = (i * kAmxRows + r) * p.blocks + b;
           const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512(dot[2 * i + j] + kGroup * r));
-          _mm512_store_ps(a, AddBlock<Scale>(b ? _mm512_load_ps(a) : _mm512_setzero_ps(), d, s[j], m[j], dx + at,
-                                             sx + at));
+          _mm512_store_ps(a, AddBlock<Scale>(b ? _mm512_load_ps(a) : _mm512_setzero_ps(), d, s[j], m[j], &d_r,
+                                             &sx_r));
         }
       }
     }
