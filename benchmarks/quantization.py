@@ -8,8 +8,8 @@ hit every format of a round alike; medians over rounds, minimum beside them):
           64: a batch of 64 decodes): bf16 by the native bf16 kernel (matmul.cc, prepacked), each quantized format
           by qmatmul.cc in its ways (--ways; int8 activations with VPDPBUSD, or on a CPU with AMX-INT8 TDPBSUD
           for blocks of 16 rows, its default there, and "int8 (VNNI)" beside it, JAXPAGED_NATIVE_AMX=0; bf16
-          dequantized in registers with VDPBF16PS). The weights (94-270 MB) do not fit the L3 of the CPUs measured
-          (32 MB AMD EPYC), so at 1 row this is a pass over memory.
+          dequantized in registers with VDPBF16PS). The weights (76-270 MB) do not fit the AMD EPYC's 32 MB L3, so
+          at 1 row this is a pass over memory there (the Intel Xeon measured has 105 MB: the 4-bit ones fit).
   engine  the model through `LLM` per format (bf16 = quantization None): batch-1 decode tokens/s end to end (one
           request, --decode-tokens greedy tokens) with the step's parts (the host's wait for the device, from
           Engine.stats()'s device_wait_s, and the host's own time), then the throughput workload
@@ -33,9 +33,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import print_table, write_json
+from common import cpu_name, print_table, write_json
 from matmul import amx_off
-from step_anatomy import cpu_name
 from workload import (
     THROUGHPUT_MAX_LEN,
     THROUGHPUT_MIN_LEN,
