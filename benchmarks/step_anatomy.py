@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import functools
 import statistics
 import time
@@ -57,34 +58,41 @@ def interleaved_ms(parts: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def _copy(inputs):
+    """A step's inputs (`StepInputs`) as they were when dispatched: the runner refills its buffers every step."""
+    extras = {name: np.copy(x) for name, x in inputs.extras.items()}
+    return dataclasses.replace(inputs, buf=np.copy(inputs.buf), extras=extras)
+
+
 def capture_batches(llm, num_prompts: int, new_tokens: int):
-    """Runs part of the workload; returns the largest prefill batch, the most frequent decode batch (by shape) and
-    the host's prepare time per step."""
+    """Runs part of the workload; returns the largest prefill step's inputs, the most frequent decode step's (by
+    layout) and the host's prepare time per step."""
     from jaxpaged import SamplingParams
 
     runner = llm.engine.runner
-    execute, prepare = runner.execute, runner.prepare
+    dispatch, prepare = runner.dispatch, runner.prepare
     seen: dict = {}
     counts: collections.Counter = collections.Counter()
     prepare_s: list[tuple[bool, float]] = []
 
-    def timed_prepare(out, *args):
+    def timed_prepare(out, *args, **kwargs):
         t = time.perf_counter()
-        batch = prepare(out, *args)
+        prepared = prepare(out, *args, **kwargs)
         prepare_s.append((out.is_prefill, time.perf_counter() - t))
-        return batch
+        return prepared
 
-    def keep(batch):
-        key = batch.shape_key
+    def keep(inputs, rows):
+        key = inputs.layout.key
         counts[key] += 1
-        seen.setdefault(key, jax.tree.map(np.copy, batch))
-        return execute(batch)
+        if key not in seen:
+            seen[key] = _copy(inputs)
+        return dispatch(inputs, rows)
 
-    runner.execute, runner.prepare = keep, timed_prepare
+    runner.dispatch, runner.prepare = keep, timed_prepare
     prompts = workload_prompts(llm.tokenizer, num_prompts)
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-    runner.execute, runner.prepare = execute, prepare
+    runner.dispatch, runner.prepare = dispatch, prepare
     prefill = max((k for k in seen if k[4] is None), key=lambda k: k[0])
     decode = max((k for k in seen if k[4] is not None), key=lambda k: (counts[k], k[1]))
     host = {kind: 1000 * statistics.median([s for p, s in prepare_s if p == (kind == "prefill")])
@@ -107,9 +115,7 @@ def capture_mixed(llm, chunk: int, streams: int = 16, long_tokens: int = 1536):
     """benchmarks/serving.py's interference run as steps: `streams` sequences of 300 prompt tokens decode, then a
     prompt of `long_tokens` arrives and is prefilled `chunk` tokens per step beside them (the server's
     max_prefill_tokens_while_decoding). Returns the streams' decode step and the last mixed step (the chunk at
-    the longest context) as batches, and their prepare times."""
-    import dataclasses
-
+    the longest context), their inputs."""
     from jaxpaged import SamplingParams
 
     engine, runner = llm.engine, llm.engine.runner
@@ -121,21 +127,21 @@ def capture_mixed(llm, chunk: int, streams: int = 16, long_tokens: int = 1536):
         engine.step()
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_prefill_tokens_while_decoding=chunk)
     seen: list = []
-    execute = runner.execute
+    dispatch = runner.dispatch
 
-    def keep(batch):
-        seen.append(jax.tree.map(np.copy, batch))
-        return execute(batch)
+    def keep(inputs, rows):
+        seen.append(_copy(inputs))
+        return dispatch(inputs, rows)
 
-    runner.execute = keep
+    runner.dispatch = keep
     engine.step()
     decode = seen[-1]
     engine.add_request("long", {"prompt_token_ids": rng.integers(100, 20000, long_tokens).tolist()},
                        SamplingParams(temperature=0.0, max_tokens=1))
     while engine.scheduler.waiting or any(s.is_prefill for s in engine.scheduler.running):
         engine.step()
-    runner.execute = execute
-    mixed = [b for b in seen if b.shape_key[4] is None][-1]
+    runner.dispatch = dispatch
+    mixed = [b for b in seen if b.layout.decode_blocks is None][-1]
     return decode, mixed
 
 
@@ -189,21 +195,26 @@ def xla_dot_rate(tokens: int, k: int, n: int, dtype) -> float:
     return 2 * tokens * k * n / device_ms(f, x, w, runs=11) / 1e6
 
 
-def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -> dict:
+def anatomy(llm, inputs, kind: str, host_prepare_ms: float, dtype, rounds: int) -> dict:
     from jaxpaged.worker import sampler
     from jaxpaged.worker.attention import attention_backend
-    from jaxpaged.worker.model_runner import native_matmul_rows, step_compiler_options
+    from jaxpaged.worker.step import native_matmul_rows, step_compiler_options
 
     runner, config = llm.engine.runner, llm.engine.model_config
-    T, S = len(batch.token_ids), len(batch.attn.context_lens)
-    step = runner._executable(batch)
+    layout = inputs.layout
+    T, S = layout.num_tokens, layout.num_seqs
+    step = runner._executable(layout)
+    buf, extras = runner._arg(inputs.buf), runner._extras(inputs)
+    _, _, md, sm = layout.unpack(jnp.asarray(inputs.buf), extras)  # the attention and sampling metadata, eagerly
 
     def full(_):
-        out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
-        return out
+        tokens, out, runner.kv_pool, runner.draft_pool, _ = step(runner.param_leaves, runner.kv_pool,
+                                                                 runner.prev_tokens, buf, extras,
+                                                                 runner.draft_leaves, runner.draft_pool)
+        return tokens
 
     t = time.perf_counter()
-    out, runner.kv_pool = step(runner.params, runner.kv_pool, batch.token_ids, batch.attn, batch.sampling)
+    out = full(None)
     dispatch_ms = 1000 * (time.perf_counter() - t)
     jax.block_until_ready(out)
 
@@ -220,13 +231,13 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -
     attn_fn = attention_part(attn, config, dtype)
 
     def attention(_):
-        out, runner.kv_pool = attn_fn(runner.kv_pool, q, k, k, batch.attn)
+        out, runner.kv_pool = attn_fn(runner.kv_pool, q, k, k, md)
         return out
 
     logits = jnp.ones((S, config.vocab_size), jnp.float32)
     sample = jax.jit(functools.partial(sampler.sample, native=native_matmul_rows(runner.mesh) > 0))  # as the step
     times = interleaved_ms({"step": lambda: full(None), "matmul": lambda: matmuls(weights, x, rows),
-                            "attention": lambda: attention(None), "sampler": lambda: sample(logits, batch.sampling)},
+                            "attention": lambda: attention(None), "sampler": lambda: sample(logits, sm)},
                            rounds)
     step_ms, mm_ms, attn_ms, sample_ms = (statistics.median(times[k]) for k in ("step", "matmul", "attention",
                                                                                   "sampler"))
@@ -234,7 +245,7 @@ def anatomy(llm, batch, kind: str, host_prepare_ms: float, dtype, rounds: int) -
     flops = matmul_flops(config, T, S)
     rest = step_ms - mm_ms - attn_ms - sample_ms
     ops = profile_ops(full, step)
-    return {"kind": kind, "shape": str(batch.shape_key), "tokens": T, "seqs": S, "step_ms": step_ms, "profile": ops,
+    return {"kind": kind, "shape": str(layout.key), "tokens": T, "seqs": S, "step_ms": step_ms, "profile": ops,
             "matmul_ms": mm_ms, "attention_ms": attn_ms, "sampler_ms": sample_ms, "rest_ms": rest,
             "host_prepare_ms": host_prepare_ms, "dispatch_ms": dispatch_ms,
             "matmul_GFLOPs": flops / mm_ms / 1e6, "xla_dot_GFLOPs": xla_dot_rate(T, H, config.intermediate_size, dtype),

@@ -41,6 +41,12 @@ def native_quantized() -> bool:
     return qmatmul_is_fast()
 
 
+def _native_way() -> str:
+    from pallas_kernels.cpu_native.quantized import qmatmul_uses_amx
+
+    return "VPDPBUSD, AMX tiles for blocks of 16 rows" if qmatmul_uses_amx() else "VPDPBUSD"
+
+
 def _quantized_leaves(tree) -> list:
     return [x for x in jax.tree.leaves(tree, is_leaf=is_quantized) if is_quantized(x)]
 
@@ -72,8 +78,8 @@ def describe_weights(state, quantization: str | None, tensor_parallel: bool = Fa
     fmt = "+".join(quantized) if quantized else next(iter(summary["weight_formats"]), "none")
     where = ""
     if quantized:
-        where = "; products by the native CPU kernel (int8 activations, VPDPBUSD)" if native_quantized() else \
-            "; dequantized inside the step next to XLA's dot"
+        where = f"; products by the native CPU kernel (int8 activations, {_native_way()})" if native_quantized() \
+            else "; dequantized inside the step next to XLA's dot"
         if jax.default_backend() == "gpu":
             parts = []
             if "int8" in quantized:

@@ -303,8 +303,9 @@ def describe(in_use: tuple[str, ...] | list[str]) -> str:
     if not used and not idle and len(reasons) == 1:  # all off for one reason (JAXPAGED_NATIVE=0, no compiler)
         return f"native CPU kernels in use: none ({reasons.pop().splitlines()[0]})"
     missing = [f"{n} ({s.reason.splitlines()[0]})" for n, s in all_status.items() if not s.ok]
-    if "matmul" in used and library("matmul").JaxpagedMatmulUsesAmx():
-        used[used.index("matmul")] = "matmul (AMX)"
+    for name, uses_amx in (("matmul", "JaxpagedMatmulUsesAmx"), ("qmatmul", "JaxpagedQMatmulUsesAmx")):
+        if name in used and getattr(library(name), uses_amx)():
+            used[used.index(name)] = f"{name} (AMX)"
     parts = [f"native CPU kernels in use: {', '.join(used) or 'none'}"]
     if idle:
         parts.append(f"built, not used by this engine: {', '.join(idle)}")

@@ -337,3 +337,4 @@ def test_the_start_up_line_names_the_matmul_s_amx_path_when_it_runs(monkeypatch)
     monkeypatch.setenv("JAXPAGED_NATIVE_AMX", "0")
     assert not cpu_native.matmul_uses_amx()
     assert build.describe(["matmul"]).startswith("native CPU kernels in use: matmul;")
+

@@ -191,6 +191,15 @@ def test_amx_tiles_give_the_vnni_path_s_bits(fmt, monkeypatch):
         assert np.all(np.abs(runs[0][0] - reference_int8(np.asarray(x, np.float32), w)) <= bound)
 
 
+def test_the_start_up_line_names_the_amx_path_when_it_runs(monkeypatch):
+    from pallas_kernels.cpu_native import build
+
+    want = "qmatmul (AMX)" if qmatmul_uses_amx() else "qmatmul"
+    assert build.describe(["qmatmul"]).startswith(f"native CPU kernels in use: {want};")
+    monkeypatch.setenv("JAXPAGED_NATIVE_AMX", "0")
+    assert build.describe(["qmatmul"]).startswith("native CPU kernels in use: qmatmul;")
+
+
 def test_a_wide_product_shares_several_groups_per_item():
     """A wide N (an LM head) at a decode step's few rows, whose work items are runs of 16 groups of 16 columns, the
     last one short: every column is still x's quantized product with the weight, the partly padded group too."""
