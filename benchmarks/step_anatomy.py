@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import cpu_name, top_xla_ops, trace_events, write_json
+from decode_anatomy import ffi_targets
 from flax import nnx
 from workload import workload_prompts
 
@@ -106,8 +107,10 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     Independent operations may run at once on the intra-op threads, so the times can add up to more than the step.
     """
     rows = top_xla_ops(trace_events(lambda: step_fn(None), runs), executable.as_text(), runs, top)
+    targets = ffi_targets(executable)  # a native kernel's call: its FFI target and result shape
     for r in rows:
-        r["what"] = r.pop("op_name").split("/")[-1]
+        r["what"] = targets.get(r["op"], r.pop("op_name").split("/")[-1])
+        r.pop("op_name", None)
     return rows
 
 
