@@ -391,6 +391,21 @@ float DotPlain(const QState& p, int64_t r, int64_t g, int64_t j, bool up) {
 #if JAXPAGED_QMATMUL_VNNI
 constexpr bool kFast = true;
 
+// f(bits, scale) with the call's format as compile-time constants (std::integral_constant): the vector paths'
+// functions are instantiated per format.
+template <typename F>
+auto WithFormat(const QState& p, F f) {
+  auto with_bits = [&](auto bits) {
+    switch (p.scale_mode) {
+      case kChannel: return f(bits, std::integral_constant<int, kChannel>{});
+      case kBlockSym: return f(bits, std::integral_constant<int, kBlockSym>{});
+      case kBlockF16: return f(bits, std::integral_constant<int, kBlockF16>{});
+      default: return f(bits, std::integral_constant<int, kBlockF32>{});
+    }
+  };
+  return p.bits == 4 ? with_bits(std::integral_constant<int, 4>{}) : with_bits(std::integral_constant<int, 8>{});
+}
+
 // The 8 code vectors of (group, block): u8 lanes, vector q holding 16 columns x k = 4q..4q+3 of the block.
 template <int Bits>
 inline void LoadCodes(const uint8_t* c, __m512i* w) {
@@ -672,17 +687,7 @@ int64_t AmxGroupsOf(const QState& p, int64_t r0, int64_t r1, int64_t g, int64_t 
 }
 
 int64_t AmxGroups(const QState& p, int64_t r0, int64_t r1, int64_t g, int64_t groups) {
-  const bool four = p.bits == 4;
-  switch (p.scale_mode) {
-    case kChannel: return four ? AmxGroupsOf<4, kChannel>(p, r0, r1, g, groups)
-                               : AmxGroupsOf<8, kChannel>(p, r0, r1, g, groups);
-    case kBlockSym: return four ? AmxGroupsOf<4, kBlockSym>(p, r0, r1, g, groups)
-                                : AmxGroupsOf<8, kBlockSym>(p, r0, r1, g, groups);
-    case kBlockF16: return four ? AmxGroupsOf<4, kBlockF16>(p, r0, r1, g, groups)
-                                : AmxGroupsOf<8, kBlockF16>(p, r0, r1, g, groups);
-    default: return four ? AmxGroupsOf<4, kBlockF32>(p, r0, r1, g, groups)
-                         : AmxGroupsOf<8, kBlockF32>(p, r0, r1, g, groups);
-  }
+  return WithFormat(p, [&](auto bits, auto scale) { return AmxGroupsOf<bits, scale>(p, r0, r1, g, groups); });
 }
 #endif
 
@@ -772,21 +777,8 @@ void GroupFast(const QState& p, int64_t r0, int64_t r1, int64_t g) {
   if (r < r1) WithRows<kRows - 1>(r1 - r, [&](auto rows) { Int8Rows<rows, Bits, Scale, false>(p, r, g); });
 }
 
-template <int Bits>
-void GroupDispatch(const QState& p, int64_t r0, int64_t r1, int64_t g) {
-  switch (p.scale_mode) {
-    case kChannel: return GroupFast<Bits, kChannel>(p, r0, r1, g);
-    case kBlockSym: return GroupFast<Bits, kBlockSym>(p, r0, r1, g);
-    case kBlockF16: return GroupFast<Bits, kBlockF16>(p, r0, r1, g);
-    default: return GroupFast<Bits, kBlockF32>(p, r0, r1, g);
-  }
-}
-
 void Group(const QState& p, int64_t r0, int64_t r1, int64_t g) {
-  if (p.bits == 4)
-    GroupDispatch<4>(p, r0, r1, g);
-  else
-    GroupDispatch<8>(p, r0, r1, g);
+  WithFormat(p, [&](auto bits, auto scale) { GroupFast<bits, scale>(p, r0, r1, g); });
 }
 #else
 constexpr bool kFast = false;
