@@ -109,8 +109,8 @@ def profile_ops(step_fn, executable, runs: int = 3, top: int = 12) -> list[dict]
     rows = top_xla_ops(trace_events(lambda: step_fn(None), runs), executable.as_text(), runs, top)
     targets = ffi_targets(executable)  # a native kernel's call: its FFI target and result shape
     for r in rows:
-        r["what"] = targets.get(r["op"], r.pop("op_name").split("/")[-1])
-        r.pop("op_name", None)
+        what = r.pop("op_name").split("/")[-1]
+        r["what"] = targets.get(r["op"], what)
     return rows
 
 
@@ -211,9 +211,9 @@ def anatomy(llm, inputs, kind: str, host_prepare_ms: float, dtype, rounds: int) 
     _, _, md, sm = layout.unpack(jnp.asarray(inputs.buf), extras)  # the attention and sampling metadata, eagerly
 
     def full(_):
-        tokens, out, runner.kv_pool, runner.draft_pool, _ = step(runner.param_leaves, runner.kv_pool,
-                                                                 runner.prev_tokens, buf, extras,
-                                                                 runner.draft_leaves, runner.draft_pool)
+        tokens, _, runner.kv_pool, runner.draft_pool, _ = step(runner.param_leaves, runner.kv_pool,
+                                                               runner.prev_tokens, buf, extras,
+                                                               runner.draft_leaves, runner.draft_pool)
         return tokens
 
     t = time.perf_counter()
