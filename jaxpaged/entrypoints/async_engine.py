@@ -2,7 +2,7 @@
 send it commands and read each request's outputs as they come.
 
     engine = AsyncEngine.from_options("model_dir", max_waiting=256, max_num_seqs=64)
-    async for out in engine.generate("req-1", "Hello", SamplingParams(max_tokens=32)):
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32), "req-1"):
         print(out.outputs[0].text)          # cumulative text so far
     await engine.shutdown(grace_s=30)
 
@@ -301,10 +301,18 @@ class AsyncEngine:
             raise
         return streams
 
-    async def generate(self, request_id: str, prompt: str | list[int] | dict,
-                       params: SamplingParams | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative outputs until it finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority)
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams | None,
+                       request_id: str, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative outputs until it finishes; leaving early aborts it. The arguments in
+        vLLM's order (`AsyncLLM.generate(prompt, sampling_params, request_id)`); `add_request` keeps vLLM's own
+        (request_id, prompt, params). sampling_params None: the model's defaults."""
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"generate(prompt, sampling_params, request_id): sampling_params must be a SamplingParams "
+                            f"or None, not {type(sampling_params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"generate(prompt, sampling_params, request_id): request_id must be a str, not "
+                            f"{type(request_id).__name__}")
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
         async with stream:
             async for out in stream:
                 yield out

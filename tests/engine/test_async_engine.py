@@ -56,7 +56,7 @@ def test_streamed_outputs_grow_and_match_the_engine_run_directly(engine):
     ae = AsyncEngine(engine)
 
     async def run():
-        return [out async for out in ae.generate("a", [5, 6, 7, 8], GREEDY)]
+        return [out async for out in ae.generate([5, 6, 7, 8], GREEDY, "a")]
 
     outs = asyncio.run(run())
     ae.close()
@@ -67,13 +67,32 @@ def test_streamed_outputs_grow_and_match_the_engine_run_directly(engine):
     assert ids[-1] == offline(engine, [5, 6, 7, 8], GREEDY)
 
 
+def test_generate_takes_vllm_s_order_and_the_old_one_is_a_type_error_before_anything_is_queued(aengine):
+    """generate(prompt, sampling_params, request_id), as vLLM's AsyncLLM; the order this API had before
+    (request_id, prompt, params) raises a TypeError naming the argument, and queues nothing."""
+
+    async def run(*args):
+        return [o async for o in aengine.generate(*args)]
+
+    outs = asyncio.run(run([5, 6, 7], GREEDY, "vllm-order"))
+    assert outs[-1].finished and outs[-1].request_id == "vllm-order"
+    before = aengine.stats()
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        asyncio.run(run("old-order", [5, 6, 7], GREEDY))
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        asyncio.run(run([5, 6, 7], GREEDY, 7))
+    after = aengine.stats()
+    assert after["num_in_flight"] == 0 and after["num_pending_adds"] == 0 and after["num_used"] == 0
+    assert after["num_waiting"] == before["num_waiting"] == 0 and after["steps"] == before["steps"]
+
+
 def test_concurrent_requests_each_get_their_own_output(engine, aengine):
     prompts = [[3 + i, 9, 4 + 2 * i] for i in range(6)]
 
     async def run():
         async def one(i, p):
             last = None
-            async for out in aengine.generate(f"r{i}", p, GREEDY):
+            async for out in aengine.generate(p, GREEDY, f"r{i}"):
                 last = out
             return last.outputs[0].token_ids
 
@@ -103,7 +122,7 @@ def test_a_step_s_outputs_reach_their_readers_in_one_wake_up_of_their_event_loop
         loop.call_soon_threadsafe = counted
 
         async def one(i):
-            return [out async for out in aengine.generate(f"w{i}", [3 + i, 9, 4], GREEDY)][-1]
+            return [out async for out in aengine.generate([3 + i, 9, 4], GREEDY, f"w{i}")][-1]
 
         steps = engine.counters["steps"]
         last = await asyncio.gather(*(one(i) for i in range(4)))
@@ -132,7 +151,7 @@ def test_a_hand_off_that_raises_fails_its_request_alone(engine, aengine, monkeyp
 
     async def run():
         async def good(i):
-            return [out async for out in aengine.generate(f"good{i}", [3 + i, 9, 4], slow)][-1]
+            return [out async for out in aengine.generate([3 + i, 9, 4], slow, f"good{i}")][-1]
 
         async def bad():
             stream = await aengine.add_request("bad", [5, 6, 7], slow)
@@ -173,7 +192,7 @@ def test_bad_request_raises_to_the_caller_and_the_loop_goes_on(aengine):
             await aengine.add_request("too-long", [3] * 100, GREEDY)
         with pytest.raises(ValueError, match="empty"):
             await aengine.add_request("empty", [], GREEDY)
-        return [out async for out in aengine.generate("ok", [3, 4], GREEDY)][-1]
+        return [out async for out in aengine.generate([3, 4], GREEDY, "ok")][-1]
 
     last = asyncio.run(run())
     assert last.finished and len(last.outputs[0].token_ids) == 8
@@ -200,7 +219,7 @@ def test_abort_from_another_thread_frees_the_blocks_at_once(aengine):
     async def run():
         seen = 0
         with pytest.raises(RequestAbortedError):
-            async for _ in aengine.generate("long", [3, 4, 5], params):
+            async for _ in aengine.generate([3, 4, 5], params, "long"):
                 seen += 1
                 if seen == 2:
                     threading.Thread(target=aengine.abort, args=("long",)).start()
@@ -217,10 +236,10 @@ def test_aborting_a_finished_request_leaves_a_new_one_with_its_id_alone(aengine)
     (the abort's error went to whichever reader held the id when it was delivered: the new one, whose request
     then ran on unread, its id refused). Twice in a row too."""
     async def run():
-        first = [out async for out in aengine.generate("x", [5, 6, 7], GREEDY)]
+        first = [out async for out in aengine.generate([5, 6, 7], GREEDY, "x")]
         aengine.abort("x")
         aengine.abort("x")
-        second = [out async for out in aengine.generate("x", [5, 6, 7], GREEDY)]
+        second = [out async for out in aengine.generate([5, 6, 7], GREEDY, "x")]
         return first, second
 
     for _ in range(3):
@@ -233,7 +252,7 @@ def test_leaving_the_stream_early_aborts_the_request(aengine):
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
 
     async def run():
-        async for out in aengine.generate("quit", [3, 4, 5], params):
+        async for out in aengine.generate([3, 4, 5], params, "quit"):
             if len(out.outputs[0].token_ids) >= 2:
                 break
 
@@ -255,7 +274,7 @@ def test_a_request_ended_by_a_stop_string_counts_as_finished_not_aborted(engine,
     params = SamplingParams(n=n, temperature=0, max_tokens=8, ignore_eos=True, stop=[text[3:5]])
 
     async def run():
-        stream = aengine.generate(f"stop{n}{reader_lags}", [5, 6, 7], params)
+        stream = aengine.generate([5, 6, 7], params, f"stop{n}{reader_lags}")
         outs = [await anext(stream)]
         if reader_lags:  # the engine finishes the request (max_tokens) before the reader reads on
             done = before["finished_requests"] + 1
@@ -280,7 +299,7 @@ def test_a_request_ended_by_a_stop_string_counts_as_finished_not_aborted(engine,
 
 def test_the_idle_loop_sleeps(aengine):
     async def run():
-        return [o async for o in aengine.generate("x", [3, 4], GREEDY)]
+        return [o async for o in aengine.generate([3, 4], GREEDY, "x")]
 
     asyncio.run(run())
     steps = aengine.stats()["steps"]
@@ -339,9 +358,9 @@ def test_a_failing_device_step_fails_its_requests_but_not_the_loop(engine, aengi
 
     async def run():
         with pytest.raises(EngineStepError, match="device fell over"):
-            async for _ in aengine.generate("unlucky", [3, 4], GREEDY):
+            async for _ in aengine.generate([3, 4], GREEDY, "unlucky"):
                 pass
-        return [o async for o in aengine.generate("lucky", [3, 4], GREEDY)][-1]
+        return [o async for o in aengine.generate([3, 4], GREEDY, "lucky")][-1]
 
     last = asyncio.run(run())
     assert last.finished and aengine.is_running
@@ -397,7 +416,7 @@ def test_a_step_that_lost_its_donated_pool_stops_the_engine():
 
     async def run():
         with pytest.raises((EngineStoppedError, EngineStepError)):
-            async for _ in ae.generate("victim", [3, 4], GREEDY):
+            async for _ in ae.generate([3, 4], GREEDY, "victim"):
                 pass
         with pytest.raises(EngineStoppedError):
             await ae.add_request("later", [3, 4], GREEDY)
