@@ -129,6 +129,23 @@ def make_tiny_hf_model(tmp_path, kind: str = "llama", *, seed: int = 0, dtype: s
     return str(directory)
 
 
+THINK_TAGS = ("<think>", "</think>")
+
+
+def make_tiny_thinking_model(tmp_path, kind: str = "qwen3", **kwargs) -> str:
+    """`make_tiny_hf_model` whose tokenizer also has <think> and </think>, each one token (ids TINY_VOCAB and
+    TINY_VOCAB + 1, added tokens that decode as text, as in Qwen3's and DeepSeek-R1's vocabularies); the model's
+    vocab_size is TINY_VOCAB + 2."""
+    from tokenizers import AddedToken
+
+    path = make_tiny_hf_model(tmp_path, kind, vocab_size=TINY_VOCAB + len(THINK_TAGS), **kwargs)
+    tok = make_tiny_tokenizer()
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in THINK_TAGS])
+    assert len(tok) == TINY_VOCAB + len(THINK_TAGS)
+    tok.save_pretrained(path)
+    return path
+
+
 # ------------------------------------------------------------------------------------------------ GGUF copies
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter does to Llama q/k rows: within each head, HF row e*D/2 + j (rotate-half pairs

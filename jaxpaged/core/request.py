@@ -151,6 +151,13 @@ class Request:
     beam_results: dict[int, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # seq_id -> top
     grammar: object | None = None  # structured output: a fresh matcher, copied for each sequence
     matchers: dict[int, object] = dataclasses.field(default_factory=dict)  # seq_id -> its advancing matcher
+    # A thinking model's grammar (reasoning_parser): the tags' token ids (engine.reasoning.ThinkTokens), the phase a
+    # sequence starts in, each sequence's phase once it moved, and the output index where its answer (which the
+    # grammar constrains) starts. Without a gate every sequence is in its answer from its first token.
+    think: object | None = None
+    think_start: str = "answer"
+    think_phase: dict[int, str] = dataclasses.field(default_factory=dict)  # seq_id -> phase
+    answer_from: dict[int, int] = dataclasses.field(default_factory=dict)  # seq_id -> output index
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences not to generate
     allowed_mask: object | None = None  # allowed_token_ids as a bitmask [ceil(V / 32)] int32 (the engine's)
     # prompt_logprobs: one entry per prompt position scored so far (None for the first token), complete at

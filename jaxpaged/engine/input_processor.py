@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxpaged.core.request import Request, Sequence
 from jaxpaged.engine.beam_search import BeamSearchParams, BeamState
+from jaxpaged.engine.reasoning import ANSWER, ReasoningParser, ThinkTokens, think_tokens
 from jaxpaged.engine.structured_output import GrammarCache, allow, bitmask_words
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 from jaxpaged.spec_decode.config import SpeculativeConfig
@@ -28,12 +29,13 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: set[int], max_model_len: int, max_num_seqs: int,
                  grammars: GrammarCache, *, num_blocks: int, block_size: int, spec: SpeculativeConfig | None = None,
                  drafts: bool = False, seed: int | None = None, policy: str = "fcfs",
-                 default_params: SamplingParams | None = None):
+                 default_params: SamplingParams | None = None, reasoning: ReasoningParser | None = None):
         """`num_blocks`, `block_size`: the KV pool's (a beam search must fit in it); `spec`: the engine's speculative
         decoding, `drafts` whether it proposes with a draft model (a row then keeps room for its proposals);
         `seed`: where the seeds of requests without one come from; `policy`: the scheduling policy (a request's
         priority means something under "priority" only); `default_params`: what a request without sampling
-        parameters samples with (`Engine.default_sampling_params`)."""
+        parameters samples with (`Engine.default_sampling_params`); `reasoning`: the engine's reasoning parser (a
+        request's grammar then waits for the end of its reasoning, `think_tokens`)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids  # the engine's set, not a copy
@@ -45,6 +47,16 @@ class InputProcessor:
         self._rng = np.random.default_rng(seed)
         self.policy = policy
         self.default_params = default_params or SamplingParams()
+        self.reasoning = reasoning
+        self._think: tuple[object, ThinkTokens | None] | None = None  # (tokenizer, its tags' ids)
+
+    def think_tokens(self) -> ThinkTokens | None:
+        """The reasoning parser's tags as this tokenizer's token ids (None: no parser, or no single-token tags)."""
+        if self.reasoning is None:
+            return None
+        if self._think is None or self._think[0] is not self.tokenizer:  # (the tokenizer can be replaced)
+            self._think = (self.tokenizer, think_tokens(self.reasoning, self.tokenizer))
+        return self._think[1]
 
     def request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                 arrival_time: float | None = None, priority: int = 0) -> Request:
@@ -86,6 +98,12 @@ class InputProcessor:
         req = Request(request_id, text, [parent], seed, arrival, grammar=grammar, bad_words_ids=bad_words_ids,
                       allowed_mask=allowed, prompt_logprobs=None if params.prompt_logprobs is None else [None],
                       streams=params.output_kind != RequestOutputKind.FINAL_ONLY or bool(params.stop))
+        think = self.think_tokens() if grammar is not None else None
+        if think is not None:  # the grammar constrains the answer after the reasoning
+            req.think = think
+            req.think_start = think.start_mode(self.tokenizer.decode(token_ids[-8:], skip_special_tokens=False))
+        else:
+            req.think_start = ANSWER
         # Speculates unless its logits need processing beyond temperature/top-k/top-p (verification applies no
         # penalties, bias or bans: those requests decode one token a step).
         req.speculates = (self.spec is not None and not req.needs_host_tokens and not params.logit_bias

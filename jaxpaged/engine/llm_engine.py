@@ -33,8 +33,19 @@ from jaxpaged.core.sched_output import SchedulerOutput
 from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.beam_search import BeamSearchParams
 from jaxpaged.engine.input_processor import InputProcessor
+from jaxpaged.engine.reasoning import ANSWER, THINKING, UNDECIDED, reasoning_parser
+from jaxpaged.engine.reasoning import END as THINK_END
+from jaxpaged.engine.reasoning import START as THINK_START
 from jaxpaged.engine.setup import EngineConfig, build_runner
-from jaxpaged.engine.structured_output import GrammarCache, GrammarError, advance, ban, bitmask_words, fill_bitmask
+from jaxpaged.engine.structured_output import (
+    GrammarCache,
+    GrammarError,
+    advance,
+    allow,
+    ban,
+    bitmask_words,
+    fill_bitmask,
+)
 from jaxpaged.models import check_model, families
 from jaxpaged.outputs import EngineOutput, PositionLogprobs, SeqDelta
 from jaxpaged.sampling_params import SamplingParams
@@ -134,7 +145,12 @@ class Engine:
                                      block_size=self.cache_config.block_size, spec=self.spec,
                                      drafts=self.runner.drafts, seed=config.seed,
                                      policy=self.scheduler_config.policy,
-                                     default_params=SamplingParams(**self.generation_defaults))
+                                     default_params=SamplingParams(**self.generation_defaults),
+                                     reasoning=reasoning_parser(config.reasoning_parser))
+        if config.reasoning_parser is not None and tokenizer is not None and self.inputs.think_tokens() is None:
+            logger.warning("reasoning_parser=%s: the tokenizer has no %s and %s of one token each, so a request's "
+                           "structured output constrains its whole output, reasoning included",
+                           config.reasoning_parser, THINK_START, THINK_END)
         self.dead: str | None = None  # why the engine can no longer run (see EngineDeadError)
         # The host pool of swapped-out blocks, one array per pool array (K, V[, a draft model's K, V]):
         # [L, num_cpu_blocks, BS, Hkv, D], made at the first swap-out, indexed by host block id.
@@ -159,6 +175,12 @@ class Engine:
             self.startup_times["compile_s"] = self.runner.warm_up(progress=config.show_progress)
             logger.info("start-up: setup %.1f s, compile %d step shapes %.1f s", self.startup_times["setup_s"],
                         len(self.runner.all_shapes()), self.startup_times["compile_s"])
+
+    @property
+    def gates_grammars(self) -> bool:
+        """A request's grammar waits for the end of its reasoning (reasoning_parser, with <think> and </think> each
+        one token of the tokenizer); else it constrains the whole output."""
+        return self.inputs.think_tokens() is not None
 
     @property
     def default_sampling_params(self) -> SamplingParams:
@@ -448,14 +470,18 @@ class Engine:
 
     def _bitmask(self, req: Request, seq: Sequence) -> np.ndarray | None:
         """The tokens seq may sample next, [ceil(V / 32)] int32, or None when it may sample any: its grammar's
-        allowed tokens, and its allowed_token_ids, minus its bad words (one-token words always, longer ones when the
-        rest was just generated). GrammarError (the request's own fault) when that leaves no token."""
-        matcher = self._matcher(req, seq)
+        allowed tokens (once its reasoning is over, `_phase`; and <think> too while a first token may start it), and
+        its allowed_token_ids, minus its bad words (one-token words always, longer ones when the rest was just
+        generated). GrammarError (the request's own fault) when that leaves no token."""
+        phase = self._phase(req, seq)
+        matcher = self._matcher(req, seq) if phase != THINKING else None
         if matcher is None and not req.bad_words_ids and req.allowed_mask is None:
             return None
         mask = np.full(bitmask_words(self.model_config.vocab_size), -1, np.int32)
         if matcher is not None:
             fill_bitmask(matcher, mask)
+            if phase == UNDECIDED:
+                allow(mask, [req.think.start])
         if req.allowed_mask is not None:
             mask &= req.allowed_mask
         out = seq.output_token_ids
@@ -466,16 +492,40 @@ class Engine:
         return mask
 
     @staticmethod
+    def _phase(req: Request, seq: Sequence) -> str:
+        """Where seq is with its reasoning (engine.reasoning: UNDECIDED, THINKING, or ANSWER, which the grammar
+        constrains); ANSWER from the first token for a request without a reasoning gate."""
+        return req.think_phase.get(seq.seq_id, req.think_start)
+
+    @staticmethod
     def _matcher(req: Request, seq: Sequence):
-        """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one."""
+        """The sequence's grammar matcher (None if unconstrained), made on first use: n > 1 samples each get one. It
+        has consumed the sequence's answer so far (after its reasoning, if any)."""
         if req.grammar is None:
             return None
         m = req.matchers.get(seq.seq_id)
         if m is None:
             m = req.matchers[seq.seq_id] = req.grammar.deep_copy()
-            if seq.output_token_ids and not m.consume_tokens(seq.output_token_ids):
+            answer = seq.output_token_ids[req.answer_from.get(seq.seq_id, 0):]
+            if answer and not m.consume_tokens(answer):
                 raise ValueError(f"structured output: the grammar rejects the tokens so far: {m.get_error()}")
         return m
+
+    def _advance_phase(self, req: Request, seq: Sequence, token: int) -> bool:
+        """A reasoning-gated sequence's phase after `token` was appended; whether the grammar takes the token (it is
+        part of the answer)."""
+        phase = self._phase(req, seq)
+        if phase == ANSWER:
+            return True
+        think = req.think
+        if phase == UNDECIDED and token != think.start:  # no think block: the answer started with this token
+            req.think_phase[seq.seq_id], req.answer_from[seq.seq_id] = ANSWER, len(seq.output_token_ids) - 1
+            return True
+        if phase == UNDECIDED:
+            req.think_phase[seq.seq_id] = THINKING
+        elif token == think.end:  # the answer starts after it
+            req.think_phase[seq.seq_id], req.answer_from[seq.seq_id] = ANSWER, len(seq.output_token_ids)
+        return False
 
     def _complete(self, inflight: _InFlight) -> list[EngineOutput]:
         """Reads a dispatched step's tokens (waiting for the device), appends them and applies the stop conditions;
@@ -607,7 +657,7 @@ class Engine:
         output processor's."""
         if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
             return "stop", (token if token in seq.params.stop_token_ids else None)
-        if req.grammar is not None:
+        if req.grammar is not None and self._advance_phase(req, seq, token):
             matcher = self._matcher(req, seq)
             advance(matcher, token)  # GrammarError: this request fails alone, with a short message
             if matcher.is_stopped():  # the grammar allows nothing more

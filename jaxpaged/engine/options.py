@@ -27,6 +27,7 @@ class EngineOptions(TypedDict, total=False):
     preemption_mode: str
     scheduling_policy: str
     generation_config: str
+    reasoning_parser: str | None
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_tokens_while_decoding: int | None

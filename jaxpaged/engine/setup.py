@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.config import KV_CACHE_DTYPES, SUPPORTED_DTYPES, CacheConfig, SchedulerConfig, parse_bytes
+from jaxpaged.engine.reasoning import REASONING_PARSERS
 from jaxpaged.models.contract import ModelSpec
 from jaxpaged.parallel.multihost import DistributedConfig
 from jaxpaged.runtime.compilation_cache import enable_compilation_cache
@@ -59,6 +60,11 @@ class EngineConfig:
                                              "temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
                                              "of requests that leave them unset, as vLLM does), or vllm (vLLM's own "
                                              "defaults, whatever the model says)", ("auto", "vllm"))
+    reasoning_parser: str | None = _option(
+        None, "a thinking model's <think> ... </think> (vLLM's names): the server gives it as a chat message's "
+              "reasoning_content, the rest as its content, and a request's structured output constrains only what "
+              "follows </think> (deepseek_r1: reasoning first, its <think> in the prompt; qwen3: only when the "
+              "model starts a think block)", (None, *REASONING_PARSERS))
     max_num_seqs: int = _option(64, "sequences per step")
     max_num_batched_tokens: int = _option(2048, "tokens per prefill step; longer prompts are chunked")
     max_prefill_tokens_while_decoding: int | None = _option(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, reasoning_parser
+from jaxpaged.engine.reasoning import REASONING_PARSERS, reasoning_parser
 from tests.server.harness import MODEL, Server, assert_idle, post
 
 OUTPUTS = ["<think>\nweigh it up\n</think>\n\nThe answer is 4.", "plain answer", "weighing</think>answer",

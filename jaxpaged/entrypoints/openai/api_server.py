@@ -62,7 +62,6 @@ from jaxpaged.entrypoints.openai.protocol import (
     parse_body,
 )
 from jaxpaged.entrypoints.openai.read_progress import ReadProgress, cap_buffers
-from jaxpaged.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from jaxpaged.entrypoints.openai.serving import ChunkStream, OpenAIServing
 from jaxpaged.runtime.tcmalloc import use_tcmalloc
 
@@ -413,8 +412,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
               max_body_bytes: int = 4 * 2**20, *, metrics_without_auth: bool = False,
               max_prompt_chars: int | None = None, body_timeout: float = 30.0,
               write_timeout: float = 30.0, max_prompts_per_request: int = 64,
-              tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-              chat_template: str | None = None) -> web.Application:
+              tool_call_parser: str | None = None, chat_template: str | None = None) -> web.Application:
     # "/" is the static page: it holds no data and asks for the key itself (a browser cannot send it on navigation).
     open_paths = frozenset({"/health", "/"} | ({"/metrics"} if metrics_without_auth else set()))
     middlewares = [errors_as_json, track_api_requests] + ([require_api_key(api_key, open_paths)] if api_key else [])
@@ -423,7 +421,7 @@ def build_app(engine: AsyncEngine, model_names: list[str], api_key: str | None =
                           handler_args={"auto_decompress": False})
     app[ENGINE] = engine
     app[SERVING] = OpenAIServing(engine, model_names, max_prompt_chars, max_prompts_per_request, tool_call_parser,
-                                 reasoning_parser, chat_template)
+                                 chat_template)
     app[LIFECYCLE] = Lifecycle()
     app[MAX_BODY] = max_body_bytes
     app[BODY_TIMEOUT] = body_timeout
@@ -563,10 +561,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template (a file's path, or the template itself) used instead of the "
                         "tokenizer's, for chat requests and /tokenize")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="a thinking model's <think> ... </think> goes to the chat message's reasoning_content, the "
-                        "rest to its content (deepseek_r1: reasoning first, its <think> in the prompt; qwen3: only "
-                        "when the model starts a think block)")
     p.add_argument("--log-level", default="INFO")
     vllm = p.add_argument_group("vLLM flags accepted without effect (start-up says why)")
     for name, why in VLLM_FLAGS_WITHOUT_EFFECT.items():
@@ -652,7 +646,7 @@ def run_server(args: argparse.Namespace) -> int:
                     max_prompt_chars=args.max_prompt_chars, body_timeout=args.body_timeout,
                     write_timeout=args.write_timeout,
                     max_prompts_per_request=args.max_prompts_per_request, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser, chat_template=chat_template)
+                    chat_template=chat_template)
     try:
         asyncio.run(serve(app, args.host, args.port, args.shutdown_grace, args.keepalive_timeout))
     except OSError as e:  # e.g. the port is taken

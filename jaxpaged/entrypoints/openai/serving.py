@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator
 from jaxpaged.chat import TemplateOptionError
 from jaxpaged.engine.grammar_guard import GrammarBusyError
 from jaxpaged.engine.input_processor import truncate_prompt, truncation_length
+from jaxpaged.engine.reasoning import ReasoningParser
+from jaxpaged.engine.reasoning import reasoning_parser as make_reasoning_parser
 from jaxpaged.entrypoints.async_engine import (
     AsyncEngine,
     EngineOverloadedError,
@@ -38,8 +40,6 @@ from jaxpaged.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
-from jaxpaged.entrypoints.openai.reasoning_parsers import ReasoningParser
-from jaxpaged.entrypoints.openai.reasoning_parsers import reasoning_parser as make_reasoning_parser
 from jaxpaged.entrypoints.openai.tokenization import PromptTokenizer
 from jaxpaged.entrypoints.openai.tool_parsers import ToolCall, calls_from_required, tool_parser
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
@@ -78,11 +78,12 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncEngine, model_names: list[str], max_prompt_chars: int | None = None,
                  max_prompts_per_request: int = 64, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, chat_template: str | None = None):
+                 chat_template: str | None = None):
         if not model_names:
             raise ValueError("model_names must name at least one model")
         self.tool_parser = tool_parser(tool_call_parser)  # None: tool_choice "auto" is refused
-        self.reasoning_parser = make_reasoning_parser(reasoning_parser)  # None: reasoning stays in the content
+        # the engine's option (its grammars wait for </think> too); None: reasoning stays in the content
+        self.reasoning_parser = make_reasoning_parser(engine.engine.config.reasoning_parser)
         self.max_prompts_per_request = max_prompts_per_request
         self.engine = engine
         self.model_names = list(model_names)
@@ -187,8 +188,10 @@ class OpenAIServing:
                                 body.sampling_params(max_tokens, body.engine_logprobs, structured,
                                                      body.prompt_logprobs, self.engine.generation_defaults),
                                 grammar_param, body.priority)
-        if self.reasoning_parser is not None and structured is None and body.tool_mode in ("none", "auto"):
-            # (a constrained output is the constraint's from its first token: no reasoning to take apart)
+        constrained = structured is not None or body.tool_mode in ("required", "named")
+        if self.reasoning_parser is not None and (not constrained or self.engine.engine.gates_grammars):
+            # (a grammar the engine cannot hold back until </think> constrains the output from its first token:
+            # then there is no reasoning to take apart)
             ctx.reasoning = self.reasoning_parser
             ctx.thinking_prompt = ctx.reasoning.opens_in_prompt(self._decode(prompts[0].token_ids[-8:]))
         if body.stream:
@@ -326,11 +329,11 @@ class OpenAIServing:
             return text, [], o.finish_reason
         try:
             if mode == "named":
-                return None, [ToolCall(body.tool_choice.function.name, o.text)], o.finish_reason
+                return None, [ToolCall(body.tool_choice.function.name, text)], o.finish_reason
             if mode == "required":
-                return None, calls_from_required(o.text), "tool_calls"
+                return None, calls_from_required(text), "tool_calls"
         except ValueError:  # cut off by max_tokens before the JSON closed
-            return o.text, [], o.finish_reason
+            return text, [], o.finish_reason
         content, calls = self.tool_parser.extract(text)
         return content, calls, "tool_calls" if calls else o.finish_reason
 
@@ -345,14 +348,19 @@ class OpenAIServing:
         finished = o.finish_reason is not None
         delta: dict = {}
         if body.tool_mode == "named" and o.finish_reason in (None, "stop", "length"):
-            piece = o.text[st.chars:]
+            reasoning, text = ctx.split(o.text, done=finished)  # (the arguments follow the reasoning, if any)
+            if reasoning and reasoning[st.reasoning_chars:]:
+                delta["reasoning_content"] = reasoning[st.reasoning_chars:]
+            st.reasoning_chars = max(st.reasoning_chars, len(reasoning or ""))
+            piece = text[st.chars:]
             call = {"index": 0, "function": {"arguments": piece}}
             if not st.started:
                 call = ToolCall(body.tool_choice.function.name, piece).as_openai(index=0)
             if piece or not st.started:
-                delta = {"tool_calls": [call]}
+                delta["tool_calls"] = [call]
             st.started = True
             finish = o.finish_reason
+            st.chars = max(st.chars, len(text))
         elif finished:
             reasoning, text = ctx.split(o.text, done=True)
             content, calls, finish = self._tool_calls(body, o, text)
@@ -364,7 +372,9 @@ class OpenAIServing:
         else:
             return None
         st.done = finished
-        st.chars, st.tokens = max(st.chars, len(o.text)), len(o.token_ids)
+        st.tokens = len(o.token_ids)
+        if body.tool_mode != "named":
+            st.chars = max(st.chars, len(o.text))
         if not (delta or finished):
             return None
         lp = (self._chat_logprobs(o, 0, body.top_logprobs or 0, body.return_tokens_as_token_ids)

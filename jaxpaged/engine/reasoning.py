@@ -1,5 +1,6 @@
-"""A thinking model's reasoning apart from its answer, as vLLM's `--reasoning-parser` names them: the chat response
-gives the text inside <think> ... </think> as `reasoning_content` and the rest as `content`.
+"""A thinking model's reasoning apart from its answer, as vLLM's `reasoning_parser` names them: the chat response
+gives the text inside <think> ... </think> as `reasoning_content` and the rest as `content`, and a request's
+structured output (its grammar) constrains the answer only, from the token after </think> (`ThinkTokens`).
 
     deepseek_r1  the reasoning runs from the output's start (a leading <think> dropped: DeepSeek-R1's template puts
                  it in the prompt) to the first </think>; an output without </think> is all reasoning
@@ -10,6 +11,12 @@ gives the text inside <think> ... </think> as `reasoning_content` and the rest a
 `split` is one function of the text so far, so a stream and a whole response split the same text the same way: while
 the text could still turn into a tag (it ends in "</thi", or is only "<th"), those characters wait for the next
 delta, and what each side shows only grows.
+
+The engine follows the same rules on token ids (`ThinkTokens.start_mode`, where each tag is one token of the
+vocabulary, as in DeepSeek-R1's and Qwen3's): a sequence reasons from its first output token (deepseek_r1, or a
+prompt that ends inside a think block), or, for qwen3, when its first output token is <think>; its answer, which the
+grammar constrains, starts after the first </think> it samples. A tokenizer without the tags as single tokens leaves
+the grammar on the whole output (the engine says so at start-up).
 """
 
 from __future__ import annotations
@@ -47,6 +54,43 @@ class ReasoningParser:
         return body[:len(body) - held], ""
 
 
+# A sequence's phase, as the engine tracks it for a request with a grammar (`ThinkTokens`).
+UNDECIDED = "undecided"  # qwen3, nothing sampled yet: a first token <think> starts reasoning, any other the answer
+THINKING = "thinking"  # the grammar waits for </think>
+ANSWER = "answer"  # the grammar applies
+
+
+@dataclasses.dataclass(frozen=True)
+class ThinkTokens:
+    """A parser's tags as token ids of one tokenizer (`think_tokens`), for gating a grammar on token ids."""
+
+    parser: ReasoningParser
+    start: int  # <think>
+    end: int  # </think>
+
+    def start_mode(self, prompt_tail_text: str) -> str:
+        """The phase a request's sequences start in, from its prompt's last characters (as the server splits it)."""
+        if self.parser.opens_in_prompt(prompt_tail_text) or self.parser.thinks_unless_told:
+            return THINKING
+        return UNDECIDED
+
+
+def think_tokens(parser: ReasoningParser, tokenizer) -> ThinkTokens | None:
+    """The parser's tags as single token ids of `tokenizer`, or None where either is not one token."""
+    if tokenizer is None or not hasattr(tokenizer, "encode"):
+        return None
+    ids = []
+    for tag in (START, END):
+        try:
+            encoded = tokenizer.encode(tag, add_special_tokens=False)
+        except Exception:  # a tokenizer that cannot encode the tag: no gate
+            return None
+        if len(encoded) != 1:
+            return None
+        ids.append(int(encoded[0]))
+    return ThinkTokens(parser, *ids)
+
+
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser(thinks_unless_told=True),
                      "qwen3": ReasoningParser(thinks_unless_told=False)}
 
@@ -59,4 +103,5 @@ def reasoning_parser(name: str | None) -> ReasoningParser | None:
     return REASONING_PARSERS[name]
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "reasoning_parser"]
+__all__ = ["ANSWER", "REASONING_PARSERS", "THINKING", "UNDECIDED", "ReasoningParser", "ThinkTokens", "reasoning_parser",
+           "think_tokens"]
