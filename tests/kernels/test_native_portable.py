@@ -5,8 +5,10 @@ tests/kernels/test_quantized_matmul.py), the engine's greedy tokens through them
 the AVX-512-only matmul reports itself unavailable with the reason instead of disabling the others.
 
 The builds (~10-60 s of g++ on 2 cores) are shared by the module: `python -m pallas_kernels.cpu_native --build` fills a
-temporary cache once, and each check runs in a child process that finds them there
-(tests/kernels/native_portable_checks.py says why a child process)."""
+cache of their own (beside the native cache, `-x86-64-v2`) and each check runs in a child process that finds them
+there (tests/kernels/native_portable_checks.py says why a child process). A library's name holds the hash of its
+sources, headers, compiler and flags, so a run builds what changed since the last one (a fresh machine: all of them)
+and checks exactly what these sources build."""
 
 from __future__ import annotations
 
@@ -44,13 +46,19 @@ def kernel_lines(out: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def portable(tmp_path_factory):
+def portable():
     """(environment of a child process that uses the x86-64-v2 build, the prebuild's printed status)."""
+    from pallas_kernels.cpu_native.build import cache_dir
+
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPAGED_NATIVE")}
-    env.update(JAXPAGED_NATIVE_MARCH="x86-64-v2", JAXPAGED_NATIVE_CACHE=str(tmp_path_factory.mktemp("native")),
-               JAX_PLATFORMS="cpu")
+    env.update(JAXPAGED_NATIVE_MARCH="x86-64-v2", JAXPAGED_NATIVE_CACHE=f"{cache_dir()}-x86-64-v2", JAX_PLATFORMS="cpu")
     built = run(env, "-m", "pallas_kernels.cpu_native", "--build", timeout=1200)
     return env, built.stdout
+
+
+def libraries(out: str) -> dict[str, str]:
+    """The --build report's library path of each portable kernel."""
+    return {name: line.rsplit("; ", 1)[1] for name, line in kernel_lines(out).items() if name in PORTABLE}
 
 
 def test_prebuild_builds_the_portable_kernels_and_reports_the_matmul_unavailable(portable):
@@ -58,14 +66,15 @@ def test_prebuild_builds_the_portable_kernels_and_reports_the_matmul_unavailable
     assert "-march=x86-64-v2" in out and env["JAXPAGED_NATIVE_CACHE"] in out
     lines = kernel_lines(out)
     assert set(lines) == {*PORTABLE, "matmul"}, out
-    for name in PORTABLE:
-        assert re.fullmatch(r"native \(built in [\d.]+ s\): .*", lines[name]), lines[name]
+    for name in PORTABLE:  # built now, or by an earlier run from these very sources and flags (the name's hash)
+        assert re.fullmatch(r"native \((built in [\d.]+ s|cached)\): .*", lines[name]), lines[name]
     assert lines["matmul"].startswith("unavailable: ") and "AVX512BF16" in lines["matmul"], lines["matmul"]
     # a second run finds every library in the cache
     again = kernel_lines(run(env, "-m", "pallas_kernels.cpu_native", "--build").stdout)
     assert all(again[name].startswith("native (cached): ") for name in PORTABLE), again
-    libraries = sorted(os.listdir(env["JAXPAGED_NATIVE_CACHE"]))
-    assert [name.split("-")[0] for name in libraries] == sorted(f"jaxpaged_{n}" for n in PORTABLE), libraries
+    for name, path in libraries(out).items():
+        assert os.path.dirname(path) == env["JAXPAGED_NATIVE_CACHE"] and os.path.isfile(path), path
+        assert os.path.basename(path).startswith(f"jaxpaged_{name}-") and path.endswith(".so"), path
 
 
 def test_portable_libraries_hold_no_avx_instructions(portable):
@@ -73,11 +82,9 @@ def test_portable_libraries_hold_no_avx_instructions(portable):
     objdump = shutil.which("objdump")
     if objdump is None:
         pytest.skip("no objdump")
-    env, _ = portable
-    directory = env["JAXPAGED_NATIVE_CACHE"]
-    for name in os.listdir(directory):
-        text = subprocess.run([objdump, "-d", os.path.join(directory, name)], capture_output=True, text=True,
-                              timeout=120).stdout
+    _, out = portable
+    for name, path in libraries(out).items():
+        text = subprocess.run([objdump, "-d", path], capture_output=True, text=True, timeout=120).stdout
         assert "xmm" in text, name  # SSE vectors: the portable loops are vectorised
         assert not re.search(r"%[yz]mm\d", text), f"{name} uses AVX registers"
 
