@@ -55,16 +55,20 @@ def test_a_named_tool_s_arguments_stream_after_the_reasoning(server, client):
     stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=1.0, seed=5, max_tokens=200,
                                             tools=tools, logit_bias=BIAS, stream=True,
                                             tool_choice={"type": "function", "function": {"name": "give_answer"}})
-    reasoning, arguments, names, finish = [], [], [], None
+    reasoning, arguments, names, order, finish = [], [], [], [], None
     for chunk in stream:
         for c in chunk.choices:
             delta = c.delta
-            reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+            if (delta.model_extra or {}).get("reasoning_content"):
+                reasoning.append(delta.model_extra["reasoning_content"])
+                order.append("reasoning")
             for call in delta.tool_calls or []:
                 names.append(call.function.name)
                 arguments.append(call.function.arguments or "")
+                order.append("call")
             finish = c.finish_reason or finish
     assert "".join(reasoning) and "</think>" not in "".join(reasoning)
+    assert order == sorted(order, key=lambda kind: kind == "call")  # the reasoning, then the call
     assert names[0] == "give_answer" and not any(names[1:])  # the id and name once, then arguments
     jsonschema.validate(json.loads("".join(arguments)), SCHEMA)
     assert finish == "stop"

@@ -353,12 +353,13 @@ class OpenAIServing:
                 delta["reasoning_content"] = reasoning[st.reasoning_chars:]
             st.reasoning_chars = max(st.reasoning_chars, len(reasoning or ""))
             piece = text[st.chars:]
-            call = {"index": 0, "function": {"arguments": piece}}
-            if not st.started:
-                call = ToolCall(body.tool_choice.function.name, piece).as_openai(index=0)
-            if piece or not st.started:
+            # the call (its id and name) starts with the first delta, or after the reasoning with its arguments
+            if piece or (not st.started and (ctx.reasoning is None or finished)):
+                call = {"index": 0, "function": {"arguments": piece}}
+                if not st.started:
+                    call = ToolCall(body.tool_choice.function.name, piece).as_openai(index=0)
                 delta["tool_calls"] = [call]
-            st.started = True
+                st.started = True
             finish = o.finish_reason
             st.chars = max(st.chars, len(text))
         elif finished:
