@@ -511,10 +511,11 @@ class Engine:
                 raise ValueError(f"structured output: the grammar rejects the tokens so far: {m.get_error()}")
         return m
 
-    def _advance_phase(self, req: Request, seq: Sequence, token: int) -> bool:
+    @staticmethod
+    def _advance_phase(req: Request, seq: Sequence, token: int) -> bool:
         """A reasoning-gated sequence's phase after `token` was appended; whether the grammar takes the token (it is
         part of the answer)."""
-        phase = self._phase(req, seq)
+        phase = Engine._phase(req, seq)
         if phase == ANSWER:
             return True
         think = req.think
